@@ -1,0 +1,3 @@
+"""ckptconv: offline, model-free conversion of PyTorch Distributed Checkpoints."""
+
+__version__ = "0.1.0"

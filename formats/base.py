@@ -1,0 +1,171 @@
+"""The shared index types and reader/writer protocol of every on-disk format.
+
+Every format exposes the same read side: a :class:`CheckpointIndex` (tensor entries with their
+global shapes and chunks, plus non-tensor objects), and a reader that returns any region of any
+chunk without touching the rest of the checkpoint.
+
+Coordinates are global: a chunk (and a region) is a box ``(offsets, sizes)`` in the tensor's global
+index space. 0-d tensors have ``offsets == sizes == ()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Box:
+    """A box in a tensor's global index space: ``offsets`` and ``sizes`` per dim."""
+
+    offsets: Shape
+    sizes: Shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def ends(self) -> Shape:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common box, or None when they share no element (0-d boxes always intersect)."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box expressed in the local coordinates of ``outer`` (which contains it)."""
+        return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets)), self.sizes)
+
+    def slices(self) -> tuple[slice, ...]:
+        """Python slices selecting this box from an array whose origin is the global origin."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+    def contains(self, other: Box) -> bool:
+        return all(
+            a <= b and b + s <= a + t
+            for a, t, b, s in zip(self.offsets, self.sizes, other.offsets, other.sizes)
+        )
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"offsets": list(self.offsets), "sizes": list(self.sizes)}
+
+
+def full_box(shape: Shape) -> Box:
+    """The box covering a whole tensor."""
+    return Box(tuple(0 for _ in shape), tuple(shape))
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One stored chunk of a tensor: its global box and where its bytes live.
+
+    ``file`` is the path (relative to the checkpoint root) of the file holding the bytes, for
+    display and validation. ``rank`` is the rank that wrote the file when the format knows it.
+    ``locator`` is format specific and opaque to callers (hashable).
+    """
+
+    box: Box
+    file: str
+    locator: Hashable
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor in a checkpoint: flattened key, torch dtype name, global shape and chunks.
+
+    ``path`` is the object path of the key in the original (nested) state dict, e.g.
+    ``("optim", "state", "layers.0.w1.weight", "exp_avg")``; DCP records it in ``planner_data``.
+    """
+
+    key: str
+    dtype: str
+    shape: Shape
+    chunks: tuple[ChunkRef, ...]
+    path: tuple[str | int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        from formats.dtypes import by_name
+
+        return self.numel * by_name(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """A non-tensor entry: its flattened key, object path, and where its serialized bytes live."""
+
+    key: str
+    path: tuple[str | int, ...]
+    file: str
+    locator: Hashable
+    nbytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """What a checkpoint holds, format independent. Built from metadata alone, no tensor data."""
+
+    format: str  # "dcp" | "universal" | "hf"
+    root: str
+    tensors: Mapping[str, TensorEntry]
+    objects: Mapping[str, ObjectEntry]
+    info: Mapping[str, Any] = field(default_factory=dict)  # version, world_size, files, ...
+
+    @property
+    def files(self) -> list[str]:
+        names = {c.file for t in self.tensors.values() for c in t.chunks}
+        names |= {o.file for o in self.objects.values()}
+        return sorted(names)
+
+
+@runtime_checkable
+class CheckpointReader(Protocol):
+    """The read side every format implements."""
+
+    def index(self) -> CheckpointIndex:
+        """The checkpoint's index (cached; metadata only)."""
+        ...
+
+    def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
+        """A new contiguous tensor holding ``region`` (global coords, inside ``chunk.box``)."""
+        ...
+
+    def read_object_bytes(self, key: str) -> bytes:
+        """The serialized bytes of a non-tensor entry, exactly as stored."""
+        ...
+
+    def load_object(self, key: str, trust_pickle: bool = False) -> Any:
+        """The value of a non-tensor entry (allowlisted unpickling unless ``trust_pickle``)."""
+        ...
+
+    def close(self) -> None:
+        """Release open files."""
+        ...
+
+
+def iter_tensor_entries(index: CheckpointIndex, keys: Iterable[str] | None = None):
+    """Tensor entries of ``index`` in key order, optionally restricted to ``keys``."""
+    wanted = None if keys is None else set(keys)
+    for key, entry in index.tensors.items():
+        if wanted is None or key in wanted:
+            yield entry
