@@ -1,0 +1,52 @@
+"""Small filesystem helpers shared by the format modules: atomic publish, safe joins."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from formats.errors import DestinationError
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that renames inside it are durable (best effort on odd filesystems)."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file in the same dir, fsync, rename, fsync dir."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def safe_join(root: str | os.PathLike, relative: str) -> Path:
+    """``root / relative``, refusing anything that would land outside ``root``.
+
+    Rejects absolute paths, ``..`` components, NUL and control characters, and paths that resolve
+    (through symlinks) outside ``root``.
+    """
+    if not relative or any(ord(c) < 32 for c in relative) or os.path.isabs(relative):
+        raise DestinationError(f"refusing unsafe relative path {relative!r} under {root}")
+    parts = Path(relative).parts
+    if any(p in ("..", "") for p in parts):
+        raise DestinationError(f"refusing path {relative!r}: it leaves {root}")
+    root_resolved = Path(root).resolve()
+    target = (root_resolved / relative).resolve()
+    if target != root_resolved and root_resolved not in target.parents:
+        raise DestinationError(f"refusing path {relative!r}: it resolves outside {root}")
+    return target
