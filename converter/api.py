@@ -1,0 +1,15 @@
+"""The Python API of ckptconv (the CLI calls exactly these).
+
+Example::
+
+    from converter import api
+    api.to_universal("ckpt/step-1000", "uni/")
+"""
+
+from __future__ import annotations
+
+from converter.config import RunOptions, parse_size
+from converter.sources import detect_format, open_checkpoint
+from converter.to_universal import ConversionResult, to_universal
+
+__all__ = ["RunOptions", "ConversionResult", "detect_format", "open_checkpoint", "parse_size", "to_universal"]

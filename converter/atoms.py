@@ -1,0 +1,98 @@
+"""Group checkpoint keys into atoms: a parameter's value plus its optimizer states and hparams.
+
+Pure functions over object paths (DCP's ``planner_data``). Two key styles are recognised:
+
+- ``get_state_dict`` style: ``("model", fqn)`` and ``("optim", "state", fqn, name, ...)``,
+  ``("optim", "param_groups", i, hparam)``;
+- torchtitan style: model keys at the top level ``(fqn,)``, and with
+  ``flatten_optimizer_state_dict=True`` ``("optimizer", "state.<fqn>.<name>")`` and
+  ``("optimizer", "param_groups.<fqn>.<hparam>")``.
+
+Nested optimizer state (Shampoo-like: ``state.<fqn>.<group>.<name>``) keeps the whole tail as
+its role. Anything else (buffers are parameters too; extra state) is an atom of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+OPTIMIZER_ROOTS = ("optim", "optimizer")
+MODEL_ROOTS = ("model",)
+
+
+@dataclass(frozen=True)
+class AtomRef:
+    """Which atom a key belongs to and its role there ("param", "exp_avg", "hparam.lr", ...)."""
+
+    atom: str
+    role: str
+
+
+def _model_fqn(path: tuple) -> str | None:
+    if len(path) == 2 and path[0] in MODEL_ROOTS:
+        return str(path[1])
+    if len(path) == 1:
+        return str(path[0])
+    return None
+
+
+def model_fqns(paths: Mapping[str, tuple]) -> set[str]:
+    """Parameter/buffer FQNs of the model part of a state dict."""
+    return {f for p in paths.values() if (f := _model_fqn(tuple(p))) is not None}
+
+
+def _split_flat(rest: str, fqns: set[str]) -> tuple[str, str]:
+    """Split 'layers.0.w.weight.exp_avg' into (fqn, tail) using the longest known fqn."""
+    best = ""
+    for f in fqns:
+        if len(f) > len(best) and rest.startswith(f + "."):
+            best = f
+    if best:
+        return best, rest[len(best) + 1 :]
+    head, _, tail = rest.rpartition(".")
+    return (head, tail) if head else (rest, "value")
+
+
+def atom_of(key: str, path: tuple, fqns: set[str]) -> AtomRef:
+    """The atom and role of one key."""
+    path = tuple(path) or (key,)
+    fqn = _model_fqn(path)
+    if fqn is not None:
+        return AtomRef(fqn, "param")
+    if path[0] in OPTIMIZER_ROOTS and len(path) >= 2:
+        second = str(path[1])
+        if second == "state" and len(path) >= 4:
+            return AtomRef(str(path[2]), ".".join(map(str, path[3:])))
+        if len(path) == 2 and second.startswith("state."):
+            f, tail = _split_flat(second[len("state.") :], fqns)
+            return AtomRef(f, tail)
+        if len(path) == 2 and second.startswith("param_groups.") and fqns:
+            f, tail = _split_flat(second[len("param_groups.") :], fqns)
+            if f in fqns:
+                return AtomRef(f, "hparam." + tail)
+    return AtomRef(key, "value")
+
+
+def group_atoms(paths: Mapping[str, tuple]) -> tuple[dict[str, AtomRef], dict[str, dict[str, str]]]:
+    """(key -> AtomRef, atom -> {role: key}) for every key of a checkpoint."""
+    fqns = model_fqns(paths)
+    refs = {key: atom_of(key, tuple(p), fqns) for key, p in paths.items()}
+    atoms: dict[str, dict[str, str]] = {}
+    for key, ref in refs.items():
+        members = atoms.setdefault(ref.atom, {})
+        role = ref.role if ref.role not in members else f"{ref.role}#{key}"
+        members[role] = key
+    return refs, atoms
+
+
+def param_of_keys(refs: Mapping[str, AtomRef]) -> dict[str, str]:
+    """key -> parameter FQN whose placement it follows (itself for standalone atoms)."""
+    return {key: ref.atom for key, ref in refs.items()}
+
+
+def iter_params(atoms: Mapping[str, dict[str, str]]) -> Iterable[tuple[str, str]]:
+    """(atom, key of its value) for atoms that hold a parameter value."""
+    for name, members in atoms.items():
+        if "param" in members:
+            yield name, members["param"]

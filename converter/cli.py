@@ -1,0 +1,118 @@
+"""The ``ckptconv`` command line (click). Every command calls the Python API in ``converter.api``.
+
+Errors: a :class:`formats.errors.CkptConvError` prints one line ``ckptconv: error: ...`` and exits
+with status 2; anything else is an internal error (status 3). ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from converter import __version__
+from converter.config import RunOptions, parse_size
+from formats.errors import CkptConvError
+
+EXIT_ERROR = 2
+EXIT_INTERNAL = 3
+
+
+class _Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        try:
+            return parse_size(value)
+        except CkptConvError as e:
+            self.fail(str(e), param, ctx)
+
+
+SIZE = _Size()
+
+
+def run_options(f):
+    """The execution options every conversion command takes."""
+    opts = [
+        click.option("--workers", type=int, default=None, help="I/O worker threads (default: CPU count, 2..8)."),
+        click.option("--memory-budget", type=SIZE, default=None, help="Bytes of buffers in flight, e.g. 512MiB (default 512MiB)."),
+        click.option("--overwrite", is_flag=True, help="Replace a non-empty destination."),
+        click.option("--trust-pickle", is_flag=True, help="Allow non-tensor entries that need arbitrary classes (runs their pickle code)."),
+        click.option("--dry-run", is_flag=True, help="Print the plan, write nothing."),
+        click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when stderr is a terminal)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def make_options(workers, memory_budget, overwrite, trust_pickle, dry_run, progress) -> RunOptions:
+    from converter import knobs
+
+    return RunOptions(
+        workers=workers or knobs.WORKERS,
+        memory_budget=memory_budget or knobs.MEMORY_BUDGET,
+        overwrite=overwrite, trust_pickle=trust_pickle, dry_run=dry_run, progress=progress,
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckptconv")
+@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Offline, model-free conversion of PyTorch Distributed Checkpoints."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+@cli.command("to-universal")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--chunk-size", type=SIZE, default=None, help="Target bytes per zarr chunk (default 64MiB).")
+@run_options
+def to_universal_cmd(src: str, dst: str, chunk_size: int | None, **kw: Any) -> None:
+    """Convert a DCP checkpoint SRC into a universal store DST (Zarr v3)."""
+    from converter.api import to_universal
+
+    options = make_options(**kw)
+    result = to_universal(src, dst, options, chunk_bytes=chunk_size)
+    if result.plan is not None:
+        click.echo(result.plan)
+        click.echo(f"# dry run: {result.tensors} tensors, {result.objects} objects, {result.bytes} bytes; nothing written")
+        return
+    click.echo(f"wrote {result.dst}: {result.tensors} tensors, {result.objects} objects, "
+               f"{result.bytes / 1e6:.1f} MB in {result.seconds:.2f}s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI, turning errors into one line and an exit status."""
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        cli.main(args=argv, prog_name="ckptconv", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("ckptconv: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except CkptConvError as e:
+        if debug:
+            raise
+        click.echo(f"ckptconv: error: {e}", err=True)
+        sys.exit(EXIT_ERROR)
+    except KeyboardInterrupt:
+        click.echo("ckptconv: interrupted", err=True)
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - last line of defence: one line, no traceback
+        if debug:
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        click.echo(f"ckptconv: internal error: {type(e).__name__}: {msg} (rerun with --debug for a traceback)", err=True)
+        sys.exit(EXIT_INTERNAL)
+
+
+def _echo_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=1, default=str))

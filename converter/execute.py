@@ -1,0 +1,168 @@
+"""The one I/O loop: run a plan's write tasks with a worker pool under a memory budget.
+
+Workers fill each target piece from source regions and hand it to the sink; pieces of one task
+are written in C order by one worker, so every target chunk has exactly one writer. Buffers in
+flight are bounded by the budget (each task reserves twice its largest piece: the piece and
+one source read), whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from converter.plan import Piece, WriteTask
+from formats.base import CheckpointReader
+from formats.dtypes import by_name
+
+
+class PieceWriter(Protocol):
+    """Receives one task's pieces in C order, then ``close`` (or ``abort`` on failure)."""
+
+    def write(self, piece: Piece, data: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TaskSink(Protocol):
+    """Opens a :class:`PieceWriter` for each write task."""
+
+    def open(self, task: WriteTask) -> PieceWriter: ...
+
+
+@dataclass
+class ExecStats:
+    """What an execution did."""
+
+    tasks: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    peak_reserved: int = 0
+
+
+class MemoryBudget:
+    """A byte-counting semaphore; a request larger than the budget waits until it runs alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.used = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        n = min(n, self.limit)
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+        return n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece) -> torch.Tensor:
+    """The piece's data, read from its source regions (no extra copy when one region covers it)."""
+    if len(piece.copies) == 1 and piece.copies[0].region == piece.box:
+        c = piece.copies[0]
+        return reader.read_region(task.key, c.src, c.region)
+    buf = torch.empty(piece.box.sizes, dtype=by_name(task.dtype).torch_dtype)
+    for c in piece.copies:
+        buf[c.region.relative_to(piece.box).slices()] = reader.read_region(task.key, c.src, c.region)
+    return buf
+
+
+class _Progress:
+    """Bytes done, rate and ETA on stderr (rich), only when asked or stderr is a terminal."""
+
+    def __init__(self, total: int, label: str, enabled: bool | None) -> None:
+        self._bar = None
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        if enabled and total:
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                                       TimeRemainingColumn, TransferSpeedColumn)
+            from rich.console import Console
+
+            self._bar = Progress(
+                TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                TimeRemainingColumn(), console=Console(stderr=True), transient=False,
+            )
+            self._task = self._bar.add_task(label, total=total)
+            self._bar.start()
+        self._lock = threading.Lock()
+
+    def advance(self, n: int) -> None:
+        if self._bar is not None:
+            with self._lock:
+                self._bar.advance(self._task, n)
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def execute(
+    tasks: Sequence[WriteTask],
+    reader: CheckpointReader,
+    sink: TaskSink,
+    *,
+    workers: int,
+    memory_budget: int,
+    progress: bool | None = None,
+    label: str = "converting",
+) -> ExecStats:
+    """Run every task; the first failure stops the run and is re-raised."""
+    stats = ExecStats()
+    budget = MemoryBudget(memory_budget)
+    bar = _Progress(sum(t.nbytes for t in tasks), label, progress)
+    failed = threading.Event()
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def run(task: WriteTask) -> None:
+        if failed.is_set():
+            return
+        held = budget.acquire(2 * max(1, task.max_piece_bytes))
+        try:
+            writer = sink.open(task)
+            for piece in task.pieces:
+                data = fill_piece(reader, task, piece)
+                writer.write(piece, data)
+                bar.advance(data.numel() * data.element_size())
+            writer.close()
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            budget.release(held)
+        with lock:
+            stats.tasks += 1
+            stats.bytes_written += task.nbytes
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptconv") as pool:
+            futures = [pool.submit(run, t) for t in tasks]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    failed.set()
+                    for g in futures:
+                        g.cancel()
+                    raise f.exception()
+    finally:
+        bar.stop()
+    stats.seconds = time.perf_counter() - start
+    stats.bytes_read = stats.bytes_written
+    stats.peak_reserved = budget.peak
+    return stats

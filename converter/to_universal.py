@@ -1,0 +1,129 @@
+"""DCP (or any readable checkpoint) -> universal store: plan the chunk tasks, execute, commit."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from converter import __version__
+from converter.atoms import group_atoms
+from converter.config import RunOptions, check_destination
+from converter.execute import ExecStats, execute
+from converter.plan import Piece, WriteTask, plan_tensor
+from converter.sources import open_checkpoint
+from formats.base import CheckpointIndex, CheckpointReader
+from formats.objects import json_view, load_torch_object
+from formats.universal import UniversalWriter
+from formats.universal_meta import SourceInfo
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What a conversion wrote."""
+
+    dst: str
+    tensors: int
+    objects: int
+    bytes: int
+    seconds: float
+    plan: str | None = None
+
+
+class _ChunkSink:
+    """Execute sink writing each task (one zarr chunk, one piece) whole."""
+
+    def __init__(self, writer: UniversalWriter) -> None:
+        self.writer = writer
+
+    def open(self, task: WriteTask) -> "_ChunkSink._One":
+        return _ChunkSink._One(self.writer, task)
+
+    class _One:
+        def __init__(self, writer: UniversalWriter, task: WriteTask) -> None:
+            self.writer, self.task = writer, task
+
+        def write(self, piece: Piece, data: torch.Tensor) -> None:
+            self.writer.write_chunk(self.task.key, self.task.target, data)
+
+        def close(self) -> None:
+            pass
+
+
+def _detected_layout(index: CheckpointIndex) -> str | None:
+    try:
+        from converter.detect import detect_layout
+    except ImportError:
+        return None
+    return detect_layout(index).summary
+
+
+def _source_info(index: CheckpointIndex, src: str) -> SourceInfo:
+    info = index.info
+    return SourceInfo(
+        format=index.format,
+        path=str(Path(src).resolve()),
+        world_size=info.get("world_size"),
+        layout=_detected_layout(index),
+        dcp_version=info.get("version") if index.format == "dcp" else None,
+    )
+
+
+def _copy_objects(reader: CheckpointReader, index: CheckpointIndex, writer: UniversalWriter,
+                  refs: dict, trust_pickle: bool) -> None:
+    for key, entry in index.objects.items():
+        data = reader.read_object_bytes(key)
+        value = load_torch_object(data, f"{index.root}:{key}", trust_pickle)
+        ref = refs[key]
+        writer.add_object(key, data, entry.path, ref.atom, ref.role, json_view(value))
+
+
+def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
+                 chunk_bytes: int | None = None) -> ConversionResult:
+    """Convert the checkpoint at ``src`` into a universal store at ``dst``.
+
+    Streams chunk by chunk under ``options.memory_budget``; ``dst`` is marked complete (its
+    ``ckptconv.json`` written) only after every chunk and object is on disk.
+    """
+    from converter import knobs
+
+    options = options or RunOptions()
+    reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
+    try:
+        index = reader.index()
+        chunk_bytes = chunk_bytes or min(knobs.UNIVERSAL_CHUNK_BYTES, options.effective_piece_bytes)
+        paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
+        refs, atoms = group_atoms(paths)
+        if options.dry_run:
+            return _dry_run(index, dst, chunk_bytes)
+        out = check_destination(src, dst, options.overwrite)
+        writer = UniversalWriter(out, chunk_bytes)
+        tasks: list[WriteTask] = []
+        for key, entry in index.tensors.items():
+            writer.add_tensor(entry, refs[key].atom, refs[key].role)
+            tasks += plan_tensor(entry, writer.chunks(key), piece_bytes=chunk_bytes)
+        _copy_objects(reader, index, writer, refs, options.trust_pickle)
+        stats: ExecStats = execute(tasks, reader, _ChunkSink(writer), workers=options.workers,
+                                   memory_budget=options.memory_budget, progress=options.progress,
+                                   label="to-universal")
+        created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        writer.commit(_source_info(index, str(src)), __version__, atoms, created)
+        return ConversionResult(str(out), len(index.tensors), len(index.objects), stats.bytes_written, stats.seconds)
+    finally:
+        reader.close()
+
+
+def _dry_run(index: CheckpointIndex, dst: str | os.PathLike, chunk_bytes: int) -> ConversionResult:
+    from converter.plan import describe
+    from formats.dtypes import by_name
+    from formats.universal import chunk_grid, chunk_shape_for
+
+    tasks: list[WriteTask] = []
+    for entry in index.tensors.values():
+        cshape = chunk_shape_for(entry.shape, by_name(entry.dtype).itemsize, chunk_bytes)
+        tasks += plan_tensor(entry, list(chunk_grid(entry.shape, cshape)), piece_bytes=chunk_bytes)
+    total = sum(t.nbytes for t in tasks)
+    return ConversionResult(str(dst), len(index.tensors), len(index.objects), total, 0.0, plan=describe(tasks))

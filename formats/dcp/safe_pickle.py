@@ -1,0 +1,171 @@
+"""Allowlist unpickling: globals outside an allowlist raise and are never imported or called.
+
+The allowlisted globals resolve to inert stand-ins defined here (records, dtype names, plain
+tuples), not to torch classes, so unpickling runs no torch code at all.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from formats.errors import CorruptCheckpointError, UnsafePickleError
+
+
+@dataclass(frozen=True)
+class DTypeRef:
+    """A torch dtype as named in a pickle (``torch.float32`` -> ``DTypeRef("float32")``)."""
+
+    name: str
+
+
+class Record:
+    """Stand-in for an allowlisted class: keeps positional args, keyword args and pickled state."""
+
+    _kind = "Record"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Record:
+        # NEWOBJ calls __new__ (with the pickled args) and never __init__; REDUCE calls both.
+        self = super().__new__(cls)
+        self.args = args
+        self.kwargs = kwargs
+        self.state = None
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def get(self, name: str, position: int | None = None, default: Any = None) -> Any:
+        """A field from the pickled state (dict or (dict, slots)), kwargs or positional args."""
+        state = self.state
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            merged = dict(state[0] or {})
+            merged.update(state[1])
+            state = merged
+        if isinstance(state, dict) and name in state:
+            return state[name]
+        if name in self.kwargs:
+            return self.kwargs[name]
+        if position is not None and position < len(self.args):
+            return self.args[position]
+        return default
+
+    def __repr__(self) -> str:
+        return f"<{self._kind} args={self.args!r} state={self.state!r}>"
+
+
+def record_class(kind: str) -> type[Record]:
+    """A fresh :class:`Record` subclass named ``kind`` (so parsed objects say what they were)."""
+    return type(kind, (Record,), {"_kind": kind})
+
+
+def _torch_dtype_names() -> frozenset[str]:
+    import torch
+
+    return frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
+
+
+def _torch_layout_names() -> frozenset[str]:
+    import torch
+
+    return frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.layout))
+
+
+_DTYPE_NAMES = _torch_dtype_names()
+_LAYOUT_NAMES = _torch_layout_names()
+
+#: Safe builtins a container-only pickle may name (none of them runs code on construction).
+SAFE_BUILTINS: Mapping[tuple[str, str], Any] = {
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "list"): list,
+    ("builtins", "dict"): dict,
+    ("builtins", "tuple"): tuple,
+    ("builtins", "complex"): complex,
+    ("builtins", "slice"): slice,
+    ("builtins", "bytearray"): bytearray,
+    ("collections", "OrderedDict"): OrderedDict,
+}
+
+
+def resolve_torch_dtype(module: str, name: str) -> DTypeRef | None:
+    """``DTypeRef(name)`` when ``module.name`` is a torch dtype of this torch, else None."""
+    if module == "torch" and name in _DTYPE_NAMES:
+        return DTypeRef(str(_canonical_dtype_name(name)))
+    return None
+
+
+def _canonical_dtype_name(name: str) -> str:
+    import torch
+
+    return str(getattr(torch, name)).removeprefix("torch.")
+
+
+def resolve_torch_layout(module: str, name: str) -> str | None:
+    """The layout name when ``module.name`` is a torch layout, else None."""
+    if module == "torch" and name in _LAYOUT_NAMES:
+        return name
+    return None
+
+
+class AllowlistUnpickler(pickle.Unpickler):
+    """Unpickler resolving globals through ``resolve``; anything it does not know is refused.
+
+    ``resolve(module, name)`` returns the stand-in object or None (refused). Persistent ids go to
+    ``persistent`` (refused when None).
+    """
+
+    def __init__(
+        self,
+        data: bytes,
+        source: str,
+        resolve: Callable[[str, str], Any],
+        persistent: Callable[[Any], Any] | None = None,
+    ) -> None:
+        super().__init__(io.BytesIO(data))
+        self._source = source
+        self._resolve = resolve
+        self._persistent = persistent
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._resolve(module, name)
+        if found is None:
+            raise UnsafePickleError(
+                f"{self._source}: pickle references {module}.{name}, which is not on the "
+                "allowlist; it was not imported or executed (the file may be malicious)"
+            )
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise CorruptCheckpointError(f"{self._source}: unexpected persistent id in pickle")
+        return self._persistent(pid)
+
+
+def safe_loads(
+    data: bytes,
+    source: str,
+    resolve: Callable[[str, str], Any],
+    persistent: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Unpickle ``data`` with the allowlist; damaged pickles raise CorruptCheckpointError."""
+    try:
+        return AllowlistUnpickler(data, source, resolve, persistent).load()
+    except (UnsafePickleError, CorruptCheckpointError):
+        raise
+    except RecursionError:
+        raise CorruptCheckpointError(f"{source}: pickle nests too deeply") from None
+    except MemoryError:
+        raise CorruptCheckpointError(f"{source}: pickle asks for too much memory") from None
+    except Exception as exc:  # truncated / garbage pickles raise many builtin types
+        raise CorruptCheckpointError(
+            f"{source}: damaged pickle ({type(exc).__name__}: {exc}); the file is truncated "
+            "or not a pickle"
+        ) from None

@@ -1,0 +1,53 @@
+"""Non-tensor entries: torch.save pickles loaded through torch's weights-only allowlist."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from formats.errors import CorruptCheckpointError, UnsafePickleError
+
+
+def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> Any:
+    """Load a ``torch.save`` payload; arbitrary classes only with ``trust_pickle``."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=not trust_pickle, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        if trust_pickle:
+            raise CorruptCheckpointError(f"{where}: cannot unpickle ({e})") from None
+        first = str(e).strip().splitlines()
+        hint = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
+        raise UnsafePickleError(
+            f"{where}: non-tensor entry needs classes outside the safe allowlist ({hint.strip()[:160]}); "
+            "pass --trust-pickle only if you trust this checkpoint"
+        ) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise CorruptCheckpointError(f"{where}: corrupt non-tensor entry ({str(e).splitlines()[0][:160]})") from None
+
+
+def json_view(value: Any) -> Any:
+    """A JSON-able view of a value, or None when it has none (tensors, custom classes, NaN)."""
+    import json
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, (str, bool, int)) or v is None:
+            return v
+        if isinstance(v, float):
+            if v != v or v in (float("inf"), float("-inf")):
+                raise ValueError
+            return v
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+            return {k: conv(x) for k, x in v.items()}
+        raise ValueError
+
+    try:
+        out = conv(value)
+        json.dumps(out)
+        return {"value": out}
+    except (ValueError, TypeError, RecursionError):
+        return None

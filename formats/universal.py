@@ -1,0 +1,371 @@
+"""The universal store (format version 1): a Zarr v3 group written and read without zarr's I/O.
+
+Layout::
+
+    uni/zarr.json                      group
+    uni/tensors/<name>/zarr.json       one array per tensor key (name = encoded key)
+    uni/tensors/<name>/c/<i>/<j>...    chunks: raw little-endian C-order bytes, no codec
+    uni/objects/<n>.pt                 non-tensor entries, the exact torch.save bytes from the source
+    uni/ckptconv.json                  root metadata; written last, atomically: the completion marker
+
+Arrays use the ``bytes`` codec only (no compression), so every chunk file is the chunk's raw bytes
+(edge chunks padded to the full chunk shape with zeros, as zarr does). ckptconv writes each chunk
+file whole, by one writer, through a temp file and a rename; stock zarr (3.x) opens every array.
+bfloat16 and float8 are stored as uint16 / uint8 bit patterns (see ``formats.dtypes``); the array
+attributes ``torch_dtype`` and ``key`` name the original dtype and key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import numpy as np
+import torch
+import xxhash
+
+from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
+from formats.dtypes import by_name, from_storage_array
+from formats.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InvalidCheckpointError,
+)
+from formats.fsutil import atomic_write_bytes, fsync_dir
+from formats.universal_meta import (
+    METADATA_FILE,
+    ObjectRecord,
+    SourceInfo,
+    TensorRecord,
+    UniversalMetadata,
+)
+
+TENSORS_DIR = "tensors"
+OBJECTS_DIR = "objects"
+_GROUP_JSON = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+
+
+def array_name(key: str) -> str:
+    """The zarr array name for a tensor key: the key, percent-encoded where it is unsafe.
+
+    '/' and control characters are encoded, a leading '.' or '__' too, so that a key can never
+    name a path outside ``tensors/`` or a name zarr reserves; overlong names get a hash suffix.
+    """
+    if not key:
+        return "%00empty"
+    name = quote(key, safe="")
+    if name.startswith("."):
+        name = "%2E" + name[1:]
+    if name.startswith("__"):
+        name = "%5F" + name[1:]
+    if len(name.encode()) > 200:
+        name = name[:160] + "~" + xxhash.xxh3_64_hexdigest(key.encode())
+    return name
+
+
+def chunk_shape_for(shape: tuple[int, ...], itemsize: int, target_bytes: int) -> tuple[int, ...]:
+    """A chunk shape of about ``target_bytes``: split the outermost dims first, balanced.
+
+    Chunks are row blocks (whole trailing dims) whenever one row fits the target, so reads for
+    any target mesh touch few chunks; the blocks are balanced so the last one is not a sliver.
+    """
+    chunk = [max(1, s) for s in shape]
+    for d in range(len(shape)):
+        inner = math.prod(chunk[d + 1 :]) * itemsize
+        if inner * chunk[d] <= target_bytes:
+            break
+        if inner <= target_bytes:
+            per = max(1, target_bytes // inner)
+            n = math.ceil(shape[d] / per)
+            chunk[d] = math.ceil(shape[d] / n)
+            break
+        chunk[d] = 1
+    return tuple(chunk)
+
+
+def chunk_grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], Box]]:
+    """Every (chunk index, global box clipped to the shape) of a regular grid, in C order."""
+    counts = [math.ceil(s / c) if s else 0 for s, c in zip(shape, chunk)]
+    for flat in range(math.prod(counts)):
+        idx = []
+        for n in reversed(counts):
+            idx.append(flat % n)
+            flat //= n
+        idx = tuple(reversed(idx))
+        offsets = tuple(i * c for i, c in zip(idx, chunk))
+        sizes = tuple(min(c, s - o) for c, s, o in zip(chunk, shape, offsets))
+        yield idx, Box(offsets, sizes)
+
+
+def chunk_id(index: tuple[int, ...]) -> str:
+    """The checksum key of a chunk: indices joined by '.', 'c' for a 0-d array."""
+    return ".".join(map(str, index)) if index else "c"
+
+
+def _chunk_file(array: str, index: tuple[int, ...]) -> str:
+    return "/".join([array, "c", *map(str, index)])
+
+
+def _array_json(record: TensorRecord, key: str) -> dict[str, Any]:
+    d = by_name(record.dtype)
+    codec: dict[str, Any] = {"name": "bytes"}
+    if d.numpy_dtype.itemsize > 1:
+        codec["configuration"] = {"endian": "little"}
+    fill: Any = False if d.storage == "bool" else 0
+    if d.storage.startswith("complex"):
+        fill = [0.0, 0.0]
+    return {
+        "shape": list(record.shape),
+        "data_type": d.storage,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(record.chunk_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": [codec],
+        "attributes": {"torch_dtype": record.dtype, "key": key},
+        "zarr_format": 3,
+        "node_type": "array",
+        "storage_transformers": [],
+    }
+
+
+def _padded_bytes(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[memoryview, int]:
+    """The bytes to store for one chunk and the full chunk size (edge chunks padded with zeros)."""
+    full = math.prod(chunk) * data.itemsize
+    if data.shape == chunk or data.ndim == 0:
+        return memoryview(data).cast("B"), full
+    if data.shape[1:] == chunk[1:]:  # only dim 0 is short: the data is a prefix of the chunk
+        return memoryview(np.ascontiguousarray(data)).cast("B"), full
+    padded = np.zeros(chunk, dtype=data.dtype)
+    padded[tuple(slice(0, s) for s in data.shape)] = data
+    return memoryview(padded).cast("B"), full
+
+
+class UniversalWriter:
+    """Writes a universal store: arrays created up front, chunks written whole, metadata last."""
+
+    def __init__(self, root: str | os.PathLike, chunk_bytes: int) -> None:
+        self.root = Path(root)
+        self.chunk_bytes = chunk_bytes
+        self._tensors: dict[str, TensorRecord] = {}
+        self._objects: dict[str, ObjectRecord] = {}
+        self._names: set[str] = set()
+        self._lock = threading.Lock()
+        (self.root / TENSORS_DIR).mkdir(parents=True, exist_ok=True)
+        (self.root / OBJECTS_DIR).mkdir(exist_ok=True)
+        for d in (self.root, self.root / TENSORS_DIR):
+            (d / "zarr.json").write_text(json.dumps(_GROUP_JSON))
+
+    def add_tensor(self, entry: TensorEntry, atom: str, role: str) -> TensorRecord:
+        """Create the zarr array for ``entry`` (metadata only) and return its record."""
+        name = array_name(entry.key)
+        if name in self._names:
+            name = f"{name}~{xxhash.xxh3_64_hexdigest(entry.key.encode())}"
+        self._names.add(name)
+        d = by_name(entry.dtype)
+        record = TensorRecord(
+            array=f"{TENSORS_DIR}/{name}",
+            dtype=d.name,
+            storage_dtype=d.storage,
+            shape=tuple(entry.shape),
+            chunk_shape=chunk_shape_for(tuple(entry.shape), d.itemsize, self.chunk_bytes),
+            path=tuple(entry.path),
+            atom=atom,
+            role=role,
+            checksums={},
+        )
+        array_dir = self.root / record.array
+        array_dir.mkdir(parents=True, exist_ok=True)
+        (array_dir / "zarr.json").write_text(json.dumps(_array_json(record, entry.key), indent=1))
+        self._tensors[entry.key] = record
+        return record
+
+    def chunks(self, key: str) -> list[tuple[tuple[int, ...], Box]]:
+        """The (chunk index, box) pairs of a tensor's array; each is one write task."""
+        r = self._tensors[key]
+        return list(chunk_grid(r.shape, r.chunk_shape))
+
+    def write_chunk(self, key: str, index: tuple[int, ...], tensor: torch.Tensor) -> None:
+        """Write one whole chunk (thread-safe across chunks): temp file, then rename."""
+        record = self._tensors[key]
+        d = by_name(record.dtype)
+        t = tensor.contiguous()
+        data = (t.view(getattr(torch, d.storage)) if d.encoded else t).numpy()
+        checksum = xxhash.xxh3_64_hexdigest(memoryview(np.ascontiguousarray(data)).cast("B"))
+        payload, full = _padded_bytes(data, record.chunk_shape)
+        path = self.root / _chunk_file(record.array, index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            if len(payload) < full:
+                f.truncate(full)
+        os.replace(tmp, path)
+        with self._lock:
+            record.checksums[chunk_id(index)] = checksum
+
+    def add_object(self, key: str, data: bytes, path: tuple, atom: str, role: str, json_view: Any) -> None:
+        """Store a non-tensor entry's exact bytes with a JSON view."""
+        file = f"{OBJECTS_DIR}/{len(self._objects):06d}.pt"
+        target = self.root / file
+        with open(target, "wb") as f:
+            f.write(data)
+        self._objects[key] = ObjectRecord(
+            file=file, path=tuple(path), nbytes=len(data),
+            checksum=xxhash.xxh3_64_hexdigest(data), atom=atom, role=role, json=json_view,
+        )
+
+    def commit(self, source: SourceInfo, tool_version: str, atoms: dict[str, dict[str, str]], created: str) -> None:
+        """fsync every written file, then publish ``ckptconv.json`` atomically (the marker)."""
+        missing = [
+            k for k, r in self._tensors.items()
+            if len(r.checksums) != sum(1 for _ in chunk_grid(r.shape, r.chunk_shape))
+        ]
+        if missing:
+            raise CorruptCheckpointError(f"internal error: chunks of {missing[0]!r} were not all written")
+        _fsync_tree(self.root)
+        meta = UniversalMetadata(
+            tool_version=tool_version, source=source, tensors=self._tensors,
+            objects=self._objects, atoms=atoms, created=created,
+        )
+        atomic_write_bytes(self.root / METADATA_FILE, meta.dumps())
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def is_universal_store(path: str | os.PathLike) -> bool:
+    """True when ``path`` looks like a universal store (complete or not)."""
+    p = Path(path)
+    return (p / METADATA_FILE).is_file() or ((p / TENSORS_DIR).is_dir() and (p / "zarr.json").is_file())
+
+
+def read_metadata(root: str | os.PathLike) -> UniversalMetadata:
+    """The validated root metadata; refuses an incomplete store."""
+    root = Path(root)
+    if not root.exists():
+        raise CheckpointNotFoundError(f"{root}: no such universal store")
+    meta_path = root / METADATA_FILE
+    if not meta_path.is_file():
+        if (root / TENSORS_DIR).is_dir():
+            raise IncompleteCheckpointError(
+                f"{root}: incomplete universal store (no {METADATA_FILE}; the conversion that wrote it "
+                "did not finish): rerun to-universal with --overwrite"
+            )
+        raise InvalidCheckpointError(f"{root}: not a ckptconv universal store (no {METADATA_FILE})")
+    try:
+        doc = json.loads(meta_path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{meta_path}: unreadable JSON ({e}); the store is damaged: reconvert it") from None
+    return UniversalMetadata.from_json(doc, str(meta_path))
+
+
+class UniversalReader:
+    """The universal store's :class:`formats.base.CheckpointReader`."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.meta = read_metadata(self.root)
+        self._index: CheckpointIndex | None = None
+
+    def index(self) -> CheckpointIndex:
+        if self._index is None:
+            self._index = self._build_index()
+        return self._index
+
+    def _build_index(self) -> CheckpointIndex:
+        tensors = {}
+        for key, r in self.meta.tensors.items():
+            chunks = tuple(
+                ChunkRef(box=box, file=_chunk_file(r.array, idx), locator=(key, idx))
+                for idx, box in chunk_grid(r.shape, r.chunk_shape)
+            )
+            tensors[key] = TensorEntry(key, r.dtype, r.shape, chunks, r.path)
+        objects = {
+            key: ObjectEntry(key, o.path, o.file, locator=key, nbytes=o.nbytes)
+            for key, o in self.meta.objects.items()
+        }
+        src = self.meta.source
+        info = {
+            "version": "1",
+            "tool_version": self.meta.tool_version,
+            "source": src.__dict__,
+            "world_size": None,
+            "atoms": self.meta.atoms,
+        }
+        return CheckpointIndex("universal", str(self.root), tensors, objects, info)
+
+    def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
+        """Read ``region`` of one chunk; row slabs are read with a single pread."""
+        record = self.meta.tensors[key]
+        data = self._read_chunk_part(record, chunk, region)
+        return from_storage_array(data, record.dtype)
+
+    def _read_chunk_part(self, record: TensorRecord, chunk: ChunkRef, region: Box) -> np.ndarray:
+        storage = np.dtype(record.storage_dtype)
+        cshape = record.chunk_shape
+        local = region.relative_to(chunk.box)
+        path = self.root / chunk.file
+        row = math.prod(cshape[1:]) * storage.itemsize if cshape else storage.itemsize
+        # rows [r0, r1) of the chunk hold the region; read just them
+        r0 = local.offsets[0] if cshape else 0
+        r1 = r0 + local.sizes[0] if cshape else 1
+        nbytes = (r1 - r0) * row
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{path}: chunk file missing for key {record.array!r}; the store is damaged: reconvert it"
+            ) from None
+        try:
+            buf = os.pread(fd, nbytes, r0 * row)
+        finally:
+            os.close(fd)
+        if len(buf) != nbytes:
+            raise CorruptCheckpointError(f"{path}: chunk file truncated ({len(buf)} of {nbytes} bytes); reconvert the store")
+        arr = np.frombuffer(buf, dtype=storage)
+        if not cshape:
+            return arr.reshape(())
+        arr = arr.reshape((r1 - r0, *cshape[1:]))
+        sel = (slice(None),) + tuple(slice(o, o + s) for o, s in zip(local.offsets[1:], local.sizes[1:]))
+        return arr[sel]
+
+    def chunk_checksum(self, key: str, chunk: ChunkRef) -> tuple[str, str]:
+        """(expected, actual) xxh3_64 of a chunk's logical bytes."""
+        record = self.meta.tensors[key]
+        data = self._read_chunk_part(record, chunk, chunk.box)
+        actual = xxhash.xxh3_64_hexdigest(memoryview(np.ascontiguousarray(data)).cast("B"))
+        return record.checksums.get(chunk_id(chunk.locator[1]), ""), actual
+
+    def read_object_bytes(self, key: str) -> bytes:
+        rec = self.meta.objects[key]
+        path = self.root / rec.file
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: object file missing for key {key!r}; reconvert the store") from None
+        if xxhash.xxh3_64_hexdigest(data) != rec.checksum:
+            raise CorruptCheckpointError(f"{path}: checksum mismatch for object {key!r}; the store is damaged: reconvert it")
+        return data
+
+    def load_object(self, key: str, trust_pickle: bool = False) -> Any:
+        from formats.objects import load_torch_object
+
+        return load_torch_object(self.read_object_bytes(key), f"{self.root}:{key}", trust_pickle)
+
+    def close(self) -> None:
+        pass
