@@ -1,0 +1,381 @@
+"""DCP ``.metadata``: allowlist unpickling and parsing into plain frozen dataclasses.
+
+``.metadata`` is a plain pickle of ``torch.distributed.checkpoint.metadata.Metadata``; torch loads it
+with ``pickle.load`` (arbitrary code). Here only the globals DCP itself writes are accepted, and
+they resolve to inert stand-ins (:mod:`formats.dcp.safe_pickle`), so nothing in the file runs.
+The result is a :class:`DCPMetadata` that carries no torch DCP classes.
+
+Non-tensor entries (each a ``torch.save`` archive) load with ``torch.load(weights_only=True)``
+unless the caller trusts the pickle (:func:`load_object_bytes`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from formats.dcp.safe_pickle import SAFE_BUILTINS, DTypeRef, Record, record_class, safe_loads
+from formats.dcp.safe_pickle import resolve_torch_dtype, resolve_torch_layout
+from formats.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsafePickleError
+
+Shape = tuple[int, ...]
+
+#: Largest ``.metadata`` pickle accepted (bytes).
+MAX_METADATA_BYTES = 2 << 30
+METADATA_NAME = ".metadata"
+RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_DCP_FS = "torch.distributed.checkpoint.filesystem"
+_RECORDS: dict[tuple[str, str], type[Record]] = {
+    (_DCP_MD, n): record_class(n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+    )
+}
+_RECORDS[(_DCP_FS, "_StorageInfo")] = record_class("_StorageInfo")
+
+
+def _size(*args: Any) -> tuple[int, ...]:
+    """Stand-in for ``torch.Size(seq)``."""
+    return tuple(int(v) for v in (args[0] if args else ()))
+
+
+def _mem_format(value: Any) -> int:
+    """Stand-in for ``_MEM_FORMAT_ENCODING(value)`` (the memory format is deprecated; kept as int)."""
+    return int(value)
+
+
+def _layout(name: Any) -> str:
+    """Stand-in for ``torch.serialization._get_layout("torch.strided")``."""
+    return str(name).removeprefix("torch.")
+
+
+_FIXED: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): _size,
+    (_DCP_MD, "_MEM_FORMAT_ENCODING"): _mem_format,
+    ("torch.serialization", "_get_layout"): _layout,
+    ("pathlib", "PosixPath"): PurePosixPath,
+    ("pathlib", "PurePosixPath"): PurePosixPath,
+    ("pathlib", "WindowsPath"): PureWindowsPath,
+    ("pathlib", "PureWindowsPath"): PureWindowsPath,
+    **SAFE_BUILTINS,
+}
+
+
+def _resolve_metadata_global(module: str, name: str) -> Any:
+    found = _RECORDS.get((module, name)) or _FIXED.get((module, name))
+    if found is not None:
+        return found
+    return resolve_torch_dtype(module, name) or resolve_torch_layout(module, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsed, torch-free metadata
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """A chunk's box in global coordinates (``ChunkStorageMetadata``)."""
+
+    offsets: Shape
+    sizes: Shape
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A tensor entry: torch dtype name (``"bfloat16"``), global size, chunks."""
+
+    dtype: str
+    size: Shape
+    chunks: tuple[ChunkMeta, ...]
+
+
+@dataclass(frozen=True)
+class BytesMeta:
+    """A non-tensor entry (serialized with ``torch.save``)."""
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    """Where an item's bytes live: ``[offset, offset + length)`` of ``relative_path``."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StorageMetaInfo:
+    """``StorageMeta`` (torch 2.4+): ids of the save and the stateful modules."""
+
+    checkpoint_id: str | None
+    save_id: str | None
+    load_id: str | None
+    modules: tuple[str, ...]
+
+
+StorageKey = tuple[str, "Shape | None"]  # (fqn, chunk offsets) ; offsets None for bytes entries
+
+
+@dataclass(frozen=True)
+class DCPMetadata:
+    """A parsed ``.metadata`` (or the merge of ``__<rank>.metadata`` files). Read-only mappings."""
+
+    entries: Mapping[str, TensorMeta | BytesMeta]
+    planner_data: Mapping[str, tuple[str | int, ...]]
+    storage: Mapping[StorageKey, StorageInfo]
+    storage_meta: StorageMetaInfo | None
+    version: str | None
+    sources: tuple[str, ...]  # file names the metadata came from
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _shape(value: Any, where: str) -> Shape:
+    if not isinstance(value, (tuple, list)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise CorruptCheckpointError(f"{where}: expected a shape, got {value!r}")
+    return tuple(value)
+
+
+def _kind(obj: Any) -> str:
+    return getattr(obj, "_kind", type(obj).__name__)
+
+
+def _expect(obj: Any, kind: str, where: str) -> Record:
+    if _kind(obj) != kind:
+        raise CorruptCheckpointError(f"{where}: expected {kind}, got {_kind(obj)}")
+    return obj
+
+
+def _parse_tensor(rec: Record, where: str) -> TensorMeta:
+    props = _expect(rec.get("properties", 0), "TensorProperties", f"{where} properties")
+    dtype = props.get("dtype", 0)
+    if isinstance(props.state, tuple) and props.state and isinstance(props.state[0], DTypeRef):
+        dtype = props.state[0]  # TensorProperties.__getstate__ pickles a tuple
+    if not isinstance(dtype, DTypeRef):
+        raise CorruptCheckpointError(f"{where}: tensor has no dtype (got {dtype!r})")
+    size = _shape(rec.get("size", 1), f"{where} size")
+    chunks = []
+    for i, c in enumerate(rec.get("chunks", 2) or ()):
+        c = _expect(c, "ChunkStorageMetadata", f"{where} chunk {i}")
+        offsets = _shape(c.get("offsets", 0), f"{where} chunk {i} offsets")
+        sizes = _shape(c.get("sizes", 1), f"{where} chunk {i} sizes")
+        chunks.append(ChunkMeta(offsets, sizes))
+    return TensorMeta(dtype.name, size, tuple(chunks))
+
+
+def _parse_entries(raw: Any, source: str) -> dict[str, TensorMeta | BytesMeta]:
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"{source}: state_dict_metadata is not a dict")
+    out: dict[str, TensorMeta | BytesMeta] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise CorruptCheckpointError(f"{source}: non-string key {key!r}")
+        kind = _kind(value)
+        if kind == "BytesStorageMetadata":
+            out[key] = BytesMeta()
+        elif kind == "TensorStorageMetadata":
+            out[key] = _parse_tensor(value, f"{source}: key {key!r}")
+        else:
+            raise CorruptCheckpointError(f"{source}: key {key!r} has unknown entry type {kind}")
+    return out
+
+
+def _parse_storage(raw: Any, source: str) -> dict[StorageKey, StorageInfo]:
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(
+            f"{source}: storage_data is not a dict of _StorageInfo (a custom storage writer?)"
+        )
+    out: dict[StorageKey, StorageInfo] = {}
+    for index, info in raw.items():
+        index = _expect(index, "MetadataIndex", f"{source}: storage_data key")
+        fqn = index.get("fqn", 0)
+        if not isinstance(fqn, str):
+            raise CorruptCheckpointError(f"{source}: storage_data key has no fqn")
+        offset = index.get("offset", 1)
+        offset = None if offset is None else _shape(offset, f"{source}: key {fqn!r} offset")
+        info = _expect(info, "_StorageInfo", f"{source}: key {fqn!r} storage")
+        out[(fqn, offset)] = _parse_storage_info(info, f"{source}: key {fqn!r}")
+    return out
+
+
+def _parse_storage_info(info: Record, where: str) -> StorageInfo:
+    path, offset, length = info.get("relative_path", 0), info.get("offset", 1), info.get("length", 2)
+    transforms = info.get("transform_descriptors", 3) or ()
+    if not isinstance(path, str) or not path:
+        raise CorruptCheckpointError(f"{where}: storage entry has no file name")
+    for name, v in (("offset", offset), ("length", length)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise CorruptCheckpointError(f"{where}: storage {name} {v!r} is not a byte count")
+    if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
+        raise CorruptCheckpointError(f"{where}: bad transform_descriptors {transforms!r}")
+    return StorageInfo(path, offset, length, tuple(transforms))
+
+
+def _parse_planner(raw: Any) -> dict[str, tuple[str | int, ...]]:
+    if not isinstance(raw, dict):
+        return {}  # custom planners may store anything; the path is then inferred from the key
+    out = {}
+    for key, path in raw.items():
+        if isinstance(key, str) and isinstance(path, (tuple, list)) and path:
+            if all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
+                out[key] = tuple(path)
+    return out
+
+
+def _parse_storage_meta(raw: Any) -> StorageMetaInfo | None:
+    if raw is None or _kind(raw) != "StorageMeta":
+        return None
+
+    def text(v: Any) -> str | None:
+        return None if v is None else str(v)
+
+    modules = raw.get("modules", 3) or ()
+    return StorageMetaInfo(
+        text(raw.get("checkpoint_id", 0)),
+        text(raw.get("save_id", 1)),
+        text(raw.get("load_id", 2)),
+        tuple(str(m) for m in modules) if isinstance(modules, (list, tuple)) else (),
+    )
+
+
+def parse_metadata_bytes(data: bytes, source: str) -> DCPMetadata:
+    """Unpickle (allowlisted) and parse the bytes of a ``.metadata`` file named ``source``."""
+    if not data:
+        raise CorruptCheckpointError(f"{source}: empty metadata file; the save did not finish")
+    root = safe_loads(data, source, _resolve_metadata_global)
+    md = _expect(root, "Metadata", f"{source}: top-level object")
+    version = md.get("version", 4)
+    return DCPMetadata(
+        entries=_parse_entries(md.get("state_dict_metadata", 0), source),
+        planner_data=_parse_planner(md.get("planner_data", 1)),
+        storage=_parse_storage(md.get("storage_data", 2), source),
+        storage_meta=_parse_storage_meta(md.get("storage_meta", 3)),
+        version=None if version is None else str(version),
+        sources=(os.path.basename(source),),
+    )
+
+
+def load_metadata_file(path: str | os.PathLike) -> DCPMetadata:
+    """Read and parse one ``.metadata`` / ``__<rank>.metadata`` file."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_METADATA_BYTES:
+        raise CorruptCheckpointError(
+            f"{path}: metadata is {size} bytes, over the {MAX_METADATA_BYTES} byte limit"
+        )
+    return parse_metadata_bytes(path.read_bytes(), str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-rank metadata (dcp.save(..., use_collectives=False))
+
+
+def rank_metadata_files(root: str | os.PathLike) -> dict[int, str]:
+    """``{rank: file name}`` of the ``__<rank>.metadata`` files directly under ``root``."""
+    out = {}
+    for name in os.listdir(root):
+        m = RANK_METADATA_RE.match(name)
+        if m:
+            out[int(m.group(1))] = name
+    return out
+
+
+def _merge_tensor(key: str, a: TensorMeta, b: TensorMeta, sources: str) -> TensorMeta:
+    if (a.dtype, a.size) != (b.dtype, b.size):
+        raise CorruptCheckpointError(
+            f"{sources}: key {key!r} is {a.dtype}{list(a.size)} in one rank's metadata and "
+            f"{b.dtype}{list(b.size)} in another"
+        )
+    seen = set(a.chunks)
+    extra = tuple(c for c in b.chunks if c not in seen)  # replicated chunks: keep the first copy
+    return TensorMeta(a.dtype, a.size, a.chunks + extra)
+
+
+def merge_metadata(parts: Sequence[DCPMetadata]) -> DCPMetadata:
+    """Merge per-rank metadata into one index (rank order; the first copy of a duplicate wins).
+
+    Tensor chunks are united; a chunk box present on several ranks (replicated state such as
+    AdamW ``step``) keeps the lowest rank's copy. A non-tensor key saved by several ranks keeps the
+    lowest rank's value (each rank's own value is what ``dcp.load`` would give that rank).
+    """
+    if not parts:
+        raise IncompleteCheckpointError("no metadata to merge")
+    names = ", ".join(s for p in parts for s in p.sources)
+    entries: dict[str, TensorMeta | BytesMeta] = {}
+    planner: dict[str, tuple[str | int, ...]] = {}
+    storage: dict[StorageKey, StorageInfo] = {}
+    for part in parts:
+        for key, entry in part.entries.items():
+            prev = entries.get(key)
+            if prev is None:
+                entries[key] = entry
+            elif isinstance(prev, TensorMeta) and isinstance(entry, TensorMeta):
+                entries[key] = _merge_tensor(key, prev, entry, names)
+            elif type(prev) is not type(entry):
+                raise CorruptCheckpointError(
+                    f"{names}: key {key!r} is a tensor on one rank and an object on another"
+                )
+        for k, v in part.planner_data.items():
+            planner.setdefault(k, v)
+        for k, v in part.storage.items():
+            storage.setdefault(k, v)
+    first = parts[0]
+    return DCPMetadata(
+        entries, planner, storage, first.storage_meta, first.version,
+        tuple(s for p in parts for s in p.sources),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-tensor entries
+
+
+def load_object_bytes(data: bytes, source: str, key: str, trust_pickle: bool = False) -> Any:
+    """The value of a non-tensor entry (a ``torch.save`` archive).
+
+    Loads with ``torch.load(weights_only=True)``; a class outside torch's weights-only allowlist
+    raises :class:`UnsafePickleError` unless ``trust_pickle`` (then ``weights_only=False``, which
+    runs arbitrary code from the file: only for checkpoints you trust).
+    """
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as exc:
+        if not trust_pickle and "weights_only" in str(exc).lower():
+            glob = _unsupported_global(str(exc))
+            raise UnsafePickleError(
+                f"{source}: key {key!r} is a pickle naming {glob}, which is not on the safe "
+                "allowlist; pass --trust-pickle (trust_pickle=True) to load it if you trust "
+                "this checkpoint"
+            ) from None
+        raise CorruptCheckpointError(f"{source}: key {key!r}: damaged pickle ({exc})") from None
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"{source}: key {key!r} is not a readable torch.save archive "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
+
+
+def _unsupported_global(message: str) -> str:
+    m = re.search(r"GLOBAL ([\w.]+)", message) or re.search(r"global ([\w.]+)", message)
+    return m.group(1) if m else "a class"
