@@ -50,3 +50,14 @@ def safe_join(root: str | os.PathLike, relative: str) -> Path:
     if target != root_resolved and root_resolved not in target.parents:
         raise DestinationError(f"refusing path {relative!r}: it resolves outside {root}")
     return target
+
+
+def read_exact_into(fd: int, buf: memoryview, offset: int) -> int:
+    """pread into ``buf`` from ``offset`` until it is full or the file ends; bytes read."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done

@@ -38,7 +38,7 @@ from formats.errors import (
     IncompleteCheckpointError,
     InvalidCheckpointError,
 )
-from formats.fsutil import atomic_write_bytes, fsync_dir
+from formats.fsutil import atomic_write_bytes, fsync_dir, read_exact_into
 from formats.universal_meta import (
     METADATA_FILE,
     ObjectRecord,
@@ -331,13 +331,13 @@ class UniversalReader:
             raise CorruptCheckpointError(
                 f"{path}: chunk file missing for key {record.array!r}; the store is damaged: reconvert it"
             ) from None
+        arr = np.empty(nbytes // storage.itemsize, dtype=storage)
         try:
-            buf = os.pread(fd, nbytes, r0 * row)
+            got = read_exact_into(fd, memoryview(arr).cast("B"), r0 * row)
         finally:
             os.close(fd)
-        if len(buf) != nbytes:
-            raise CorruptCheckpointError(f"{path}: chunk file truncated ({len(buf)} of {nbytes} bytes); reconvert the store")
-        arr = np.frombuffer(buf, dtype=storage)
+        if got != nbytes:
+            raise CorruptCheckpointError(f"{path}: chunk file truncated ({got} of {nbytes} bytes); reconvert the store")
         if not cshape:
             return arr.reshape(())
         arr = arr.reshape((r1 - r0, *cshape[1:]))

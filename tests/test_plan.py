@@ -1,0 +1,83 @@
+"""Plans are values: pure tests of piece splitting and copy planning, no disk."""
+
+from __future__ import annotations
+
+import math
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from converter.plan import plan_copies, plan_tensor, split_pieces
+from formats.base import Box, ChunkRef, TensorEntry, full_box
+
+
+def _covers_exactly(box: Box, parts: list[Box]) -> bool:
+    seen = set()
+    for p in parts:
+        assert box.contains(p)
+        for idx in _cells(p):
+            assert idx not in seen
+            seen.add(idx)
+    return len(seen) == box.numel
+
+
+def _cells(b: Box):
+    ranges = [range(o, o + s) for o, s in zip(b.offsets, b.sizes)]
+    if not ranges:
+        yield ()
+        return
+    import itertools
+
+    yield from itertools.product(*ranges)
+
+
+@st.composite
+def boxes(draw, max_dims=3, max_size=6):
+    ndim = draw(st.integers(0, max_dims))
+    sizes = tuple(draw(st.integers(0, max_size)) for _ in range(ndim))
+    offsets = tuple(draw(st.integers(0, 4)) for _ in range(ndim))
+    return Box(offsets, sizes)
+
+
+@given(boxes(), st.integers(1, 8), st.integers(1, 200))
+@settings(max_examples=200, deadline=None)
+def test_pieces_cover_box_once_and_are_c_order_contiguous(box, itemsize, piece_bytes):
+    pieces = split_pieces(box, itemsize, piece_bytes)
+    assert _covers_exactly(box, pieces)
+    for p in pieces:
+        assert p.numel * itemsize <= max(piece_bytes, itemsize) or p.numel == 0
+        # contiguous in C order: all dims after the first non-1 dim are full
+        first = next((d for d, s in enumerate(p.sizes) if s != 1), p.ndim)
+        assert p.sizes[first + 1 :] == box.sizes[first + 1 :]
+    # pieces come in C order: their first cells are increasing
+    starts = [p.offsets for p in pieces if p.numel]
+    assert starts == sorted(starts)
+
+
+def test_plan_copies_intersects_fsdp_chunks_with_a_target():
+    chunks = [ChunkRef(Box((r * 13, 0), (min(13, 50 - r * 13), 8)), f"__{r}_0.distcp", r, r) for r in range(4)]
+    copies = plan_copies(chunks, Box((10, 0), (20, 8)))
+    assert [(c.src.rank, c.region.offsets, c.region.sizes) for c in copies] == [
+        (0, (10, 0), (3, 8)), (1, (13, 0), (13, 8)), (2, (26, 0), (4, 8))]
+
+
+@given(st.integers(1, 40), st.integers(1, 5), st.integers(1, 6), st.integers(1, 6), st.integers(4, 400))
+@settings(max_examples=100, deadline=None)
+def test_plan_tensor_fills_every_target_exactly(rows, cols, n_src, n_dst, piece_bytes):
+    def chunked(n):
+        step = math.ceil(rows / n)
+        return [Box((o, 0), (min(step, rows - o), cols)) for o in range(0, rows, step)]
+
+    src = tuple(ChunkRef(b, f"f{i}", i, i) for i, b in enumerate(chunked(n_src)))
+    entry = TensorEntry("w", "float32", (rows, cols), src, ("model", "w"))
+    tasks = plan_tensor(entry, list(enumerate(chunked(n_dst))), piece_bytes)
+    for t in tasks:
+        assert _covers_exactly(t.box, [p.box for p in t.pieces])
+        for p in t.pieces:
+            assert _covers_exactly(p.box, [c.region for c in p.copies])
+
+
+def test_zero_dim_tensor_plans_one_copy():
+    entry = TensorEntry("step", "float32", (), (ChunkRef(Box((), ()), "f", 0, 0),), ("optim", "state", "w", "step"))
+    [task] = plan_tensor(entry, [("c", full_box(()))], 1 << 20)
+    assert len(task.pieces) == 1 and len(task.pieces[0].copies) == 1
