@@ -1,0 +1,413 @@
+"""The ``torch.save`` zip archive that holds each DCP chunk, parsed without loading the data.
+
+Each item of a ``.distcp`` file is a complete ``torch.save`` archive (``archive/data.pkl`` plus
+``archive/data/<key>`` entries, STORED and uncompressed). Parsing reads the zip central directory
+and ``data.pkl`` (with a restricted unpickler that never builds a tensor) to learn dtype, size,
+stride, storage offset and where the raw storage bytes start. A region is then one ``pread`` of
+the bytes it spans, viewed with ``as_strided`` and copied to a contiguous tensor.
+
+All offsets here are relative to the start of the item (the archive), given a ``ReadAt``
+function that reads bytes of the item; see :class:`SliceReader` and :class:`BufferReader`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zipfile
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from formats.dcp.safe_pickle import DTypeRef, resolve_torch_dtype, safe_loads
+from formats.errors import CorruptCheckpointError, UnsupportedError
+
+Shape = tuple[int, ...]
+
+#: Largest ``data.pkl`` accepted inside one chunk archive (bytes).
+MAX_DATA_PKL_BYTES = 64 << 20
+#: Bytes read at each end of an item when parsing its zip structure (one pread for small items).
+_HEAD_BYTES = 4096
+_TAIL_BYTES = 64 << 10
+_CRC_BLOCK = 16 << 20
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
+_ZSTD = "stream.zstd"
+
+
+class ReadAt(Protocol):
+    """Reads ``size`` bytes at ``offset`` of one item; raises CorruptCheckpointError if short."""
+
+    length: int
+
+    def __call__(self, offset: int, size: int) -> bytes | bytearray: ...
+
+
+class SliceReader:
+    """``ReadAt`` over ``[base, base + length)`` of an open file descriptor (``os.pread``)."""
+
+    def __init__(self, fd: int, base: int, length: int, where: str) -> None:
+        self.fd, self.base, self.length, self.where = fd, base, length, where
+
+    def __call__(self, offset: int, size: int) -> bytearray:
+        if offset < 0 or offset + size > self.length:
+            raise CorruptCheckpointError(
+                f"{self.where}: archive points outside its item (bytes {offset}..{offset + size} "
+                f"of {self.length})"
+            )
+        buf = bytearray(size)
+        view, done = memoryview(buf), 0
+        while done < size:
+            n = os.preadv(self.fd, [view[done:]], self.base + offset + done)
+            if n <= 0:
+                raise CorruptCheckpointError(
+                    f"{self.where}: file ends inside the item (truncated file); re-copy it"
+                )
+            done += n
+        return buf
+
+
+class BufferReader:
+    """``ReadAt`` over an in-memory item (a decompressed stream)."""
+
+    def __init__(self, data: bytes, where: str) -> None:
+        self.data, self.length, self.where = data, len(data), where
+
+    def __call__(self, offset: int, size: int) -> bytearray:
+        if offset < 0 or offset + size > self.length:
+            raise CorruptCheckpointError(
+                f"{self.where}: archive points outside its item (bytes {offset}..{offset + size} "
+                f"of {self.length})"
+            )
+        return bytearray(memoryview(self.data)[offset : offset + size])
+
+
+class _ItemFile(io.RawIOBase):
+    """A seekable file object over a ``ReadAt``, serving reads near either end from memory."""
+
+    def __init__(self, read: ReadAt) -> None:
+        self._read, self._pos, self._len = read, 0, read.length
+        if self._len <= _HEAD_BYTES + _TAIL_BYTES:
+            self._blocks = [(0, read(0, self._len))]
+        else:
+            tail = self._len - _TAIL_BYTES
+            self._blocks = [(0, read(0, _HEAD_BYTES)), (tail, read(tail, _TAIL_BYTES))]
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def pread(self, offset: int, size: int) -> bytes | bytearray:
+        size = max(0, min(size, self._len - offset))
+        for start, block in self._blocks:
+            if start <= offset and offset + size <= start + len(block):
+                return block[offset - start : offset - start + size]
+        return self._read(offset, size)
+
+    def readinto(self, b: Any) -> int:
+        data = self.pread(self._pos, len(b))
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Zip structure
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stored zip entry: where its bytes start inside the item, size and CRC-32."""
+
+    name: str
+    start: int
+    size: int
+    crc: int
+
+
+def _entries(f: _ItemFile, where: str) -> dict[str, Entry]:
+    try:
+        infos = zipfile.ZipFile(f).infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}: not a readable torch.save archive ({exc}); the file is damaged"
+        ) from None
+    out = {}
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise CorruptCheckpointError(f"{where}: archive entry {info.filename} is compressed")
+        out[info.filename] = Entry(info.filename, _data_start(f, info, where), info.file_size,
+                                   info.CRC)
+    return out
+
+
+def _data_start(f: _ItemFile, info: zipfile.ZipInfo, where: str) -> int:
+    head = f.pread(info.header_offset, _LOCAL_HEADER.size)
+    if len(head) != _LOCAL_HEADER.size:
+        raise CorruptCheckpointError(f"{where}: archive entry {info.filename} is cut off")
+    sig, *_, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+    if sig != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{where}: bad zip local header for {info.filename}")
+    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if start + info.file_size > f._len:
+        raise CorruptCheckpointError(
+            f"{where}: archive entry {info.filename} runs past the end of its item (truncated)"
+        )
+    return start
+
+
+# ---------------------------------------------------------------------------------------------
+# data.pkl: a restricted unpickler that describes the tensor instead of building it
+
+_TYPED_STORAGES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+}
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: str | None  # None: UntypedStorage (numel counts bytes)
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: str | None
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorDesc:
+    storage: _StorageRef
+    storage_offset: int
+    size: Any
+    stride: Any
+    dtype: str | None
+
+
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorDesc:
+    return _TensorDesc(storage, offset, size, stride, getattr(storage, "dtype", None))
+
+
+def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, _grad: Any, _hooks: Any,
+                dtype: Any, *rest: Any) -> _TensorDesc:
+    return _TensorDesc(storage, offset, size, stride, getattr(dtype, "name", None))
+
+
+def _resolve_data_pkl(module: str, name: str) -> Any:
+    if module == "torch._utils" and name == "_rebuild_tensor_v2":
+        return _rebuild_v2
+    if module == "torch._utils" and name == "_rebuild_tensor_v3":
+        return _rebuild_v3
+    if module in ("torch", "torch.storage") and name == "UntypedStorage":
+        return _StorageType(None)
+    if module == "torch" and name in _TYPED_STORAGES:
+        return _StorageType(_TYPED_STORAGES[name])
+    if module == "collections" and name == "OrderedDict":
+        return OrderedDict
+    return resolve_torch_dtype(module, name)
+
+
+def _persistent(where: str):
+    def load(pid: Any) -> _StorageRef:
+        ok = isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+        if not ok or not isinstance(pid[1], _StorageType) or not isinstance(pid[4], int):
+            raise CorruptCheckpointError(f"{where}: unexpected storage reference {pid!r}")
+        return _StorageRef(str(pid[2]), pid[1].dtype, pid[4])
+
+    return load
+
+
+# ---------------------------------------------------------------------------------------------
+# The parsed archive
+
+
+@dataclass(frozen=True)
+class ArchiveTensor:
+    """A chunk's tensor as stored: dtype, size, stride and storage offset (elements), and the
+    raw storage bytes ``[data_start, data_start + data_length)`` inside the item, with their CRC-32.
+    """
+
+    dtype: str
+    size: Shape
+    stride: Shape
+    storage_offset: int
+    storage_numel: int
+    data_start: int
+    data_length: int
+    data_crc: int
+
+    @property
+    def itemsize(self) -> int:
+        return getattr(torch, self.dtype).itemsize
+
+
+def _ints(value: Any, what: str, where: str) -> Shape:
+    if not isinstance(value, (tuple, list)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise CorruptCheckpointError(f"{where}: bad tensor {what} {value!r} in data.pkl")
+    return tuple(value)
+
+
+def _check_byteorder(f: _ItemFile, entries: dict[str, Entry], prefix: str, where: str) -> None:
+    e = entries.get(prefix + "byteorder")
+    if e is not None and e.size <= 16:
+        order = bytes(f.pread(e.start, e.size)).decode("ascii", "replace")
+        if order != "little":
+            raise UnsupportedError(f"{where}: archive byte order {order!r}; only little-endian")
+
+
+def _find_data_pkl(entries: dict[str, Entry], where: str) -> tuple[str, Entry]:
+    found = [e for n, e in entries.items() if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(found) != 1:
+        raise CorruptCheckpointError(f"{where}: archive has no single <name>/data.pkl entry")
+    return found[0].name[: -len("data.pkl")], found[0]
+
+
+def parse_tensor_archive(read: ReadAt, where: str, dtype: str, size: Shape) -> ArchiveTensor:
+    """Parse the chunk archive read by ``read`` and check it holds a ``dtype`` tensor of ``size``.
+
+    ``where`` names the file and key in error messages.
+    """
+    f = _ItemFile(read)
+    if bytes(f.pread(0, 4)) != b"PK\x03\x04":
+        raise CorruptCheckpointError(
+            f"{where}: item does not start with a torch.save zip archive (damaged file, or a "
+            "checkpoint written with another serialization format)"
+        )
+    entries = _entries(f, where)
+    prefix, pkl = _find_data_pkl(entries, where)
+    if pkl.size > MAX_DATA_PKL_BYTES:
+        raise CorruptCheckpointError(f"{where}: data.pkl is {pkl.size} bytes; not a tensor chunk")
+    _check_byteorder(f, entries, prefix, where)
+    desc = safe_loads(bytes(f.pread(pkl.start, pkl.size)), f"{where} (data.pkl)",
+                      _resolve_data_pkl, _persistent(where))
+    if not isinstance(desc, _TensorDesc) or not isinstance(desc.storage, _StorageRef):
+        raise CorruptCheckpointError(f"{where}: chunk archive does not hold a plain tensor")
+    return _describe(desc, entries, prefix, where, dtype, size)
+
+
+def _describe(desc: _TensorDesc, entries: dict[str, Entry], prefix: str, where: str,
+              dtype: str, size: Shape) -> ArchiveTensor:
+    if desc.dtype != dtype:
+        raise CorruptCheckpointError(f"{where}: chunk holds {desc.dtype}, metadata says {dtype}")
+    got_size = _ints(desc.size, "size", where)
+    stride = _ints(desc.stride, "stride", where)
+    if got_size != tuple(size) or len(stride) != len(got_size):
+        raise CorruptCheckpointError(
+            f"{where}: chunk has shape {list(got_size)}, metadata says {list(size)}"
+        )
+    offset = desc.storage_offset
+    if not isinstance(offset, int) or offset < 0:
+        raise CorruptCheckpointError(f"{where}: bad storage offset {offset!r}")
+    entry = entries.get(f"{prefix}data/{desc.storage.key}")
+    if entry is None:
+        raise CorruptCheckpointError(f"{where}: archive lacks storage {desc.storage.key!r}")
+    itemsize = getattr(torch, dtype).itemsize
+    nbytes = desc.storage.numel * (1 if desc.storage.dtype is None else itemsize)
+    if entry.size != nbytes or nbytes % itemsize:
+        raise CorruptCheckpointError(
+            f"{where}: storage holds {entry.size} bytes, expected {nbytes} (damaged archive)"
+        )
+    numel_storage = nbytes // itemsize
+    if 0 not in got_size:
+        last = offset + sum((s - 1) * st for s, st in zip(got_size, stride))
+        if last >= numel_storage:
+            raise CorruptCheckpointError(f"{where}: tensor view runs past its storage")
+    return ArchiveTensor(dtype, got_size, stride, offset, numel_storage, entry.start, entry.size,
+                         entry.crc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading regions, CRC checks, transforms
+
+
+def read_region(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) -> torch.Tensor:
+    """A new contiguous tensor with the box (``offsets``, ``sizes``) in chunk-local coordinates.
+
+    Reads only the bytes between the box's first and last element (stored strides honoured).
+    """
+    dtype = getattr(torch, at.dtype)
+    if any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, at.size)) or len(sizes) != len(
+        at.size
+    ):
+        raise ValueError(f"region {offsets}+{sizes} is not inside the chunk {at.size}")
+    if 0 in sizes:
+        return torch.empty(sizes, dtype=dtype)
+    first = at.storage_offset + sum(o * st for o, st in zip(offsets, at.stride))
+    span = 1 + sum((s - 1) * st for s, st in zip(sizes, at.stride))
+    isz = at.itemsize
+    buf = read(at.data_start + first * isz, span * isz)
+    flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
+    view = flat.as_strided(sizes, at.stride, 0)
+    if view.is_contiguous() and view.numel() == span:
+        return view
+    return view.clone(memory_format=torch.contiguous_format)
+
+
+def verify_crc(at: ArchiveTensor, read: ReadAt, where: str) -> None:
+    """Check the zip CRC-32 of the chunk's storage bytes (``torch.load`` never does)."""
+    crc, pos, end = 0, at.data_start, at.data_start + at.data_length
+    while pos < end:
+        n = min(_CRC_BLOCK, end - pos)
+        crc = zlib.crc32(read(pos, n), crc)
+        pos += n
+    if crc != at.data_crc:
+        raise CorruptCheckpointError(
+            f"{where}: CRC-32 mismatch in the chunk data ({crc:08x} != {at.data_crc:08x}); "
+            "the bytes are damaged"
+        )
+
+
+def check_transforms(transforms: Sequence[str], where: str) -> None:
+    """Refuse stream transforms other than ``stream.zstd/1`` (UnsupportedError)."""
+    for desc in transforms:
+        name, _, version = desc.partition("/")
+        if name != _ZSTD or version.partition(".")[0] != "1":
+            raise UnsupportedError(
+                f"{where}: unsupported stream transform {desc!r} (supported: stream.zstd/1)"
+            )
+
+
+def decode_item(data: bytes, transforms: Sequence[str], where: str, limit: int) -> bytes:
+    """Undo the item's stream transforms (in the listed order), refusing output over ``limit``."""
+    check_transforms(transforms, where)
+    for _ in transforms:
+        data = _unzstd(data, where, limit)
+    return data
+
+
+def _unzstd(data: bytes, where: str, limit: int) -> bytes:
+    import zstandard
+
+    out = bytearray()
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
+        with reader:
+            while chunk := reader.read(1 << 20):
+                out += chunk
+                if len(out) > limit:
+                    raise CorruptCheckpointError(
+                        f"{where}: zstd stream expands past {limit} bytes (damaged or hostile)"
+                    )
+    except zstandard.ZstdError as exc:
+        raise CorruptCheckpointError(f"{where}: damaged zstd stream ({exc})") from None
+    return bytes(out)
