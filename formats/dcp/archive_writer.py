@@ -1,0 +1,410 @@
+"""Streaming writer of the ``torch.save`` zip archive that holds one DCP tensor chunk.
+
+``torch.save(t, f)`` (torch 2.13, a file object, so the archive folder is ``archive/``) writes, in
+this order, STORED (uncompressed) records whose data start on 64-byte boundaries of the archive:
+``data.pkl``, ``.format_version`` (``1``), ``.storage_alignment`` (``64``), ``byteorder``
+(``little``), ``data/0`` (the raw storage bytes), ``version`` (``3\\n``) and
+``.data/serialization_id``, then the central directory, a zip64 end record and its locator, and the
+end record. Every local header carries zero CRC and sizes; records with data are followed by a
+data descriptor holding them (miniz's writer, ``MZ_ZIP_FLAG_WRITE_ZIP64``; see ``_RecordLayout``).
+
+Everything except the CRC-32 of ``data/0`` (and the serialization id derived from it) depends only
+on (dtype, shape). So the archive's size and layout are known up front, the part before the tensor
+bytes is written at construction, the bytes stream in through :meth:`TensorArchiveWriter.write`,
+and :meth:`TensorArchiveWriter.close` writes the tail. All writes are ``os.pwrite`` at absolute
+offsets, so many archives of one file can be written concurrently from different threads.
+
+The output is byte-identical to ``torch.save`` (tests compare), serialization id included.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import struct
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from formats.dtypes import by_name
+from formats.errors import IncompleteCheckpointError, InvalidCheckpointError
+
+Shape = tuple[int, ...]
+
+ALIGNMENT = 64
+_U32 = 0xFFFFFFFF
+_U64 = (1 << 64) - 1
+_PREFIX = b"archive/"
+_LOCAL_SIG = b"PK\x03\x04"
+_DESCRIPTOR_SIG = b"PK\x07\x08"
+_CENTRAL_SIG = b"PK\x01\x02"
+_FLAG_UTF8 = 0x0800
+_FLAG_DESCRIPTOR = 0x0008
+_ZIP64_EXTRA_ID = 0x0001
+
+# Record contents that never change (torch.save on a little-endian host).
+_FORMAT_VERSION = b"1"
+_STORAGE_ALIGNMENT = str(ALIGNMENT).encode()
+_BYTEORDER = b"little"
+_VERSION = b"3\n"
+_SERIALIZATION_ID_LEN = 40
+#: First half of ``.data/serialization_id``: torch combines std::hash of every record name; the
+#: record names are the same for every tensor archive, so this is a constant (libstdc++ builds).
+_RECORD_NAME_HASH = 15728199511854643026
+
+_RECORD_NAMES = (
+    b"data.pkl",
+    b".format_version",
+    b".storage_alignment",
+    b"byteorder",
+    b"data/0",
+    b"version",
+    b".data/serialization_id",
+)
+_DATA = 4  # index of data/0 in _RECORD_NAMES
+
+
+# ----------------------------------------------------------------------------- data.pkl
+
+
+class _StorageRef:
+    """Stands for the tensor's storage in the pickle (emitted as a persistent id)."""
+
+    def __init__(self, storage_type: type, numel: int) -> None:
+        self.pid = ("storage", storage_type, "0", "cpu", numel)
+
+
+class _TensorRef:
+    """Pickles exactly as ``Tensor._reduce_ex_internal`` does for a contiguous CPU tensor."""
+
+    def __init__(self, dtype: torch.dtype, shape: Shape) -> None:
+        self.dtype = dtype
+        self.shape = shape
+
+    def __reduce_ex__(self, proto):  # noqa: ARG002 - pickle protocol hook
+        numel = math.prod(self.shape)
+        size = tuple(list(self.shape))
+        stride = tuple(list(contiguous_strides(self.shape)))
+        if self.dtype in torch.storage._new_dtypes():
+            nbytes = numel * self.dtype.itemsize
+            storage = _StorageRef(torch.UntypedStorage, nbytes)
+            args = (storage, 0, size, stride, False, OrderedDict(), self.dtype)
+            return (torch._utils._rebuild_tensor_v3, args)
+        storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[self.dtype])
+        storage = _StorageRef(storage_type, numel)
+        return (torch._utils._rebuild_tensor_v2, (storage, 0, size, stride, False, OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        return obj.pid if isinstance(obj, _StorageRef) else None
+
+
+def contiguous_strides(shape: Shape) -> Shape:
+    """The strides torch gives a contiguous tensor of ``shape`` (size-0 dims count as 1)."""
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+@lru_cache(maxsize=4096)
+def data_pkl(dtype_name: str, shape: Shape) -> bytes:
+    """The ``archive/data.pkl`` that ``torch.save`` writes for a contiguous tensor (protocol 2)."""
+    dtype = by_name(dtype_name).torch_dtype
+    buf = _BytesSink()
+    _Pickler(buf, protocol=2).dump(_TensorRef(dtype, tuple(int(s) for s in shape)))
+    return buf.value()
+
+
+class _BytesSink:
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def write(self, b) -> int:
+        self._parts.append(bytes(b))
+        return len(b)
+
+    def value(self) -> bytes:
+        return b"".join(self._parts)
+
+
+# ----------------------------------------------------------------------------- zip layout
+
+
+@dataclass(frozen=True)
+class _RecordLayout:
+    """Where one record lies in the archive, exactly as miniz + PyTorchStreamWriter place it."""
+
+    name: bytes  # full name, "archive/..."
+    header_offset: int
+    size: int
+
+    @property
+    def zip64(self) -> bool:
+        return self.size >= _U32 or self.header_offset >= _U32
+
+    @property
+    def flags(self) -> int:
+        return _FLAG_UTF8 | (_FLAG_DESCRIPTOR if self.size else 0)
+
+    def _zip64_extra(self, comp_size: int) -> bytes:
+        if not self.zip64:
+            return b""
+        fields = b""
+        if self.size >= _U32:
+            fields += struct.pack("<QQ", self.size, comp_size)
+        if self.header_offset >= _U32:
+            fields += struct.pack("<Q", self.header_offset)
+        return struct.pack("<HH", _ZIP64_EXTRA_ID, len(fields)) + fields
+
+    @property
+    def padding(self) -> int:
+        start = self.header_offset + 30 + len(self.name) + 4 + len(self._zip64_extra(0))
+        return -start % ALIGNMENT
+
+    @property
+    def data_offset(self) -> int:
+        return self.header_offset + 30 + len(self.name) + len(self._zip64_extra(0)) + 4 + self.padding
+
+    @property
+    def descriptor_size(self) -> int:
+        if not self.size:
+            return 0
+        return 24 if self.zip64 else 16
+
+    @property
+    def end(self) -> int:
+        return self.data_offset + self.size + self.descriptor_size
+
+    def local_header(self) -> bytes:
+        """Local header + name + zip64 extra + the ``FB`` alignment extra (CRC/sizes are 0)."""
+        extra = self._zip64_extra(0) + b"FB" + struct.pack("<H", self.padding) + b"Z" * self.padding
+        head = struct.pack(
+            "<4sHHHHHIIIHH", _LOCAL_SIG, 0, self.flags, 0, 0, 0, 0, 0, 0, len(self.name), len(extra)
+        )
+        return head + self.name + extra
+
+    def descriptor(self, crc: int) -> bytes:
+        if not self.size:
+            return b""
+        if self.zip64:
+            return _DESCRIPTOR_SIG + struct.pack("<IQQ", crc, self.size, self.size)
+        return _DESCRIPTOR_SIG + struct.pack("<III", crc, self.size, self.size)
+
+    def central_header(self, crc: int) -> bytes:
+        extra = self._zip64_extra(self.size)
+        head = struct.pack(
+            "<4sHHHHHHIIIHHHHHII",
+            _CENTRAL_SIG,
+            0,  # version made by
+            0,  # version needed (STORED)
+            self.flags,
+            0,  # method
+            0,  # time
+            0,  # date
+            crc,
+            min(self.size, _U32),
+            min(self.size, _U32),
+            len(self.name),
+            len(extra),
+            0,  # comment length
+            0,  # disk
+            0,  # internal attributes
+            0,  # external attributes
+            min(self.header_offset, _U32),
+        )
+        return head + self.name + extra
+
+
+@dataclass(frozen=True)
+class ArchiveLayout:
+    """The full layout of one tensor archive (a pure function of dtype and shape)."""
+
+    records: tuple[_RecordLayout, ...]
+    central_offset: int
+    central_size: int
+
+    @property
+    def size(self) -> int:
+        return self.central_offset + self.central_size + 56 + 20 + 22
+
+    @property
+    def data_offset(self) -> int:
+        """Offset of the first tensor byte relative to the archive start (64-byte aligned)."""
+        return self.records[_DATA].data_offset
+
+    @property
+    def nbytes(self) -> int:
+        return self.records[_DATA].size
+
+    def end_records(self) -> bytes:
+        """zip64 end-of-central-directory record, its locator, and the classic end record."""
+        n = len(self.records)
+        z64_offset = self.central_offset + self.central_size
+        z64 = struct.pack(
+            "<4sQHHIIQQQQ", b"PK\x06\x06", 44, 0x031E, 0x002D, 0, 0, n, n,
+            self.central_size, self.central_offset,
+        )
+        locator = struct.pack("<4sIQI", b"PK\x06\x07", 0, z64_offset, 1)
+        eocd = struct.pack(
+            "<4sHHHHIIH", b"PK\x05\x06", 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+            min(self.central_size, _U32), min(self.central_offset, _U32), 0,
+        )
+        return z64 + locator + eocd
+
+
+@lru_cache(maxsize=4096)
+def archive_layout(dtype_name: str, shape: Shape) -> ArchiveLayout:
+    """The layout of the archive ``torch.save`` writes for a contiguous tensor of this kind."""
+    shape = tuple(int(s) for s in shape)
+    nbytes = math.prod(shape) * by_name(dtype_name).itemsize
+    sizes = (
+        len(data_pkl(dtype_name, shape)),
+        len(_FORMAT_VERSION),
+        len(_STORAGE_ALIGNMENT),
+        len(_BYTEORDER),
+        nbytes,
+        len(_VERSION),
+        _SERIALIZATION_ID_LEN,
+    )
+    records, cursor = [], 0
+    for name, size in zip(_RECORD_NAMES, sizes):
+        rec = _RecordLayout(_PREFIX + name, cursor, size)
+        records.append(rec)
+        cursor = rec.end
+    central_size = sum(len(r.central_header(0)) for r in records)
+    return ArchiveLayout(tuple(records), cursor, central_size)
+
+
+def archive_size(dtype_name: str, shape: Shape) -> int:
+    """Total size in bytes of the archive holding a tensor of ``dtype_name`` and ``shape``."""
+    return archive_layout(dtype_name, tuple(shape)).size
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    """``c10::hash_combine`` on 64-bit size_t."""
+    return (seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _U64)) & _U64
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+# ----------------------------------------------------------------------------- the writer
+
+
+class TensorArchiveWriter:
+    """Writes one tensor's ``torch.save`` archive at ``file_offset`` of ``fd``, streaming.
+
+    Construction writes everything before the tensor bytes. :meth:`write` takes contiguous pieces
+    in C order (any sizes, summing to the whole tensor); :meth:`close` writes the tail (data
+    descriptor, ``version``, serialization id, central directory). One writer is used by one
+    thread at a time; different writers may share ``fd`` across threads.
+    """
+
+    def __init__(self, fd: int, file_offset: int, dtype_name: str, shape: Shape) -> None:
+        self._fd = fd
+        self._base = file_offset
+        self._dtype = by_name(dtype_name)
+        self._shape = tuple(int(s) for s in shape)
+        self._layout = archive_layout(self._dtype.name, self._shape)
+        self._written = 0
+        self._crc = 0
+        self._head = b""  # first bytes of data/0 (torch's serialization id peeks at them)
+        self._closed = False
+        self._write_prefix()
+
+    @property
+    def size(self) -> int:
+        """Total archive size in bytes."""
+        return self._layout.size
+
+    @property
+    def nbytes(self) -> int:
+        """Number of tensor bytes the archive holds."""
+        return self._layout.nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _write_prefix(self) -> None:
+        recs = self._layout.records
+        contents = (data_pkl(self._dtype.name, self._shape), _FORMAT_VERSION, _STORAGE_ALIGNMENT, _BYTEORDER)
+        parts = []
+        for rec, body in zip(recs, contents):
+            parts += [rec.local_header(), body, rec.descriptor(zlib.crc32(body))]
+        parts.append(recs[_DATA].local_header())
+        _pwrite_all(self._fd, b"".join(parts), self._base)
+
+    def write(self, piece: torch.Tensor) -> None:
+        """Append the bytes of ``piece`` (contiguous CPU tensor of the archive's dtype)."""
+        if self._closed:
+            raise InvalidCheckpointError(f"write after close of a {self._dtype.name}{list(self._shape)} archive")
+        if piece.dtype != self._dtype.torch_dtype or piece.device.type != "cpu":
+            raise InvalidCheckpointError(
+                f"piece is {piece.dtype} on {piece.device}, archive expects {self._dtype.name} on cpu; "
+                "convert the piece before writing"
+            )
+        if not piece.is_contiguous():
+            raise InvalidCheckpointError("piece is not contiguous; pass piece.contiguous() in C order")
+        if piece.numel() == 0:
+            return
+        data = piece.reshape(-1).view(torch.uint8).numpy()
+        if self._written + data.nbytes > self.nbytes:
+            raise InvalidCheckpointError(
+                f"pieces exceed the {self.nbytes} bytes of a {self._dtype.name}{list(self._shape)} chunk"
+            )
+        if len(self._head) < 8:
+            self._head += data[: 8 - len(self._head)].tobytes()
+        _pwrite_all(self._fd, data, self._base + self._layout.data_offset + self._written)
+        self._crc = zlib.crc32(data, self._crc)
+        self._written += data.nbytes
+
+    def close(self) -> None:
+        """Write the tail: data descriptor, ``version``, serialization id, central directory."""
+        if self._closed:
+            return
+        if self._written != self.nbytes:
+            raise IncompleteCheckpointError(
+                f"{self._dtype.name}{list(self._shape)} chunk got {self._written} of {self.nbytes} bytes; "
+                "write every piece before close()"
+            )
+        _pwrite_all(self._fd, self._tail(), self._base + self._layout.data_offset + self.nbytes)
+        self._closed = True
+
+    def _record_crcs(self) -> list[int]:
+        small = (data_pkl(self._dtype.name, self._shape), _FORMAT_VERSION, _STORAGE_ALIGNMENT, _BYTEORDER)
+        return [zlib.crc32(b) for b in small] + [self._crc, zlib.crc32(_VERSION)]
+
+    def _serialization_id(self, crcs: list[int]) -> bytes:
+        combined = 0
+        for i, crc in enumerate(crcs):
+            # torch folds in the CRC from every write that starts with a data-descriptor signature,
+            # which includes a data/0 payload that happens to start with one.
+            if i == _DATA and len(self._head) >= 8 and self._head[:4] == _DESCRIPTOR_SIG:
+                combined = _hash_combine(combined, struct.unpack("<I", self._head[4:8])[0])
+            if self._layout.records[i].size:
+                combined = _hash_combine(combined, crc)
+        return f"{_RECORD_NAME_HASH:020d}{combined:020d}".encode()
+
+    def _tail(self) -> bytes:
+        recs = self._layout.records
+        crcs = self._record_crcs()
+        sid = self._serialization_id(crcs)
+        crcs.append(zlib.crc32(sid))
+        parts = [recs[_DATA].descriptor(self._crc)]
+        for rec, body in ((recs[5], _VERSION), (recs[6], sid)):
+            parts += [rec.local_header(), body, rec.descriptor(zlib.crc32(body))]
+        parts += [rec.central_header(crc) for rec, crc in zip(recs, crcs)]
+        parts.append(self._layout.end_records())
+        return b"".join(parts)

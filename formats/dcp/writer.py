@@ -1,0 +1,385 @@
+"""Writing a DCP checkpoint from one process, streaming, with no process group.
+
+A :class:`DCPWriter` is built from the full list of chunks (tensor boxes and the rank whose file
+holds them) and objects (already serialized with ``torch.save``). Construction validates that every
+tensor is covered exactly once and computes the whole layout: each rank's file holds its objects
+first, then its tensor chunks, each a ``torch.save`` archive whose size depends only on (dtype,
+shape). Then:
+
+- :meth:`DCPWriter.prepare` creates every rank's file at its final size (also done on first use);
+- :meth:`DCPWriter.open_chunk` returns a sink taking the chunk's bytes in C order (thread-safe
+  across chunks: each sink ``pwrite``\\ s at its own offsets);
+- :meth:`DCPWriter.write_objects` writes the objects verbatim;
+- :meth:`DCPWriter.commit` checks every chunk was closed, fsyncs the data and publishes ``.metadata``
+  atomically. Nothing is named ``.metadata`` before that; :meth:`DCPWriter.abort` removes the data.
+
+The ``.metadata`` matches what ``dcp.save`` (torch 2.13, ``FileSystemWriter``) writes: the same
+``TensorProperties`` defaults, ``MetadataIndex(fqn, offsets, index)`` keys, ``_StorageInfo`` values,
+``StorageMeta(checkpoint_id=Path(root), save_id=uuid4)`` and ``version="1.0.0"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pickle
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from formats.base import Box
+from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
+from formats.dtypes import by_name
+from formats.errors import ConfigError, DestinationError, IncompleteCheckpointError
+from formats.fsutil import atomic_write_bytes, fsync_dir, safe_join
+
+METADATA_NAME = ".metadata"
+DCP_VERSION = "1.0.0"
+
+
+def default_file_name(rank: int) -> str:
+    """The data file ``FileSystemWriter`` gives ``rank`` (one file per rank, thread_count=1)."""
+    return f"__{rank}_0.distcp"
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One stored chunk: tensor ``key`` of ``dtype`` and ``global_shape``, its ``box``, the file
+    owner ``rank``."""
+
+    key: str
+    dtype: str  # torch name, e.g. "bfloat16"
+    global_shape: tuple[int, ...]
+    box: Box
+    rank: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", by_name(self.dtype).name)
+        object.__setattr__(self, "global_shape", tuple(int(s) for s in self.global_shape))
+        box = Box(tuple(int(o) for o in self.box.offsets), tuple(int(s) for s in self.box.sizes))
+        object.__setattr__(self, "box", box)
+
+
+@dataclass(frozen=True)
+class ObjectSpec:
+    """A non-tensor entry: ``data`` is the ``torch.save`` pickle of the value, written verbatim."""
+
+    key: str
+    data: bytes
+    rank: int
+
+
+@dataclass(frozen=True)
+class ItemLocation:
+    """Where an item's bytes lie: file (relative to the root), offset and length."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_box(spec: ChunkSpec) -> None:
+    shape, box = spec.global_shape, spec.box
+    if len(box.offsets) != len(shape) or len(box.sizes) != len(shape):
+        raise ConfigError(f"chunk of {spec.key!r}: box {box.to_json()} has the wrong rank for shape {list(shape)}")
+    for o, s, d in zip(box.offsets, box.sizes, shape):
+        if o < 0 or s < 0 or o + s > d:
+            raise ConfigError(f"chunk of {spec.key!r}: box {box.to_json()} lies outside shape {list(shape)}")
+
+
+def _check_disjoint(key: str, boxes: list[Box]) -> None:
+    """Raise unless the non-empty ``boxes`` are pairwise disjoint (vectorized, O(n^2))."""
+    full = [b for b in boxes if b.numel]
+    if len(full) < 2 or not full[0].ndim:
+        if len(full) > 1:
+            raise ConfigError(f"tensor {key!r} (0-d) has {len(full)} chunks; it needs exactly one")
+        return
+    lo = np.array([b.offsets for b in full], dtype=np.int64)
+    hi = np.array([b.ends for b in full], dtype=np.int64)
+    for i in range(len(full) - 1):
+        overlap = np.all(np.minimum(hi[i], hi[i + 1 :]) > np.maximum(lo[i], lo[i + 1 :]), axis=1)
+        if overlap.any():
+            j = i + 1 + int(np.argmax(overlap))
+            raise ConfigError(
+                f"tensor {key!r}: chunks {full[i].to_json()} and {full[j].to_json()} overlap; "
+                "each element must be stored once"
+            )
+
+
+def _group_chunks(chunks: Sequence[ChunkSpec]) -> dict[str, list[ChunkSpec]]:
+    """Chunks by key (given order kept), validated: one dtype and shape per key, in bounds,
+    disjoint, covering. Identical empty boxes of one key are kept once (``dcp.save`` deduplicates
+    them the same way).
+    """
+    by_key: dict[str, list[ChunkSpec]] = {}
+    for spec in chunks:
+        first = by_key.setdefault(spec.key, [spec])[0]
+        if (spec.dtype, spec.global_shape) != (first.dtype, first.global_shape):
+            raise ConfigError(
+                f"tensor {spec.key!r}: chunks disagree on dtype/shape "
+                f"({first.dtype}{list(first.global_shape)} vs {spec.dtype}{list(spec.global_shape)})"
+            )
+        _check_box(spec)
+        if spec is not first and not any(spec.box == s.box and not s.box.numel for s in by_key[spec.key]):
+            by_key[spec.key].append(spec)
+    for key, specs in by_key.items():
+        total = math.prod(specs[0].global_shape)
+        stored = sum(s.box.numel for s in specs)
+        _check_disjoint(key, [s.box for s in specs])
+        if stored != total:
+            raise ConfigError(f"tensor {key!r}: chunks hold {stored} of its {total} elements; cover it exactly once")
+    return by_key
+
+
+def _check_names(
+    chunks: Sequence[ChunkSpec], objects: Sequence[ObjectSpec], planner_data: Mapping[str, tuple], world_size: int
+) -> None:
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    for item in (*chunks, *objects):
+        if not 0 <= item.rank < world_size:
+            raise ConfigError(f"item {item.key!r}: rank {item.rank} is outside world size {world_size}")
+    tensor_keys = {c.key for c in chunks}
+    object_keys = [o.key for o in objects]
+    if len(set(object_keys)) != len(object_keys) or tensor_keys & set(object_keys):
+        dup = sorted({k for k in object_keys if object_keys.count(k) > 1 or k in tensor_keys})
+        raise ConfigError(f"keys stored twice: {dup}; each key is one tensor or one object")
+    missing = (tensor_keys | set(object_keys)) ^ set(planner_data)
+    if missing:
+        raise ConfigError(f"planner_data must name exactly the stored keys; mismatched: {sorted(missing)[:5]}")
+
+
+# ----------------------------------------------------------------------------- the writer
+
+
+class DCPWriter:
+    """Writes a DCP checkpoint (``.distcp`` files + ``.metadata``) from one process, streaming."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        chunks: Sequence[ChunkSpec],
+        objects: Sequence[ObjectSpec],
+        planner_data: Mapping[str, tuple],
+        world_size: int,
+        *,
+        file_name: Callable[[int], str] = default_file_name,
+    ) -> None:
+        _check_names(chunks, objects, planner_data, world_size)
+        self.root = Path(root)
+        self.world_size = world_size
+        self._files = {r: file_name(r) for r in range(world_size)}
+        if len(set(self._files.values())) != world_size:
+            raise ConfigError("file_name must give each rank its own file")
+        self._tensors = _group_chunks(chunks)
+        kept = {id(s) for specs in self._tensors.values() for s in specs}
+        self._chunks = [s for s in chunks if id(s) in kept]  # given order, duplicates dropped
+        self._objects = list(objects)
+        self._planner_data = {k: tuple(v) for k, v in planner_data.items()}
+        self._chunk_loc, self._object_loc, self._sizes = self._compute_layout()
+        self._lock = threading.Lock()
+        self._fds: dict[int, int] = {}
+        self._sinks: dict[tuple, TensorArchiveWriter] = {}
+        self._objects_written = False
+        self._state = "new"  # new -> prepared -> committed | aborted
+
+    # -- layout (pure) -------------------------------------------------------------------------
+
+    def _compute_layout(self):
+        cursor = dict.fromkeys(range(self.world_size), 0)
+        object_loc, chunk_loc = {}, {}
+        for obj in self._objects:
+            object_loc[obj.key] = ItemLocation(self._files[obj.rank], cursor[obj.rank], len(obj.data))
+            cursor[obj.rank] += len(obj.data)
+        for spec in self._chunks:
+            length = archive_size(spec.dtype, spec.box.sizes)
+            chunk_loc[_chunk_id(spec)] = ItemLocation(self._files[spec.rank], cursor[spec.rank], length)
+            cursor[spec.rank] += length
+        return chunk_loc, object_loc, cursor
+
+    def layout(self) -> dict[int, int]:
+        """Rank -> size in bytes of its data file (every rank has one, possibly empty)."""
+        return dict(self._sizes)
+
+    def location(self, item: ChunkSpec | ObjectSpec | str) -> ItemLocation:
+        """Where a chunk's archive (or an object's bytes, by spec or key) lies."""
+        if isinstance(item, ChunkSpec):
+            return self._chunk_loc[_chunk_id(item)]
+        return self._object_loc[item.key if isinstance(item, ObjectSpec) else item]
+
+    # -- I/O -----------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create the root and every rank's data file at its final size (idempotent)."""
+        with self._lock:
+            self._check_state("prepare")
+            if self._state == "prepared":
+                return
+            self.root.mkdir(parents=True, exist_ok=True)
+            if (self.root / METADATA_NAME).exists():
+                raise DestinationError(f"{self.root} already holds a checkpoint ({METADATA_NAME}); write to an empty directory")
+            try:
+                for rank, name in self._files.items():
+                    fd = os.open(safe_join(self.root, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                    self._fds[rank] = fd
+                    os.ftruncate(fd, self._sizes[rank])
+            except BaseException:
+                self._close_fds()
+                raise
+            self._state = "prepared"
+
+    def open_chunk(self, spec: ChunkSpec) -> TensorArchiveWriter:
+        """A sink for ``spec``'s bytes: ``.write(piece)`` in C order, then ``.close()``."""
+        cid = _chunk_id(spec)
+        if cid not in self._chunk_loc:
+            if any(spec.box == s.box and not s.box.numel for s in self._tensors.get(spec.key, ())):
+                return _EmptySink(spec)  # a deduplicated empty chunk: nothing to store
+            raise ConfigError(f"chunk {spec.key!r} {spec.box.to_json()} of rank {spec.rank} is not in this writer's plan")
+        self.prepare()
+        loc = self._chunk_loc[cid]
+        with self._lock:
+            self._check_state("open_chunk")
+            if cid in self._sinks:
+                raise ConfigError(f"chunk {spec.key!r} {spec.box.to_json()} was opened twice; write each chunk once")
+            sink = TensorArchiveWriter(self._fds[spec.rank], loc.offset, spec.dtype, spec.box.sizes)
+            self._sinks[cid] = sink
+        return sink
+
+    def write_objects(self) -> None:
+        """Write every object's bytes at its offset (idempotent)."""
+        self.prepare()
+        with self._lock:
+            self._check_state("write_objects")
+            if self._objects_written:
+                return
+            for obj in self._objects:
+                _pwrite_all(self._fds[obj.rank], obj.data, self._object_loc[obj.key].offset)
+            self._objects_written = True
+
+    def commit(self) -> None:
+        """Check completeness, fsync the data files, then publish ``.metadata`` atomically."""
+        self.write_objects()
+        with self._lock:
+            self._check_state("commit")
+            unclosed = [cid for cid in self._chunk_loc if cid not in self._sinks or not self._sinks[cid].closed]
+            if unclosed:
+                key, _, offsets, _ = unclosed[0]
+                raise IncompleteCheckpointError(
+                    f"{self.root}: {len(unclosed)} chunk(s) not written and closed, e.g. {key!r} at {list(offsets)}; "
+                    "close every chunk before commit()"
+                )
+            for fd in self._fds.values():
+                os.fsync(fd)
+            self._close_fds()
+            fsync_dir(self.root)
+            atomic_write_bytes(self.root / METADATA_NAME, pickle.dumps(self.metadata()))
+            self._state = "committed"
+
+    def abort(self) -> None:
+        """Close the files and remove the data this writer created; never leaves a ``.metadata``."""
+        with self._lock:
+            if self._state in ("committed", "aborted"):
+                return
+            self._close_fds()
+            if self._state == "prepared":
+                for name in self._files.values():
+                    try:
+                        os.unlink(self.root / name)
+                    except FileNotFoundError:
+                        pass
+            self._state = "aborted"
+
+    def __enter__(self) -> DCPWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def _check_state(self, action: str) -> None:
+        if self._state in ("committed", "aborted"):
+            raise ConfigError(f"{action}() on a DCPWriter for {self.root} that is already {self._state}")
+
+    def _close_fds(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    # -- metadata ------------------------------------------------------------------------------
+
+    def metadata(self) -> Metadata:
+        """The ``Metadata`` that ``commit`` pickles into ``.metadata``."""
+        sd_md: dict = {k: BytesStorageMetadata() for k in self._object_loc}
+        index: dict[tuple, MetadataIndex] = {}
+        for key, specs in self._tensors.items():
+            specs = sorted(specs, key=lambda s: s.rank)  # dcp.save gathers plans in rank order
+            sd_md[key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=by_name(specs[0].dtype).torch_dtype),
+                size=torch.Size(specs[0].global_shape),
+                chunks=[ChunkStorageMetadata(torch.Size(s.box.offsets), torch.Size(s.box.sizes)) for s in specs],
+            )
+            index.update({_chunk_id(s): MetadataIndex(key, s.box.offsets, i) for i, s in enumerate(specs)})
+        items = [(MetadataIndex(o.key), self._object_loc[o.key]) for o in self._objects]
+        items += [(index[_chunk_id(s)], self._chunk_loc[_chunk_id(s)]) for s in self._chunks]
+        ranks = {name: r for r, name in self._files.items()}
+        items.sort(key=lambda it: (ranks[it[1].relative_path], it[1].offset))  # file order, like dcp.save
+        storage = {mi: _StorageInfo(loc.relative_path, loc.offset, loc.length) for mi, loc in items}
+        ordered = {k: sd_md[k] for k in self._planner_data}
+        return _make_metadata(ordered, dict(self._planner_data), storage, self.root)
+
+
+class _EmptySink:
+    """Sink of a deduplicated empty chunk: accepts only empty pieces."""
+
+    closed = False
+
+    def __init__(self, spec: ChunkSpec) -> None:
+        self._spec = spec
+
+    def write(self, piece: torch.Tensor) -> None:
+        if piece.numel():
+            raise ConfigError(f"chunk {self._spec.key!r} {self._spec.box.to_json()} is empty; it takes no data")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _chunk_id(spec: ChunkSpec) -> tuple:
+    return (spec.key, spec.rank, spec.box.offsets, spec.box.sizes)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _make_metadata(sd_md: dict, planner_data: dict, storage: dict, root: Path) -> Metadata:
+    """``Metadata`` with the fields this torch has (storage_meta/version appeared in 2.4/2.9)."""
+    names = {f.name for f in dataclasses.fields(Metadata)}
+    kwargs = {"state_dict_metadata": sd_md, "planner_data": planner_data, "storage_data": storage}
+    if "storage_meta" in names:
+        kwargs["storage_meta"] = StorageMeta(checkpoint_id=root, save_id=str(uuid.uuid4()))
+    if "version" in names:
+        kwargs["version"] = DCP_VERSION
+    return Metadata(**kwargs)
