@@ -31,6 +31,7 @@ class ConversionResult:
     bytes: int
     seconds: float
     plan: str | None = None
+    warnings: tuple[str, ...] = ()
 
 
 class _ChunkSink:

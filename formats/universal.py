@@ -162,8 +162,13 @@ class UniversalWriter:
         for d in (self.root, self.root / TENSORS_DIR):
             (d / "zarr.json").write_text(json.dumps(_GROUP_JSON))
 
-    def add_tensor(self, entry: TensorEntry, atom: str, role: str) -> TensorRecord:
-        """Create the zarr array for ``entry`` (metadata only) and return its record."""
+    def add_tensor(self, entry: TensorEntry, atom: str, role: str, *, source_split: dict[str, int] | None = None,
+                   source_replicated: bool = False, tp_split_dim: int | None = None) -> TensorRecord:
+        """Create the zarr array for ``entry`` (metadata only) and return its record.
+
+        ``source_split`` / ``source_replicated`` / ``tp_split_dim`` record how the source laid the
+        tensor out, for placement plans that follow the source.
+        """
         name = array_name(entry.key)
         if name in self._names:
             name = f"{name}~{xxhash.xxh3_64_hexdigest(entry.key.encode())}"
@@ -179,6 +184,9 @@ class UniversalWriter:
             atom=atom,
             role=role,
             checksums={},
+            source_split=dict(source_split or {}),
+            source_replicated=source_replicated,
+            tp_split_dim=tp_split_dim,
         )
         array_dir = self.root / record.array
         array_dir.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,9 @@ class TensorRecord:
     atom: str
     role: str
     checksums: dict[str, str] = field(default_factory=dict)
+    source_split: dict[str, int] = field(default_factory=dict)
+    source_replicated: bool = False
+    tp_split_dim: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,199 @@
+"""Universal store (or any readable checkpoint) -> DCP laid out for a target mesh.
+
+1. place: the placement plan gives every parameter its placements on the mesh (and PP stage);
+   optimizer states of a parameter follow it, 0-d tensors and other shapes are replicated;
+2. layout: each rank's box per tensor (what ``compute_local_shape_and_global_offset`` gives),
+   deduplicated: a box held by several ranks is written once, in the least-loaded holder's file
+   (as DCP's own dedup does);
+3. plan + execute: pieces of every rank chunk are filled from the source chunks and streamed
+   into that rank's ``__<rank>_0.distcp``; ``.metadata`` is written last, atomically.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from converter.atoms import AtomRef, group_atoms
+from converter.config import RunOptions, check_destination
+from converter.execute import execute
+from converter.layout import Replicate, local_box
+from converter.mesh import Mesh, parse_mesh
+from converter.plan import Piece, WriteTask, plan_tensor
+from converter.plans import TensorPlacement, get_plan, plan_all
+from converter.sources import open_checkpoint
+from converter.to_universal import ConversionResult
+from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
+from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
+from formats.dtypes import by_name
+from formats.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """Every chunk of the target checkpoint, and the warnings the plan raised."""
+
+    mesh: Mesh
+    chunks: tuple[ChunkSpec, ...]
+    warnings: tuple[str, ...] = ()
+    placements: Mapping[str, TensorPlacement] = field(default_factory=dict)
+
+
+def _atom_refs(reader: CheckpointReader, index: CheckpointIndex) -> dict[str, AtomRef]:
+    paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
+    return group_atoms(paths)[0]
+
+
+def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dict[str, int | None], set[str]]:
+    """(param key -> TP split dim in the source, keys the source held whole on every rank)."""
+    meta = getattr(reader, "meta", None)
+    if meta is not None and hasattr(meta, "tensors"):
+        splits = {k: r.tp_split_dim for k, r in meta.tensors.items()}
+        replicated = {k for k, r in meta.tensors.items() if r.source_replicated}
+        return splits, replicated
+    from converter.detect import replicated_keys, tp_split_dims
+
+    return tp_split_dims(index), replicated_keys(index)
+
+
+def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mesh, plan_name: str,
+                  tp_splits: Mapping[str, int | None], replicated: set[str],
+                  dtype_override: str | None = None) -> TargetLayout:
+    """Pure: the target chunks (key, box, owner rank) for every tensor of ``index`` on ``mesh``."""
+    params = {
+        ref.atom: tuple(index.tensors[k].shape)
+        for k, ref in refs.items()
+        if ref.role == "param" and k in index.tensors and k not in replicated and index.tensors[k].shape
+    }
+    param_splits = {refs[k].atom: d for k, d in tp_splits.items() if k in refs and refs[k].role == "param"}
+    plan = get_plan(plan_name, source_splits=param_splits)
+    placements, warnings = plan_all(params, plan, mesh)
+    loads: dict[int, int] = {r: 0 for r in range(mesh.world_size)}
+    chunks: list[ChunkSpec] = []
+    for key, entry in index.tensors.items():
+        placement = _placement_for(entry, refs.get(key), params, placements, mesh)
+        dtype = _target_dtype(entry, refs.get(key), dtype_override)
+        for box, holders in _unique_boxes(entry.shape, mesh, placement):
+            owner = min(holders, key=lambda r: (loads[r], r))
+            loads[owner] += box.numel * by_name(dtype).itemsize
+            chunks.append(ChunkSpec(key, dtype, tuple(entry.shape), box, owner))
+    return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements)
+
+
+def _placement_for(entry: TensorEntry, ref: AtomRef | None, params: Mapping[str, tuple],
+                   placements: Mapping[str, TensorPlacement], mesh: Mesh) -> TensorPlacement:
+    non_pp = tuple(d for d in mesh.dims if d.name != "pp")
+    replicate = tuple(Replicate() for _ in non_pp)
+    p = placements.get(ref.atom) if ref is not None else None
+    if p is None:
+        return TensorPlacement(replicate, None)
+    if tuple(entry.shape) != params.get(ref.atom):
+        return TensorPlacement(replicate, p.pp_stage)  # 0-d step, or a state of another shape
+    return p
+
+
+def _target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None) -> str:
+    if override and ref is not None and ref.role == "param" and by_name(entry.dtype).torch_dtype.is_floating_point:
+        return override
+    return entry.dtype
+
+
+def _unique_boxes(shape: tuple[int, ...], mesh: Mesh, placement: TensorPlacement) -> list[tuple[Box, list[int]]]:
+    """Each distinct box of the ranks that hold the tensor, with those ranks (in rank order)."""
+    names = [d.name for d in mesh.dims]
+    non_pp_idx = [i for i, n in enumerate(names) if n != "pp"]
+    sizes = tuple(mesh.dims[i].size for i in non_pp_idx)
+    pp_idx = names.index("pp") if "pp" in names else None
+    boxes: dict[Box, list[int]] = {}
+    for rank in range(mesh.world_size):
+        coords = mesh.coords(rank)
+        if pp_idx is not None and placement.pp_stage is not None and coords[pp_idx] != placement.pp_stage:
+            continue
+        box = local_box(tuple(shape), sizes, placement.placements, tuple(coords[i] for i in non_pp_idx))
+        boxes.setdefault(box, []).append(rank)
+    return list(boxes.items())
+
+
+class _RankChunkSink:
+    """Execute sink streaming each task's pieces into its rank file's archive."""
+
+    def __init__(self, writer: DCPWriter) -> None:
+        self.writer = writer
+
+    def open(self, task: WriteTask) -> "_RankChunkSink._One":
+        return _RankChunkSink._One(self.writer.open_chunk(task.target), by_name(task.target.dtype).torch_dtype)
+
+    class _One:
+        def __init__(self, sink, dtype: torch.dtype) -> None:
+            self.sink, self.dtype = sink, dtype
+
+        def write(self, piece: Piece, data: torch.Tensor) -> None:
+            self.sink.write(data if data.dtype == self.dtype else data.to(self.dtype))
+
+        def close(self) -> None:
+            self.sink.close()
+
+
+def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "fsdp",
+                   mesh_order: str | None = None, dtype: str | None = None,
+                   options: RunOptions | None = None) -> ConversionResult:
+    """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``."""
+    options = options or RunOptions()
+    target_mesh = parse_mesh(mesh, mesh_order)
+    if dtype is not None:
+        dtype = by_name(dtype).name
+        if not by_name(dtype).torch_dtype.is_floating_point:
+            raise ConfigError(f"--dtype {dtype}: only floating-point dtypes can be cast to")
+    reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
+    try:
+        index = reader.index()
+        refs = _atom_refs(reader, index)
+        splits, replicated = _source_hints(reader, index)
+        layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype)
+        tasks = _plan(index, layout, options)
+        if options.dry_run:
+            return ConversionResult(str(dst), len(index.tensors), len(index.objects), sum(t.nbytes for t in tasks),
+                                    0.0, plan=describe_ranks(layout, tasks))
+        out = check_destination(src, dst, options.overwrite)
+        objects = [ObjectSpec(k, reader.read_object_bytes(k), 0) for k in index.objects]
+        planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: tuple(o.path) for k, o in index.objects.items()}
+        writer = DCPWriter(out, layout.chunks, objects, planner_data, target_mesh.world_size)
+        try:
+            writer.write_objects()
+            stats = execute(tasks, reader, _RankChunkSink(writer), workers=options.workers,
+                            memory_budget=options.memory_budget, progress=options.progress, label="from-universal")
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        return ConversionResult(str(out), len(index.tensors), len(index.objects), stats.bytes_written, stats.seconds,
+                                warnings=layout.warnings)
+    finally:
+        reader.close()
+
+
+def _plan(index: CheckpointIndex, layout: TargetLayout, options: RunOptions) -> list[WriteTask]:
+    by_key: dict[str, list[ChunkSpec]] = {}
+    for spec in layout.chunks:
+        by_key.setdefault(spec.key, []).append(spec)
+    tasks: list[WriteTask] = []
+    for key, specs in by_key.items():
+        tasks += plan_tensor(index.tensors[key], [(s, s.box) for s in specs], options.effective_piece_bytes)
+    return tasks
+
+
+def describe_ranks(layout: TargetLayout, tasks: list[WriteTask]) -> str:
+    """The per-rank plan: files, bytes and chunks per rank, then the warnings."""
+    per_rank: dict[int, list[int]] = {r: [0, 0] for r in range(layout.mesh.world_size)}
+    for t in tasks:
+        per_rank[t.target.rank][0] += 1
+        per_rank[t.target.rank][1] += t.nbytes
+    lines = [f"# target mesh {layout.mesh} ({layout.mesh.world_size} ranks)"]
+    for rank, (n, nbytes) in per_rank.items():
+        coords = ",".join(f"{d.name}={c}" for d, c in zip(layout.mesh.dims, layout.mesh.coords(rank)))
+        lines.append(f"rank {rank} ({coords}): __{rank}_0.distcp  {n} chunks  {nbytes} bytes")
+    lines += [f"warning: {w}" for w in layout.warnings]
+    return "\n".join(lines)
