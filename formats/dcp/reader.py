@@ -1,0 +1,427 @@
+"""``DCPReader``: the read side of a PyTorch Distributed Checkpoint directory.
+
+Opening a checkpoint reads only metadata (``.metadata``, or the ``__<rank>.metadata`` files of
+``dcp.save(..., use_collectives=False)`` merged into one index) and validates it: chunks in bounds,
+disjoint and covering every tensor exactly; every referenced file present and long enough. Tensor
+bytes are read on demand, region by region, with ``os.pread`` (thread safe: no shared seek).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
+from formats.dcp import archive
+from formats.dcp.metadata import (
+    METADATA_NAME,
+    BytesMeta,
+    DCPMetadata,
+    StorageInfo,
+    TensorMeta,
+    load_metadata_file,
+    load_object_bytes,
+    merge_metadata,
+    rank_metadata_files,
+)
+from formats.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DestinationError,
+    IncompleteCheckpointError,
+    InvalidCheckpointError,
+    PlanError,
+)
+from formats.fsutil import safe_join
+
+#: Largest non-tensor entry accepted (bytes, after decompression).
+MAX_OBJECT_BYTES = 1 << 30
+#: Parsed chunk headers kept per reader, and bytes of decompressed items kept with them.
+CACHE_ENTRIES = 8192
+CACHE_BYTES = 256 << 20
+#: Slack allowed over a chunk's data size when decompressing its archive (headers, data.pkl).
+_ARCHIVE_SLACK = 16 << 20
+
+DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+class Locator(NamedTuple):
+    """Where a DCP item lives (the opaque, hashable ``ChunkRef.locator``)."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...]
+
+
+def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a directory holding ``.metadata`` or ``__<rank>.metadata`` files."""
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    return (p / METADATA_NAME).is_file() or bool(rank_metadata_files(p))
+
+
+def _rank_of(relative_path: str) -> int | None:
+    m = DISTCP_RE.match(os.path.basename(relative_path))
+    return int(m.group(1)) if m else None
+
+
+def _guess_path(key: str) -> tuple[str | int, ...]:
+    """An object path for a key without planner data (dots inside FQNs make this a guess)."""
+    parts = key.split(".")
+    if len(parts) >= 4 and parts[1] == "state":
+        return (parts[0], "state", ".".join(parts[2:-1]), parts[-1])
+    if len(parts) >= 4 and parts[1] == "param_groups" and parts[2].isdigit():
+        return (parts[0], "param_groups", int(parts[2]), ".".join(parts[3:]))
+    return tuple(parts[:1]) + ((".".join(parts[1:]),) if len(parts) > 1 else ())
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening: find and merge metadata
+
+
+def _not_a_checkpoint(root: Path) -> InvalidCheckpointError:
+    names = os.listdir(root)
+    if any(n.endswith(".distcp") for n in names):
+        return IncompleteCheckpointError(
+            f"{root} has .distcp files but no .metadata: the save did not finish (DCP writes "
+            ".metadata last); re-run the save or use another checkpoint"
+        )
+    what = "the directory is empty" if not names else "expected the output of dcp.save"
+    return InvalidCheckpointError(f"not a DCP checkpoint: no .metadata in {root}; {what}")
+
+
+def read_checkpoint_metadata(root: Path) -> tuple[DCPMetadata, list[str]]:
+    """The checkpoint's metadata and the metadata file names it came from."""
+    if (root / METADATA_NAME).exists():
+        return _load(root / METADATA_NAME), [METADATA_NAME]
+    per_rank = rank_metadata_files(root)
+    if not per_rank:
+        raise _not_a_checkpoint(root)
+    missing = sorted(set(range(max(per_rank) + 1)) - set(per_rank))
+    writers = {r for r in map(_rank_of, os.listdir(root)) if r is not None}
+    missing += sorted(writers - set(per_rank) - set(missing))
+    if missing:
+        raise IncompleteCheckpointError(
+            f"{root}: per-rank metadata __{missing[0]}.metadata is missing (ranks with metadata: "
+            f"{sorted(per_rank)}); the save did not finish on every rank"
+        )
+    names = [per_rank[r] for r in sorted(per_rank)]
+    return merge_metadata([_load(root / n) for n in names]), names
+
+
+def _load(path: Path) -> DCPMetadata:
+    try:
+        return load_metadata_file(path)
+    except OSError as exc:
+        raise InvalidCheckpointError(f"{path}: cannot read metadata ({exc.strerror})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_cover(key: str, meta: TensorMeta, where: str) -> None:
+    """Chunks in bounds, pairwise disjoint, covering the tensor exactly (empty chunks allowed)."""
+    boxes = [Box(c.offsets, c.sizes) for c in meta.chunks]
+    for b in boxes:
+        bad = len(b.offsets) != len(meta.size) or len(b.sizes) != len(meta.size)
+        if bad or any(e > d for e, d in zip(b.ends, meta.size)):
+            raise CorruptCheckpointError(
+                f"{where}: key {key!r} has chunk {list(b.offsets)}+{list(b.sizes)} outside its "
+                f"shape {list(meta.size)}"
+            )
+    _check_disjoint(key, sorted((b for b in boxes if b.numel), key=lambda b: b.offsets), where)
+    covered, total = sum(b.numel for b in boxes), Box((), meta.size).numel
+    if covered != total:
+        raise CorruptCheckpointError(
+            f"{where}: key {key!r} chunks cover {covered} of {total} elements; some chunks are "
+            "missing from the metadata"
+        )
+
+
+def _check_disjoint(key: str, boxes: list[Box], where: str) -> None:
+    """Sweep along dim 0: only boxes whose dim-0 ranges meet are compared."""
+    active: list[Box] = []
+    for b in boxes:
+        if b.ndim:
+            active = [a for a in active if a.ends[0] > b.offsets[0]]
+        for a in active:
+            if a.intersect(b) is not None:
+                raise CorruptCheckpointError(
+                    f"{where}: key {key!r} chunks {list(a.offsets)}+{list(a.sizes)} and "
+                    f"{list(b.offsets)}+{list(b.sizes)} overlap"
+                )
+        active.append(b)
+
+
+def _check_files(root: Path, refs: Iterable[tuple[str, StorageInfo]]) -> dict[str, int]:
+    """``{relative_path: size}``; every referenced file exists and holds its items."""
+    need: dict[str, tuple[int, str]] = {}
+    for key, info in refs:
+        end = info.offset + info.length
+        if end > need.get(info.relative_path, (-1, ""))[0]:
+            need[info.relative_path] = (end, key)
+    sizes = {}
+    for rel, (end, key) in sorted(need.items()):
+        try:
+            path = safe_join(root, rel)
+        except DestinationError:
+            raise CorruptCheckpointError(
+                f"{root}: key {key!r} points at {rel!r}, outside the checkpoint directory"
+            ) from None
+        if not path.is_file():
+            raise CheckpointNotFoundError(
+                f"{root}: file {rel} is missing (needed by key {key!r}); copy the whole checkpoint"
+            )
+        sizes[rel] = path.stat().st_size
+        if sizes[rel] < end:
+            raise CorruptCheckpointError(
+                f"{root / rel}: file is truncated ({sizes[rel]} bytes; key {key!r} needs {end}); "
+                "re-copy it"
+            )
+    return sizes
+
+
+def _storage_of(md: DCPMetadata, key: str, offsets: Any, where: str) -> StorageInfo:
+    info = md.storage.get((key, offsets))
+    if info is None:
+        at = "" if offsets is None else f" chunk at {list(offsets)}"
+        raise CorruptCheckpointError(f"{where}: key {key!r}{at} has no storage entry")
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# The reader
+
+
+class _Cache:
+    """A small thread-safe LRU keyed by locator, bounded by entries and by held bytes."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self._items: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._max_entries, self._max_bytes, self._bytes = max_entries, max_bytes, 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Any:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
+
+    def put(self, key: Hashable, value: Any, weight: int) -> None:
+        if weight > self._max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            self._bytes += weight - (old[1] if old else 0)
+            self._items[key] = (value, weight)
+            while self._items and (
+                len(self._items) > self._max_entries or self._bytes > self._max_bytes
+            ):
+                _, (_, w) = self._items.popitem(last=False)
+                self._bytes -= w
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+
+class DCPReader:
+    """Reads a DCP checkpoint directory: index from metadata, tensor regions on demand.
+
+    ``trust_pickle`` makes :meth:`load_object` accept any pickle (arbitrary code: only for
+    checkpoints you trust). Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, path: str | os.PathLike, trust_pickle: bool = False) -> None:
+        self.root = Path(path)
+        self.trust_pickle = trust_pickle
+        if not self.root.exists():
+            raise CheckpointNotFoundError(f"{self.root}: no such checkpoint directory")
+        if not self.root.is_dir():
+            raise InvalidCheckpointError(
+                f"{self.root} is a file; a DCP checkpoint is a directory holding .metadata"
+            )
+        self._md, self._md_files = read_checkpoint_metadata(self.root)
+        self._index = self._build_index()
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._cache = _Cache(CACHE_ENTRIES, CACHE_BYTES)
+
+    # -- index -------------------------------------------------------------------------------
+
+    def _build_index(self) -> CheckpointIndex:
+        md, where = self._md, str(self.root / self._md_files[0])
+        tensors: dict[str, TensorEntry] = {}
+        objects: dict[str, ObjectEntry] = {}
+        refs: list[tuple[str, StorageInfo]] = []
+        for key, meta in md.entries.items():
+            path = md.planner_data.get(key) or _guess_path(key)
+            if isinstance(meta, BytesMeta):
+                info = _storage_of(md, key, None, where)
+                refs.append((key, info))
+                objects[key] = ObjectEntry(key, path, info.relative_path, _locator(info),
+                                           info.length)
+                continue
+            _check_cover(key, meta, where)
+            chunks = []
+            for c in sorted(meta.chunks, key=lambda c: c.offsets):
+                info = _storage_of(md, key, c.offsets, where)
+                refs.append((key, info))
+                chunks.append(ChunkRef(Box(c.offsets, c.sizes), info.relative_path,
+                                       _locator(info), _rank_of(info.relative_path)))
+            tensors[key] = TensorEntry(key, meta.dtype, meta.size, tuple(chunks), path)
+        files = _check_files(self.root, refs)
+        return CheckpointIndex("dcp", str(self.root), tensors, objects, self._info(files, refs))
+
+    def _info(self, files: dict[str, int], refs: list[tuple[str, StorageInfo]]) -> dict[str, Any]:
+        md = self._md
+        names = os.listdir(self.root)
+        ranks = {r for r in map(_rank_of, names) if r is not None}
+        ranks |= {r for r in rank_metadata_files(self.root)}
+        sm = md.storage_meta
+        return {
+            "version": md.version,
+            "layout_version": _era(md),
+            "world_size": max(ranks) + 1 if ranks else None,
+            "files": files,
+            "metadata_files": list(self._md_files),
+            "per_rank_metadata": self._md_files != [METADATA_NAME],
+            "transforms": sorted({"+".join(i.transforms) for _, i in refs if i.transforms}),
+            "storage_meta": None if sm is None else {
+                "checkpoint_id": sm.checkpoint_id, "save_id": sm.save_id,
+                "modules": list(sm.modules),
+            },
+        }
+
+    def index(self) -> CheckpointIndex:
+        """The checkpoint's index (built and validated on open)."""
+        return self._index
+
+    # -- raw access --------------------------------------------------------------------------
+
+    def _fd(self, relative_path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(relative_path)
+            if fd is None:
+                path = safe_join(self.root, relative_path)
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError:
+                    raise CheckpointNotFoundError(f"{path}: file disappeared") from None
+                self._fds[relative_path] = fd
+            return fd
+
+    def _item(self, loc: Locator, key: str, limit: int) -> archive.ReadAt:
+        """A reader over the item's (decoded) bytes."""
+        where = f"{self.root / loc.relative_path}: key {key!r}"
+        raw = archive.SliceReader(self._fd(loc.relative_path), loc.offset, loc.length, where)
+        if not loc.transforms:
+            return raw
+        return archive.BufferReader(
+            archive.decode_item(bytes(raw(0, loc.length)), loc.transforms, where, limit), where
+        )
+
+    def _chunk(self, key: str, chunk: ChunkRef) -> tuple[archive.ArchiveTensor, archive.ReadAt]:
+        loc = chunk.locator
+        hit = self._cache.get(loc)
+        if hit is not None:
+            return hit
+        entry = self._tensor(key)
+        nbytes = chunk.box.numel * getattr(torch, entry.dtype).itemsize
+        read = self._item(loc, key, nbytes + _ARCHIVE_SLACK)
+        where = f"{self.root / loc.relative_path}: key {key!r} chunk at {list(chunk.box.offsets)}"
+        parsed = archive.parse_tensor_archive(read, where, entry.dtype, chunk.box.sizes)
+        self._cache.put(loc, (parsed, read), read.length if loc.transforms else 0)
+        return parsed, read
+
+    def _tensor(self, key: str) -> TensorEntry:
+        entry = self._index.tensors.get(key)
+        if entry is None:
+            raise PlanError(f"{self.root}: no tensor {key!r} in this checkpoint")
+        return entry
+
+    # -- the CheckpointReader protocol -------------------------------------------------------
+
+    def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
+        """A new contiguous tensor holding ``region`` (global coords, inside ``chunk.box``)."""
+        if not chunk.box.contains(region) or region.ndim != chunk.box.ndim:
+            raise PlanError(
+                f"key {key!r}: region {region.to_json()} is not inside chunk {chunk.box.to_json()}"
+            )
+        parsed, read = self._chunk(key, chunk)
+        local = region.relative_to(chunk.box)
+        return archive.read_region(parsed, read, local.offsets, local.sizes)
+
+    def chunk_archive(self, key: str, chunk: ChunkRef) -> archive.ArchiveTensor:
+        """The parsed archive of a chunk (dtype, stride, where its storage bytes start)."""
+        return self._chunk(key, chunk)[0]
+
+    def verify_chunk_crc(self, key: str, chunk: ChunkRef) -> None:
+        """Check the zip CRC-32 of a chunk's stored bytes; CorruptCheckpointError on mismatch."""
+        parsed, read = self._chunk(key, chunk)
+        where = f"{self.root / chunk.file}: key {key!r} chunk at {list(chunk.box.offsets)}"
+        archive.verify_crc(parsed, read, where)
+
+    def read_object_bytes(self, key: str) -> bytes:
+        """The ``torch.save`` bytes of a non-tensor entry (stream transforms undone)."""
+        entry = self._index.objects.get(key)
+        if entry is None:
+            raise PlanError(f"{self.root}: no non-tensor entry {key!r} in this checkpoint")
+        loc = entry.locator
+        if loc.length > MAX_OBJECT_BYTES:
+            raise CorruptCheckpointError(
+                f"{self.root / loc.relative_path}: key {key!r} is {loc.length} bytes, over the "
+                f"{MAX_OBJECT_BYTES} byte limit for non-tensor entries"
+            )
+        read = self._item(loc, key, MAX_OBJECT_BYTES)
+        return bytes(read(0, read.length))
+
+    def load_object(self, key: str, trust_pickle: bool = False) -> Any:
+        """The value of a non-tensor entry (weights-only unpickling unless pickles are trusted)."""
+        data = self.read_object_bytes(key)
+        source = str(self.root / self._index.objects[key].file)
+        return load_object_bytes(data, source, key, trust_pickle or self.trust_pickle)
+
+    def close(self) -> None:
+        """Close the open files and drop cached headers (the reader reopens files if used again)."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+        self._cache.clear()
+
+    def __enter__(self) -> DCPReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _locator(info: StorageInfo) -> Locator:
+    return Locator(info.relative_path, info.offset, info.length, info.transforms)
+
+
+def _era(md: DCPMetadata) -> str:
+    """Which torch era wrote the metadata (fields appeared in 2.4 and 2.9)."""
+    if md.version is not None:
+        return f"dcp-{md.version}"
+    return "torch-2.4-2.8" if md.storage_meta is not None else "torch<=2.3"
