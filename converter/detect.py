@@ -1,0 +1,347 @@
+"""Detect the parallel layout a checkpoint was saved with, from its index alone (no tensor data).
+
+What the metadata tells: every chunk's box in global coordinates and, for DCP, the rank whose file
+holds it (``ChunkRef.rank``). What it does not tell: the mesh. DCP deduplicates replicated data
+(a replicated chunk is written once, by whichever rank was least loaded), so the layout is a best
+guess from these facts (see ``/work/shared/notes/dcp-format.md``, "Layouts seen"):
+
+- FSDP2 ``Shard(0)``: one tensor split along dim 0 in ``torch.chunk`` sizes (the last shards may be
+  smaller or empty), rank ``r`` holding the ``r``-th block: rank order == offset order.
+- 2-D (mesh ``("dp", "tp")``), column-wise TP: placements ``(_StridedShard(0, sf=tp), Shard(0))``
+  give ``dp * tp`` contiguous row blocks in TP-major order: the block at position ``t * dp + d``
+  belongs to rank ``d * tp + t``. So rank order != offset order, which tells TP apart from FSDP.
+- 2-D row-wise TP: ``(Shard(0), Shard(1))``: a ``dp x tp`` grid of boxes, split on dim 1.
+- TP-replicated parameters (norms, row-wise biases): only the ``dp`` blocks survive dedup, written by
+  arbitrary ranks of the replica group.
+- PP: different tensors are sharded over disjoint rank sets (one per stage).
+
+Ambiguities, stated rather than guessed: HSDP (replicate x shard) leaves the same boxes as FSDP
+over the shard group (only the number of ranks that wrote files differs); pure TP column-wise
+with no FSDP has rank order == offset order, exactly like FSDP, and is only recognized as TP when
+another tensor of the same stage is split on dim 1; without rank information (universal store, HF)
+chunks are storage chunks, not a training layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
+
+#: Per-tensor kinds.
+WHOLE = "whole"  # one chunk holding the whole tensor (replicated, single process, 0-d)
+FSDP = "fsdp"  # split on dim 0 only, rank order == offset order (or TP-replicated in a 2-D run)
+TP_COLWISE = "tp_colwise"  # split on dim 0 by TP (TP-major block order), possibly x FSDP
+TP_ROWWISE = "tp_rowwise"  # split on dim 1 by TP (and dim 0 by FSDP)
+CHUNKED = "chunked"  # storage chunks without rank information (universal store, HF)
+IRREGULAR = "irregular"  # boxes that match none of the above (or do not tile the tensor)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How one tensor is split.
+
+    ``split_dims`` maps each split dim to its number of distinct intervals (parts); ``owners`` lists
+    ``(rank, box)`` per chunk in offset order (rank None where the format does not know it);
+    ``tp_dim`` is the dim TP split, when detected.
+    """
+
+    key: str
+    split_dims: Mapping[int, int]
+    kind: str
+    owners: tuple[tuple[int | None, Box], ...] = ()
+    tp_dim: int | None = None
+    tiles: bool = True  # boxes cover the tensor exactly once
+
+
+@dataclass(frozen=True)
+class LayoutReport:
+    """The whole checkpoint's detected layout."""
+
+    summary: str
+    world_size: int | None
+    tensors: Mapping[str, TensorLayout]
+    mesh: Mapping[str, int] = field(default_factory=dict)  # best guess, e.g. {"pp": 2, "dp": 2}
+    stages: tuple[tuple[int, ...], ...] = ()  # rank sets of PP stages (one when no PP)
+    notes: tuple[str, ...] = ()  # ambiguities and oddities, one line each
+
+
+# ---------------------------------------------------------------------------------------------
+# per-tensor facts
+
+
+def _order(chunks: Sequence[ChunkRef]) -> list[ChunkRef]:
+    return sorted(chunks, key=lambda c: (c.box.offsets, c.box.sizes))
+
+
+def split_dims(entry: TensorEntry) -> dict[int, int]:
+    """Dims with more than one distinct ``(offset, size)`` interval among the chunks -> count."""
+    out = {}
+    for d in range(len(entry.shape)):
+        parts = {(c.box.offsets[d], c.box.sizes[d]) for c in entry.chunks}
+        if len(parts) > 1:
+            out[d] = len(parts)
+    return out
+
+
+def tiles(entry: TensorEntry) -> bool:
+    """True when the chunks cover the tensor exactly once.
+
+    Exact for product grids (every layout torch writes, and zarr chunk grids); for other box sets
+    it checks bounds and that the element counts add up (overlap plus an equal gap would pass).
+    """
+    shape = entry.shape
+    boxes = [c.box for c in entry.chunks if c.box.numel > 0]
+    if any(any(o < 0 or e > s for o, e, s in zip(b.offsets, b.ends, shape)) for b in boxes):
+        return False
+    if sum(b.numel for b in boxes) != entry.numel:
+        return False
+    axes = [sorted({(b.offsets[d], b.sizes[d]) for b in boxes}) for d in range(len(shape))]
+    grid = 1
+    for ivs in axes:
+        grid *= len(ivs)
+    if grid == len(boxes) and len({(b.offsets, b.sizes) for b in boxes}) == len(boxes):
+        return all(_contiguous(ivs, size) for ivs, size in zip(axes, shape))
+    return True
+
+
+def _contiguous(intervals: list[tuple[int, int]], size: int) -> bool:
+    pos = 0
+    for off, n in intervals:
+        if off != pos:
+            return False
+        pos += n
+    return pos == size
+
+
+def tp_major_factor(ranks: Sequence[int]) -> int | None:
+    """``tp`` when ``ranks`` (block owners in offset order, stage-local) are in TP-major order.
+
+    Position ``t * dp + d`` holds rank ``d * tp + t`` (``(_StridedShard(0, sf=tp), Shard(0))``).
+    Returns None for the identity order (FSDP, or pure TP: indistinguishable) and for anything else.
+    """
+    k = len(ranks)
+    for tp in range(2, k):
+        if k % tp:
+            continue
+        dp = k // tp
+        if list(ranks) == [d * tp + t for t in range(tp) for d in range(dp)]:
+            return tp
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# stages (PP) and their meshes
+
+
+def _sharded(index: CheckpointIndex) -> list[TensorEntry]:
+    return [
+        t for t in index.tensors.values()
+        if len(t.chunks) > 1 and all(c.rank is not None for c in t.chunks)
+    ]
+
+
+def rank_groups(index: CheckpointIndex) -> tuple[tuple[int, ...], ...]:
+    """Connected components of the sharded tensors' rank sets (ranks that shard tensors together).
+
+    Tensors with a single chunk say nothing (replicated data is written by one arbitrary rank).
+    """
+    parent: dict[int, int] = {}
+
+    def root(r: int) -> int:
+        while parent.setdefault(r, r) != r:
+            r = parent[r]
+        return r
+
+    for t in _sharded(index):
+        ranks = [c.rank for c in t.chunks]
+        for r in ranks[1:]:
+            parent[root(r)] = root(ranks[0])
+    groups: dict[int, set[int]] = {}
+    for r in list(parent):
+        groups.setdefault(root(r), set()).add(r)
+    return tuple(sorted(tuple(sorted(g)) for g in groups.values()))
+
+
+def find_stages(index: CheckpointIndex) -> tuple[tuple[int, ...], ...]:
+    """Pipeline stages: rank groups that are equal, contiguous blocks (``pp`` is the outer dim).
+
+    Several groups that are not such blocks come from dedup, not PP: under HSDP a shard is written
+    by whichever replica was least loaded, so tensors land on mixed rank sets ({0, 3} and {1, 2}
+    for 2 x 2); they are merged into one stage. HSDP whose dedup happened to pick contiguous
+    blocks would look exactly like PP x FSDP: metadata cannot tell them apart.
+    """
+    groups = rank_groups(index)
+    if len(groups) < 2:
+        return groups
+    n = len(groups[0])
+    blocks = all(g == tuple(range(g[0], g[0] + n)) and g[0] % n == 0 for g in groups)
+    if blocks:
+        return groups
+    return (tuple(sorted(r for g in groups for r in g)),)
+
+
+@dataclass(frozen=True)
+class _Mesh:
+    """What one stage looks like: ranks, detected tp and dp (None when unknown)."""
+
+    ranks: tuple[int, ...]
+    tp: int
+    dp: int
+    shards: int  # largest number of dim-0 parts among the stage's tensors
+
+
+def _stage_mesh(ranks: tuple[int, ...], entries: list[TensorEntry]) -> _Mesh:
+    """tp from a dim-1 split (row-wise grid) or a TP-major block order (column-wise); dp = rest."""
+    local = {r: i for i, r in enumerate(ranks)}
+    tp, shards = 1, 1
+    for t in entries:
+        dims = split_dims(t)
+        shards = max(shards, dims.get(0, 1))
+        if 1 in dims and set(dims) <= {0, 1}:
+            tp = max(tp, dims[1])
+        elif set(dims) == {0} and len(t.chunks) == len(ranks):
+            seq = [local[c.rank] for c in _order(t.chunks)]
+            tp = max(tp, tp_major_factor(seq) or 1)
+    dp = max(1, len(ranks) // tp) if tp > 1 else shards
+    return _Mesh(ranks, tp, dp, shards)
+
+
+def _classify(entry: TensorEntry, mesh: _Mesh | None) -> tuple[str, int | None]:
+    """(kind, tp_dim) of one tensor given its stage's mesh (None: no rank information)."""
+    if len(entry.chunks) == 1 and entry.chunks[0].box.sizes == entry.shape:
+        return WHOLE, None
+    if mesh is None:
+        return CHUNKED, None
+    dims = split_dims(entry)
+    if not tiles(entry):
+        return IRREGULAR, None
+    if set(dims) == {0}:
+        n = dims[0]
+        if mesh.tp > 1 and n == mesh.dp * mesh.tp:
+            return TP_COLWISE, 0
+        return FSDP, None
+    if 1 in dims and set(dims) <= {0, 1} and mesh.tp > 1 and dims[1] == mesh.tp:
+        return TP_ROWWISE, 1
+    return IRREGULAR, None
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+def world_size(index: CheckpointIndex) -> int | None:
+    """``index.info["world_size"]`` when the format records it, else 1 + the largest chunk rank."""
+    ws = index.info.get("world_size")
+    if isinstance(ws, int) and ws > 0:
+        return ws
+    ranks = [c.rank for t in index.tensors.values() for c in t.chunks if c.rank is not None]
+    return max(ranks) + 1 if ranks else None
+
+
+def detect_layout(index: CheckpointIndex) -> LayoutReport:
+    """The detected layout of ``index``: a one-line summary, a mesh guess and per-tensor layouts.
+
+    Pure: reads metadata only. See the module docstring for the rules and their limits.
+    """
+    stages = find_stages(index)
+    stage_of = {r: s for s in stages for r in s}
+    by_stage: dict[tuple[int, ...], list[TensorEntry]] = {s: [] for s in stages}
+    for t in _sharded(index):
+        by_stage[stage_of[t.chunks[0].rank]].append(t)
+    meshes = {s: _stage_mesh(s, by_stage[s]) for s in stages}
+    layouts = {}
+    for key, t in index.tensors.items():
+        ranks = [c.rank for c in t.chunks]
+        mesh = meshes.get(stage_of.get(ranks[0])) if ranks and None not in ranks else None
+        kind, tp_dim = _classify(t, mesh)
+        owners = tuple((c.rank, c.box) for c in _order(t.chunks))
+        layouts[key] = TensorLayout(key, split_dims(t), kind, owners, tp_dim, tiles(t))
+    ws = world_size(index)
+    summary, mesh_guess, notes = _summarize(index, ws, stages, meshes, layouts)
+    return LayoutReport(summary, ws, layouts, mesh_guess, stages, notes)
+
+
+def tp_split_dims(index: CheckpointIndex) -> dict[str, int | None]:
+    """Per tensor key: the dim TP split it on (0 column-wise, 1 row-wise), or None.
+
+    Keys of optimizer states are included and get their parameter's split (they are sharded the
+    same way). None for FSDP-only, TP-replicated, whole and rank-less (universal/HF) tensors.
+    """
+    return {k: t.tp_dim for k, t in detect_layout(index).tensors.items()}
+
+
+def _span(ranks: Sequence[int]) -> str:
+    lo, hi = min(ranks), max(ranks)
+    return f"{lo}-{hi}" if list(ranks) == list(range(lo, hi + 1)) and hi > lo else ",".join(map(str, ranks))
+
+
+def _count(layouts: Mapping[str, TensorLayout], kind: str) -> int:
+    return sum(1 for t in layouts.values() if t.kind == kind)
+
+
+def _stage_summary(mesh: _Mesh, layouts: Mapping[str, TensorLayout]) -> tuple[str, str, dict[str, int]]:
+    """(head, detail, mesh guess) of one stage, e.g. ("FSDP", "dim 0 over 4 ranks", {"dp": 4})."""
+    n = len(mesh.ranks)
+    if mesh.tp > 1:
+        col, row = _count(layouts, TP_COLWISE), _count(layouts, TP_ROWWISE)
+        rep = _count(layouts, FSDP)
+        detail = f"TP dim 0: {col} tensors, TP dim 1: {row}, TP-replicated: {rep}"
+        if mesh.dp > 1:
+            return "2-D", f"TP x FSDP (dp{mesh.dp} x tp{mesh.tp}); {detail}", {"dp": mesh.dp, "tp": mesh.tp}
+        return "TP", f"over {mesh.tp} ranks; {detail}", {"tp": mesh.tp}
+    if mesh.shards < n:
+        guess = {"dp_replicate": n // mesh.shards, "dp_shard": mesh.shards} if n % mesh.shards == 0 else {"dp": mesh.shards}
+        return "FSDP", (
+            f"dim 0 over {mesh.shards} shards ({n} ranks wrote files: HSDP with {n // mesh.shards} "
+            "replicas or another replicated mesh dim - not distinguishable from metadata)"
+        ), guess
+    return "FSDP", f"dim 0 over {n} ranks", {"dp": n}
+
+
+def _summarize(index, ws, stages, meshes, layouts):
+    """(summary, mesh guess, notes)."""
+    notes = []
+    irregular = [k for k, t in layouts.items() if t.kind == IRREGULAR]
+    if irregular:
+        notes.append(f"{len(irregular)} tensors split irregularly, e.g. {irregular[0]!r}")
+    gaps = [k for k, t in layouts.items() if not t.tiles]
+    if gaps:
+        notes.append(f"{len(gaps)} tensors not covered exactly once by their chunks, e.g. {gaps[0]!r}")
+    if not layouts:
+        return "no tensors", {}, tuple(notes)
+    if any(t.kind == CHUNKED for t in layouts.values()):
+        src = index.info.get("source") or {}
+        extra = f"; source layout: {src['layout']}" if isinstance(src, Mapping) and src.get("layout") else ""
+        return f"no rank information: {index.format} storage chunks{extra}", {}, tuple(notes)
+    if not stages:
+        return _whole_summary(index, ws), ({} if not ws or ws == 1 else {"dp_replicate": ws}), tuple(notes)
+    parts = [_stage_summary(meshes[s], {k: layouts[k] for k in _stage_keys(index, s)}) for s in stages]
+    if len(stages) == 1:
+        return f"{parts[0][0]}: {parts[0][1]}", parts[0][2], tuple(notes)
+    heads = {p[0] for p in parts}
+    head = f"PP x {heads.pop()}" if len(heads) == 1 else "PP"
+    groups = " | ".join(_span(s) for s in stages)
+    details = {p[1] for p in parts}
+    if len(details) == 1:
+        per = f"each stage: {details.pop()}"
+    else:
+        per = "; ".join(f"stage {i}: {p[0]} {p[1]}" for i, p in enumerate(parts))
+    mesh = {"pp": len(stages), **parts[0][2]}
+    notes.append("PP guessed from disjoint rank blocks; HSDP whose dedup picked the same writers looks identical")
+    return f"{head}: {len(stages)} stages (ranks {groups}); {per}", mesh, tuple(notes)
+
+
+def _stage_keys(index: CheckpointIndex, stage: tuple[int, ...]) -> list[str]:
+    members = set(stage)
+    return [k for k, t in index.tensors.items() if len(t.chunks) > 1 and t.chunks[0].rank in members]
+
+
+def _whole_summary(index: CheckpointIndex, ws: int | None) -> str:
+    if ws is None or ws <= 1:
+        return "single process: every tensor whole"
+    return (
+        f"replicated: every tensor whole; {ws} ranks wrote files (DDP-style dedup or pure PP - "
+        "not distinguishable from metadata)"
+    )
