@@ -1,0 +1,149 @@
+"""The ``--mesh`` grammar: named mesh dims with sizes, and rank <-> coordinate numbering.
+
+``--mesh tp2,dp32`` lists dims by name and size. The order the user writes them in does not matter:
+ranks follow torchtitan's canonical order ``pp, dp_replicate, dp_shard, cp, tp`` (outermost first,
+``tp`` varies fastest), numbered row-major exactly as ``init_device_mesh(shape, mesh_dim_names)``
+numbers them (``mesh = arange(world).view(shape)``). ``--mesh-order`` gives another order.
+``dp`` is an alias of ``dp_shard`` (FSDP).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from formats.errors import ConfigError, UnsupportedError
+
+#: Mesh dim names in torchtitan's rank order (outermost first).
+CANONICAL_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+#: Other spellings accepted on the command line.
+ALIASES: dict[str, str] = {"dp": "dp_shard"}
+
+_TOKEN = re.compile(r"^([a-z_]+?)\s*[=:]?\s*(\d+)$")
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    """One named mesh dim and its size."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Named mesh dims in rank order (outermost first; the last dim varies fastest)."""
+
+    dims: tuple[MeshDim, ...]
+
+    def __post_init__(self) -> None:
+        names = [d.name for d in self.dims]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"mesh {self}: duplicate dim names; give each dim once")
+        bad = [d for d in self.dims if d.size < 1]
+        if bad:
+            raise ConfigError(f"mesh {self}: dim {bad[0].name} has size {bad[0].size}; sizes must be >= 1")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dims)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(d.size for d in self.dims)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    def size(self, name: str, default: int = 1) -> int:
+        """Size of dim ``name`` (``dp`` means ``dp_shard``), ``default`` when the mesh lacks it."""
+        name = ALIASES.get(name, name)
+        for d in self.dims:
+            if d.name == name:
+                return d.size
+        return default
+
+    def index(self, name: str) -> int:
+        """Position of dim ``name`` in rank order (KeyError when absent)."""
+        name = ALIASES.get(name, name)
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise KeyError(name) from None
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Coordinates of ``rank`` (row-major, as ``init_device_mesh`` numbers ranks)."""
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is outside mesh {self} (world size {self.world_size})")
+        out = []
+        for size in reversed(self.shape):
+            rank, c = divmod(rank, size)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def rank_of(self, coords: tuple[int, ...]) -> int:
+        """The rank at ``coords`` (inverse of :meth:`coords`)."""
+        if len(coords) != len(self.dims) or any(not 0 <= c < s for c, s in zip(coords, self.shape)):
+            raise ConfigError(f"coordinates {tuple(coords)} are outside mesh {self}")
+        rank = 0
+        for c, size in zip(coords, self.shape):
+            rank = rank * size + c
+        return rank
+
+    def __str__(self) -> str:
+        return ",".join(f"{d.name}{d.size}" for d in self.dims)
+
+
+def _normalize_name(name: str, text: str) -> str:
+    name = ALIASES.get(name, name)
+    if name == "ep":
+        raise UnsupportedError(
+            f"--mesh {text!r}: expert parallelism (ep) is not supported yet; convert without ep"
+        )
+    if name not in CANONICAL_ORDER:
+        known = ", ".join(CANONICAL_ORDER + tuple(ALIASES))
+        raise ConfigError(f"--mesh {text!r}: unknown dim name {name!r}; use one of {known}")
+    return name
+
+
+def _parse_token(token: str, text: str) -> MeshDim:
+    m = _TOKEN.match(token.strip().lower())
+    if not m:
+        raise ConfigError(
+            f"--mesh {text!r}: cannot read {token.strip()!r}; write a name followed by its size, e.g. tp2,dp32"
+        )
+    name, size = _normalize_name(m.group(1), text), int(m.group(2))
+    if size < 1:
+        raise ConfigError(f"--mesh {text!r}: dim {name} has size 0; sizes must be >= 1 (leave the dim out instead)")
+    return MeshDim(name, size)
+
+
+def _parse_order(order: str, names: list[str], text: str) -> list[str]:
+    wanted = [_normalize_name(n.strip().lower(), order) for n in order.split(",") if n.strip()]
+    if sorted(wanted) != sorted(names) or len(set(wanted)) != len(wanted):
+        raise ConfigError(
+            f"--mesh-order {order!r} must list each dim of --mesh {text!r} exactly once ({','.join(names)})"
+        )
+    return wanted
+
+
+def parse_mesh(text: str, order: str | None = None) -> Mesh:
+    """Parse ``--mesh`` (e.g. ``"tp2,dp32"``) into a :class:`Mesh` in rank order.
+
+    Dims are put in torchtitan's canonical order unless ``order`` (``--mesh-order``, names separated
+    by commas, outermost first) says otherwise. Raises ConfigError on unknown names, zero sizes,
+    duplicates and malformed text.
+    """
+    tokens = [t for t in (text or "").split(",") if t.strip()]
+    if not tokens:
+        raise ConfigError(f"--mesh {text!r} is empty; give named dims with sizes, e.g. tp2,dp32")
+    dims = [_parse_token(t, text) for t in tokens]
+    names = [d.name for d in dims]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"--mesh {text!r}: dim {dup[0]} is given twice (dp and dp_shard are the same dim); give it once")
+    by_name = {d.name: d for d in dims}
+    ordered = _parse_order(order, names, text) if order else [n for n in CANONICAL_ORDER if n in by_name]
+    return Mesh(tuple(by_name[n] for n in ordered))

@@ -1,0 +1,502 @@
+"""Placement plans: which placement each parameter gets on each mesh dim, and which PP stage holds it.
+
+Built-ins (``--plan``):
+
+- ``fsdp`` (default): every parameter ``Shard(0)`` over the FSDP dim (``torch.chunk`` sizes, as
+  ``fully_shard`` does), replicated over ``dp_replicate`` and ``tp``.
+- ``llama``: torchtitan's Llama 3 tensor-parallel plan by module name, FSDP on top (FSDP2's
+  ``_StridedShard`` where FSDP shards a dim TP already split).
+- ``source``: the TP split dim the source layout shows for each tensor (:class:`SourceSplits`), with
+  the new degrees.
+- a plan file (JSON, or YAML when pyyaml is installed; ``schemas/plan.schema.json``): ordered regex
+  rules over parameter FQNs, and how to split the model into pipeline stages.
+
+Each parameter's DTensor mesh is the one FSDP2 builds: ``dp_replicate`` (HSDP, replicated), then the
+FSDP dim (``dp_shard`` and ``cp`` flattened row-major, torchtitan's ``dp_shard_cp``), then ``tp``;
+mesh dims absent from ``--mesh`` are left out. Optimizer states share their parameter's placement
+(the caller applies that); 0-d tensors are always replicated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from converter.layout import (
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    chunk_span,
+    compose_fsdp_tp,
+    fsdp_tp_mismatch,
+    parse_placement,
+    rank_boxes,
+    unique_boxes,
+)
+from converter.mesh import Mesh
+from formats.base import Box, Shape
+from formats.errors import ConfigError, PlanError
+
+BUILTIN_PLANS = ("fsdp", "llama", "source")
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "plan.schema.json"
+_FSDP_DIMS = ("dp_shard", "cp")  # flattened into one FSDP dim, as torchtitan's dp_shard_cp
+_MAX_NAMES = 5  # tensor names quoted in one warning
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """Where one tensor lives on the target mesh.
+
+    ``placements[i]`` applies to DTensor mesh dim ``dims[i]``, a tuple of target mesh dim names
+    flattened row-major (``("dp_shard", "cp")`` for torchtitan's FSDP over ``dp_shard_cp``); ``dims``
+    None means one DTensor dim per target mesh dim, ``pp`` excluded. ``pp_stage`` is the ``pp``
+    coordinate of the ranks that hold the tensor (None: every rank, or no ``pp`` in the mesh).
+    ``rule`` names what decided the placement (None: no rule matched, replicated).
+    """
+
+    placements: tuple[Placement, ...]
+    pp_stage: int | None = None
+    dims: tuple[tuple[str, ...], ...] | None = None
+    rule: str | None = None
+
+    def rank_boxes(self, shape: Shape, mesh: Mesh) -> dict[int, Box]:
+        """The box of every rank that holds the tensor."""
+        return rank_boxes(shape, mesh, self.placements, self.dims, self.pp_stage)
+
+    def unique_boxes(self, shape: Shape, mesh: Mesh) -> list[tuple[Box, tuple[int, ...]]]:
+        """Distinct boxes with their owner ranks (replicated boxes once)."""
+        return unique_boxes(shape, mesh, self.placements, self.dims, self.pp_stage)
+
+    def __str__(self) -> str:
+        dims = self.dims if self.dims is not None else tuple((f"#{i}",) for i in range(len(self.placements)))
+        parts = [f"{p}@{'+'.join(d)}" for p, d in zip(self.placements, dims)]
+        stage = "" if self.pp_stage is None else f" pp={self.pp_stage}"
+        return (", ".join(parts) or "R") + stage
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One plan rule: parameters whose FQN fully matches ``pattern`` get these placements.
+
+    ``tp``: placement over ``tp``; ``fsdp_dim``: tensor dim FSDP shards (None: not sharded by FSDP);
+    ``tp_divisible``: refuse a TP split that is not even (attention heads must divide by tp).
+    """
+
+    name: str
+    pattern: str
+    tp: Placement = Replicate()
+    fsdp_dim: int | None = 0
+    tp_divisible: bool = False
+
+    def matches(self, fqn: str) -> bool:
+        return re.fullmatch(self.pattern, fqn) is not None
+
+
+@dataclass(frozen=True)
+class SourceSplits:
+    """What the source layout shows per parameter FQN: the tensor dim TP split (None: not split)
+    and, optionally, the dim FSDP split (missing: 0)."""
+
+    tp_dim: Mapping[str, int | None]
+    fsdp_dim: Mapping[str, int | None] = field(default_factory=dict)
+
+
+class PlacementPlan(Protocol):
+    """What every plan provides."""
+
+    name: str
+
+    def place(self, param_fqn: str, shape: Shape, mesh: Mesh) -> TensorPlacement:
+        """The placement of one parameter (``pp_stage`` is filled in by :func:`plan_all`)."""
+        ...
+
+    def assign_stages(self, fqns: Sequence[str], pp: int) -> tuple[dict[str, int | None], list[str]]:
+        """The ``pp`` coordinate holding each FQN, and warnings."""
+        ...
+
+    def unused_rule_warnings(self, used: set[str]) -> list[str]:
+        """Warnings for rules that matched no tensor (``used``: the rule names that did)."""
+        ...
+
+
+# ---------------------------------------------------------------- pipeline split (torchtitan's)
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How layers go to pipeline stages, as torchtitan's ``generate_llm_fqn_per_model_part``:
+    the ``first`` modules count as ``first_stage_less_layers`` layers on stage 0, the ``last``
+    modules as ``last_stage_less_layers`` on the last stage; the layers ``<layers_prefix>.<i>`` are
+    spread evenly in order, earlier stages taking the extra ones. ``module_fqns_per_model_part``
+    lists the modules of every stage explicitly instead. Stage ``s`` runs on pp rank ``s % pp``
+    (``style="loop"``) or in V pairs (``style="v"``, two stages per rank)."""
+
+    layers_prefix: str = "layers"
+    first: tuple[str, ...] = ("tok_embeddings",)
+    last: tuple[str, ...] = ("norm", "output")
+    first_stage_less_layers: int = 1
+    last_stage_less_layers: int = 1
+    stages_per_rank: int = 1
+    style: str = "loop"
+    module_fqns_per_model_part: tuple[tuple[str, ...], ...] | None = None
+
+    def num_layers(self, fqns: Iterable[str]) -> int:
+        """Number of layers ``<prefix>.<i>`` among ``fqns`` (PlanError when indices have gaps)."""
+        pat = re.compile(re.escape(self.layers_prefix) + r"\.(\d+)(?:\.|$)")
+        found = {int(m.group(1)) for f in fqns if (m := pat.match(f))}
+        if found and found != set(range(len(found))):
+            missing = sorted(set(range(max(found) + 1)) - found)[:3]
+            raise PlanError(
+                f"pipeline split: {self.layers_prefix}.N has gaps (missing {missing}); give the stages explicitly in a plan file"
+            )
+        return len(found)
+
+    def modules_per_stage(self, num_layers: int, pp: int) -> list[list[str]]:
+        """Module FQNs of each (virtual) stage."""
+        if self.module_fqns_per_model_part is not None:
+            parts = [list(p) for p in self.module_fqns_per_model_part]
+            if len(parts) % pp:
+                raise PlanError(f"pipeline split: {len(parts)} model parts cannot go evenly to pp{pp}; give a multiple of {pp}")
+            return parts
+        return generate_fqn_per_model_part(
+            pp * self.stages_per_rank,
+            num_layers,
+            self.first_stage_less_layers,
+            self.last_stage_less_layers,
+            self.layers_prefix,
+            self.first,
+            self.last,
+        )
+
+    def stage_ranks(self, num_stages: int, pp: int) -> list[int]:
+        """The pp rank of each stage (torchtitan's ``pipeline_module_split``)."""
+        if self.style == "v":
+            if num_stages != 2 * pp:
+                raise PlanError(f"pipeline split: V schedules need 2 stages per rank, got {num_stages} stages for pp{pp}")
+            ranks = [0] * num_stages
+            for r in range(pp):
+                ranks[r], ranks[num_stages - 1 - r] = r, r
+            return ranks
+        return [s % pp for s in range(num_stages)]
+
+    def assign(self, fqns: Sequence[str], pp: int) -> tuple[dict[str, int | None], list[str]]:
+        """The pp coordinate holding each FQN; FQNs in no stage get None, with a warning."""
+        stages = self.modules_per_stage(self.num_layers(fqns), pp)
+        ranks = self.stage_ranks(len(stages), pp)
+        owner = {m: ranks[s] for s, mods in enumerate(stages) for m in mods}
+        out = {f: _module_owner(f, owner) for f in fqns}
+        lost = [f for f, r in out.items() if r is None]
+        warnings = []
+        if lost:
+            warnings.append(
+                f"pipeline split: {len(lost)} tensors belong to no stage ({_names(lost)}); they are written for every stage"
+            )
+        return out, warnings
+
+
+def _module_owner(fqn: str, owner: Mapping[str, int]) -> int | None:
+    parts = fqn.split(".")
+    for i in range(len(parts), 0, -1):
+        hit = owner.get(".".join(parts[:i]))
+        if hit is not None:
+            return hit
+    return None
+
+
+def generate_fqn_per_model_part(
+    num_stages: int,
+    num_layers: int,
+    input_weight: int = 1,
+    output_weight: int = 1,
+    layers_prefix: str = "layers",
+    first: Sequence[str] = ("tok_embeddings",),
+    last: Sequence[str] = ("norm", "output"),
+) -> list[list[str]]:
+    """torchtitan's ``generate_llm_fqn_per_model_part`` with configurable module names."""
+    if num_stages < 1:
+        raise PlanError("pipeline split: the number of stages must be at least 1")
+    layers = [f"{layers_prefix}.{i}" for i in range(num_layers)]
+    if num_stages == 1:
+        return [list(first) + layers + list(last)]
+    effective = num_layers + input_weight + output_weight
+    per_stage, extra = divmod(effective, num_stages)
+    if num_stages > effective or per_stage == 0:
+        raise PlanError(
+            f"pipeline split: {num_stages} stages for {num_layers} layers (+{input_weight}+{output_weight}) leaves empty stages; use a smaller pp"
+        )
+    if input_weight > per_stage or output_weight > per_stage:
+        raise PlanError(
+            f"pipeline split: first/last stage weights ({input_weight}/{output_weight}) exceed {per_stage} layers per stage; lower them or pp"
+        )
+    out, nxt = [], 0
+    for s in range(num_stages):
+        count = per_stage + (1 if s < extra else 0)
+        count -= input_weight if s == 0 else output_weight if s == num_stages - 1 else 0
+        take = layers[nxt : nxt + max(count, 0)]
+        nxt += len(take)
+        out.append((list(first) if s == 0 else []) + take + (list(last) if s == num_stages - 1 else []))
+    return out
+
+
+# ---------------------------------------------------------------- composing placements
+
+
+def _norm_dim(dim: int, ndim: int, fqn: str, what: str) -> int:
+    d = dim + ndim if dim < 0 else dim
+    if not 0 <= d < ndim:
+        raise PlanError(f"{fqn}: {what} shards dim {dim}, but the tensor has {ndim} dims; fix the plan rule for this key")
+    return d
+
+
+def _check_fsdp(fqn: str, shape: Shape, fsdp_dim: int, tp: Placement, tp_size: int, fsdp_size: int) -> None:
+    n = shape[fsdp_dim]
+    split_by_tp = isinstance(tp, Shard) and tp.dim == fsdp_dim and tp_size > 1
+    if fsdp_dim > 0 and fsdp_size > 1:
+        sizes = [chunk_span(n, tp_size, t)[1] for t in range(tp_size)] if split_by_tp else [n]
+        if any(s % fsdp_size for s in sizes):
+            raise PlanError(
+                f"{fqn}: FSDP cannot shard dim {fsdp_dim} (local size {sizes}) evenly over {fsdp_size} ranks; "
+                "fully_shard refuses uneven shards on dims other than 0: shard dim 0 instead"
+            )
+    if split_by_tp and fsdp_size > 1 and fsdp_tp_mismatch(n, fsdp_size, tp_size):
+        raise PlanError(
+            f"{fqn}: dim {fsdp_dim} of size {n} split tp{tp_size} x fsdp{fsdp_size} is a layout torch saves under wrong boxes "
+            "(uneven _StridedShard); change the degrees or replicate this tensor over tp in a plan file"
+        )
+
+
+def compose(fqn: str, shape: Shape, mesh: Mesh, rule: Rule) -> TensorPlacement:
+    """The placement ``rule`` gives ``fqn`` on ``mesh``, built as FSDP2 x TP builds it."""
+    dims = []
+    if "dp_replicate" in mesh.names:
+        dims.append((("dp_replicate",), Replicate()))
+    fsdp_group = tuple(n for n in _FSDP_DIMS if n in mesh.names)
+    tp_size, fsdp_size = mesh.size("tp"), mesh.size("dp_shard") * mesh.size("cp")
+    if not shape:  # 0-d: always replicated
+        dims += [(fsdp_group, Replicate())] if fsdp_group else []
+        dims += [(("tp",), Replicate())] if "tp" in mesh.names else []
+        return _placement(dims, rule.name)
+    tp = rule.tp
+    if not isinstance(tp, Replicate):
+        tp = Shard(_norm_dim(tp.dim, len(shape), fqn, "tp"))
+        if rule.tp_divisible and shape[tp.dim] % tp_size:
+            raise PlanError(
+                f"{fqn}: dim {tp.dim} of size {shape[tp.dim]} is not divisible by tp{tp_size} "
+                f"(rule {rule.name!r}: heads must split evenly); pick a tp that divides it"
+            )
+    fsdp_pl: Placement = Replicate()
+    if rule.fsdp_dim is not None:
+        fsdp_dim = _norm_dim(rule.fsdp_dim, len(shape), fqn, "FSDP")
+        if fsdp_group:
+            _check_fsdp(fqn, shape, fsdp_dim, tp, tp_size, fsdp_size)
+        fsdp_pl, tp = compose_fsdp_tp(fsdp_dim, tp, tp_size)
+    dims += [(fsdp_group, fsdp_pl)] if fsdp_group else []
+    dims += [(("tp",), tp)] if "tp" in mesh.names else []
+    return _placement(dims, rule.name)
+
+
+def _placement(dims: list[tuple[tuple[str, ...], Placement]], rule: str | None) -> TensorPlacement:
+    return TensorPlacement(tuple(p for _, p in dims), None, tuple(g for g, _ in dims), rule)
+
+
+def replicated(mesh: Mesh) -> TensorPlacement:
+    """Replicated on every mesh dim (written once), decided by no rule."""
+    return replace(compose("", (), mesh, Rule("", ".*")), rule=None)
+
+
+# ---------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class RulePlan:
+    """Ordered rules (first full match wins) and a pipeline split."""
+
+    name: str
+    rules: tuple[Rule, ...]
+    pipeline: PipelineSplit = PipelineSplit()
+    warn_unused: bool = False
+
+    def place(self, param_fqn: str, shape: Shape, mesh: Mesh) -> TensorPlacement:
+        for rule in self.rules:
+            if rule.matches(param_fqn):
+                return compose(param_fqn, tuple(shape), mesh, rule)
+        return replicated(mesh)
+
+    def assign_stages(self, fqns: Sequence[str], pp: int) -> tuple[dict[str, int | None], list[str]]:
+        return self.pipeline.assign(fqns, pp)
+
+    def unused_rule_warnings(self, used: set[str]) -> list[str]:
+        if not self.warn_unused:
+            return []
+        return [
+            f"plan {self.name}: rule {r.name!r} matched no tensor; check its pattern {r.pattern!r}"
+            for r in self.rules
+            if r.name not in used
+        ]
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """Keep the source's TP split dim per tensor, FSDP on top; tensors it does not know replicate."""
+
+    splits: SourceSplits
+    pipeline: PipelineSplit = PipelineSplit()
+    name: str = "source"
+
+    def place(self, param_fqn: str, shape: Shape, mesh: Mesh) -> TensorPlacement:
+        if param_fqn not in self.splits.tp_dim:
+            return replicated(mesh)
+        tp_dim = self.splits.tp_dim[param_fqn]
+        tp = Replicate() if tp_dim is None else Shard(tp_dim)
+        rule = Rule("source", re.escape(param_fqn), tp, self.splits.fsdp_dim.get(param_fqn, 0))
+        return compose(param_fqn, tuple(shape), mesh, rule)
+
+    def assign_stages(self, fqns: Sequence[str], pp: int) -> tuple[dict[str, int | None], list[str]]:
+        return self.pipeline.assign(fqns, pp)
+
+    def unused_rule_warnings(self, used: set[str]) -> list[str]:
+        return []
+
+
+_L = r"layers\.\d+\."
+FSDP_PLAN = RulePlan("fsdp", (Rule("fsdp", r".*"),))
+LLAMA_PLAN = RulePlan(
+    "llama",
+    (
+        Rule("tok_embeddings", r"tok_embeddings\.weight", Shard(0)),  # RowwiseParallel on nn.Embedding
+        Rule("attention.wq/wk/wv", _L + r"attention\.w[qkv]\.(weight|bias)", Shard(0), tp_divisible=True),
+        Rule("attention.wo", _L + r"attention\.wo\.weight", Shard(1), tp_divisible=True),
+        Rule("attention.wo.bias", _L + r"attention\.wo\.bias", Replicate()),
+        Rule("feed_forward.w1/w3", _L + r"feed_forward\.w[13]\.(weight|bias)", Shard(0)),
+        Rule("feed_forward.w2", _L + r"feed_forward\.w2\.weight", Shard(1)),
+        Rule("feed_forward.w2.bias", _L + r"feed_forward\.w2\.bias", Replicate()),
+        Rule("norms", r"(" + _L + r"(attention_norm|ffn_norm)|norm)\.(weight|bias)", Replicate()),
+        Rule("output", r"output\.(weight|bias)", Shard(0)),  # ColwiseParallel
+    ),
+)
+
+
+def get_plan(name_or_path: str, source_splits: SourceSplits | Mapping[str, int | None] | None = None) -> PlacementPlan:
+    """A built-in plan (``fsdp``, ``llama``, ``source``) or a plan file."""
+    if name_or_path == "fsdp":
+        return FSDP_PLAN
+    if name_or_path == "llama":
+        return LLAMA_PLAN
+    if name_or_path == "source":
+        if source_splits is None:
+            raise ConfigError("--plan source needs the source's detected layout; convert from a sharded source or pick --plan fsdp")
+        if not isinstance(source_splits, SourceSplits):
+            source_splits = SourceSplits(dict(source_splits))
+        return SourcePlan(source_splits)
+    path = Path(name_or_path)
+    if path.suffix.lower() in (".json", ".yaml", ".yml") or path.exists():
+        return load_plan_file(path)
+    raise ConfigError(f"--plan {name_or_path!r}: unknown plan; use {', '.join(BUILTIN_PLANS)} or a path to a plan file")
+
+
+def plan_all(
+    params: Mapping[str, Shape], plan: PlacementPlan, mesh: Mesh
+) -> tuple[dict[str, TensorPlacement], list[str]]:
+    """Place every parameter, assign PP stages, and collect warnings (never printed here)."""
+    out = {fqn: plan.place(fqn, tuple(shape), mesh) for fqn, shape in params.items()}
+    warnings: list[str] = []
+    fallback = [f for f, p in out.items() if p.rule is None]
+    if fallback:
+        warnings.append(f"plan {plan.name}: {len(fallback)} tensors matched no rule and are replicated ({_names(fallback)})")
+    warnings += plan.unused_rule_warnings({p.rule for p in out.values() if p.rule is not None})
+    pp = mesh.size("pp")
+    if pp > 1:
+        stages, stage_warnings = plan.assign_stages(list(out), pp)
+        warnings += stage_warnings
+        out = {f: replace(p, pp_stage=stages[f]) for f, p in out.items()}
+    return out, warnings
+
+
+def _names(fqns: Sequence[str]) -> str:
+    more = f", ... {len(fqns) - _MAX_NAMES} more" if len(fqns) > _MAX_NAMES else ""
+    return ", ".join(fqns[:_MAX_NAMES]) + more
+
+
+# ---------------------------------------------------------------- plan files
+
+
+def _read_plan_file(path: Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"plan file {path} does not exist; give a JSON or YAML plan file or a built-in plan name")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"plan file {path} is YAML but pyyaml is not installed; pip install pyyaml or write JSON") from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"plan file {path}: not valid YAML ({str(e).splitlines()[0]}); fix the syntax") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"plan file {path}: not valid JSON ({e}); fix the syntax") from None
+
+
+def validate_plan_doc(doc: Any, where: str = "plan") -> None:
+    """Check a plan document against ``schemas/plan.schema.json`` (ConfigError on the first error)."""
+    import jsonschema
+
+    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        at = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise ConfigError(f"{where}: at {at}: {e.message}; see schemas/plan.schema.json")
+
+
+def _rule_from_doc(i: int, doc: Mapping[str, Any], where: str) -> Rule:
+    name = doc.get("name") or f"#{i} {doc['match']}"
+    try:
+        re.compile(doc["match"])
+    except re.error as e:
+        raise ConfigError(f"{where}: rule {name!r}: bad regex {doc['match']!r} ({e}); fix the pattern") from None
+    tp = parse_placement(doc.get("tp", "replicate"))
+    fsdp = parse_placement(doc.get("dp_shard", "shard(0)"))
+    if isinstance(tp, StridedShard) or isinstance(fsdp, StridedShard):
+        raise ConfigError(f"{where}: rule {name!r}: write shard(N); _StridedShard is derived automatically")
+    fsdp_dim = None if isinstance(fsdp, Replicate) else fsdp.dim
+    return Rule(name, doc["match"], tp, fsdp_dim, bool(doc.get("tp_divisible", False)))
+
+
+def _pipeline_from_doc(doc: Mapping[str, Any]) -> PipelineSplit:
+    parts = doc.get("module_fqns_per_model_part")
+    return PipelineSplit(
+        layers_prefix=doc.get("layers_prefix", "layers"),
+        first=tuple(doc.get("first", ("tok_embeddings",))),
+        last=tuple(doc.get("last", ("norm", "output"))),
+        first_stage_less_layers=doc.get("first_stage_less_layers", 1),
+        last_stage_less_layers=doc.get("last_stage_less_layers", 1),
+        stages_per_rank=doc.get("stages_per_rank", 1),
+        style=doc.get("style", "loop"),
+        module_fqns_per_model_part=None if parts is None else tuple(tuple(p) for p in parts),
+    )
+
+
+def plan_from_doc(doc: Any, name: str = "plan") -> RulePlan:
+    """A :class:`RulePlan` from a parsed plan document (validated against the schema)."""
+    validate_plan_doc(doc, name)
+    rules = tuple(_rule_from_doc(i, r, name) for i, r in enumerate(doc["rules"]))
+    names = [r.name for r in rules]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{name}: rule name {dup[0]!r} is used twice; give each rule its own name")
+    return RulePlan(name, rules, _pipeline_from_doc(doc.get("pp", {})), warn_unused=True)
+
+
+def load_plan_file(path: str | Path) -> RulePlan:
+    """Read, validate and compile a plan file (JSON, or YAML with pyyaml)."""
+    path = Path(path)
+    return plan_from_doc(_read_plan_file(path), f"plan file {path}")
