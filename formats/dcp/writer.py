@@ -125,29 +125,31 @@ def _check_disjoint(key: str, boxes: list[Box]) -> None:
             )
 
 
-def _group_chunks(chunks: Sequence[ChunkSpec]) -> dict[str, list[ChunkSpec]]:
-    """Chunks by key (given order kept), validated: one dtype and shape per key, in bounds,
-    disjoint, covering. Identical empty boxes of one key are kept once (``dcp.save`` deduplicates
-    them the same way).
-    """
+def _group_chunks(chunks: Sequence[ChunkSpec]) -> list[ChunkSpec]:
+    """The chunks to store, in the given order, validated per key: one dtype and shape, boxes in
+    bounds, disjoint and covering the tensor. Repeats of an empty box of one key are dropped
+    (``dcp.save`` deduplicates them the same way)."""
+    kept: list[ChunkSpec] = []
     by_key: dict[str, list[ChunkSpec]] = {}
     for spec in chunks:
-        first = by_key.setdefault(spec.key, [spec])[0]
+        specs = by_key.setdefault(spec.key, [])
+        first = specs[0] if specs else spec
         if (spec.dtype, spec.global_shape) != (first.dtype, first.global_shape):
             raise ConfigError(
                 f"tensor {spec.key!r}: chunks disagree on dtype/shape "
                 f"({first.dtype}{list(first.global_shape)} vs {spec.dtype}{list(spec.global_shape)})"
             )
         _check_box(spec)
-        if spec is not first and not any(spec.box == s.box and not s.box.numel for s in by_key[spec.key]):
-            by_key[spec.key].append(spec)
+        if not any(spec.box == s.box and not s.box.numel for s in specs):
+            specs.append(spec)
+            kept.append(spec)
     for key, specs in by_key.items():
         total = math.prod(specs[0].global_shape)
         stored = sum(s.box.numel for s in specs)
         _check_disjoint(key, [s.box for s in specs])
         if stored != total:
             raise ConfigError(f"tensor {key!r}: chunks hold {stored} of its {total} elements; cover it exactly once")
-    return by_key
+    return kept
 
 
 def _check_names(
@@ -190,9 +192,10 @@ class DCPWriter:
         self._files = {r: file_name(r) for r in range(world_size)}
         if len(set(self._files.values())) != world_size:
             raise ConfigError("file_name must give each rank its own file")
-        self._tensors = _group_chunks(chunks)
-        kept = {id(s) for specs in self._tensors.values() for s in specs}
-        self._chunks = [s for s in chunks if id(s) in kept]  # given order, duplicates dropped
+        self._chunks = _group_chunks(chunks)  # given order, repeated empty boxes dropped
+        self._tensors: dict[str, list[ChunkSpec]] = {}
+        for spec in self._chunks:
+            self._tensors.setdefault(spec.key, []).append(spec)
         self._objects = list(objects)
         self._planner_data = {k: tuple(v) for k, v in planner_data.items()}
         self._chunk_loc, self._object_loc, self._sizes = self._compute_layout()
