@@ -12,8 +12,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    from converter import api
+    import importlib
 
+    if name.startswith("__"):
+        raise AttributeError(name)
+    api = importlib.import_module("converter.api")
     if name in api.__all__:
         return getattr(api, name)
     raise AttributeError(f"module 'converter' has no attribute {name!r}")

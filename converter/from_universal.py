@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from converter.atoms import AtomRef, group_atoms
 from converter.config import RunOptions, check_destination
 from converter.execute import execute
-from converter.layout import Replicate, local_box
 from converter.mesh import Mesh, parse_mesh
 from converter.plan import Piece, WriteTask, plan_tensor
-from converter.plans import TensorPlacement, get_plan, plan_all
+from converter.plans import TensorPlacement, get_plan, plan_all, replicated
 from converter.sources import open_checkpoint
 from converter.to_universal import ConversionResult
 from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
@@ -76,7 +75,7 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
     for key, entry in index.tensors.items():
         placement = _placement_for(entry, refs.get(key), params, placements, mesh)
         dtype = _target_dtype(entry, refs.get(key), dtype_override)
-        for box, holders in _unique_boxes(entry.shape, mesh, placement):
+        for box, holders in placement.unique_boxes(tuple(entry.shape), mesh):
             owner = min(holders, key=lambda r: (loads[r], r))
             loads[owner] += box.numel * by_name(dtype).itemsize
             chunks.append(ChunkSpec(key, dtype, tuple(entry.shape), box, owner))
@@ -85,13 +84,12 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
 
 def _placement_for(entry: TensorEntry, ref: AtomRef | None, params: Mapping[str, tuple],
                    placements: Mapping[str, TensorPlacement], mesh: Mesh) -> TensorPlacement:
-    non_pp = tuple(d for d in mesh.dims if d.name != "pp")
-    replicate = tuple(Replicate() for _ in non_pp)
+    """The parameter's placement for its value and same-shaped states; replicate otherwise."""
     p = placements.get(ref.atom) if ref is not None else None
     if p is None:
-        return TensorPlacement(replicate, None)
+        return replicated(mesh)
     if tuple(entry.shape) != params.get(ref.atom):
-        return TensorPlacement(replicate, p.pp_stage)  # 0-d step, or a state of another shape
+        return replace(replicated(mesh), pp_stage=p.pp_stage)  # 0-d step, or a state of another shape
     return p
 
 
@@ -99,22 +97,6 @@ def _target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None)
     if override and ref is not None and ref.role == "param" and by_name(entry.dtype).torch_dtype.is_floating_point:
         return override
     return entry.dtype
-
-
-def _unique_boxes(shape: tuple[int, ...], mesh: Mesh, placement: TensorPlacement) -> list[tuple[Box, list[int]]]:
-    """Each distinct box of the ranks that hold the tensor, with those ranks (in rank order)."""
-    names = [d.name for d in mesh.dims]
-    non_pp_idx = [i for i, n in enumerate(names) if n != "pp"]
-    sizes = tuple(mesh.dims[i].size for i in non_pp_idx)
-    pp_idx = names.index("pp") if "pp" in names else None
-    boxes: dict[Box, list[int]] = {}
-    for rank in range(mesh.world_size):
-        coords = mesh.coords(rank)
-        if pp_idx is not None and placement.pp_stage is not None and coords[pp_idx] != placement.pp_stage:
-            continue
-        box = local_box(tuple(shape), sizes, placement.placements, tuple(coords[i] for i in non_pp_idx))
-        boxes.setdefault(box, []).append(rank)
-    return list(boxes.items())
 
 
 class _RankChunkSink:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import os
-from concurrent.futures import Future
+from torch.futures import Future
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import (
