@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from converter.config import RunOptions, parse_size
 from converter.sources import detect_format, open_checkpoint
+from converter.from_universal import from_universal
 from converter.to_universal import ConversionResult, to_universal
 
-__all__ = ["RunOptions", "ConversionResult", "detect_format", "open_checkpoint", "parse_size", "to_universal"]
+__all__ = [
+    "RunOptions", "ConversionResult", "detect_format", "open_checkpoint", "parse_size",
+    "to_universal", "from_universal",
+]

@@ -87,6 +87,85 @@ def to_universal_cmd(src: str, dst: str, chunk_size: int | None, **kw: Any) -> N
                f"{result.bytes / 1e6:.1f} MB in {result.seconds:.2f}s")
 
 
+@cli.command("inspect")
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schemas/inspect.schema.json).")
+@click.option("--key", "key_pattern", default=None, help="Only keys matching this glob (or 're:REGEX').")
+@click.option("--stats", "stats_keys", multiple=True, help="Tensor statistics of KEY (streamed); repeatable, globs allowed.")
+@click.option("--layout", "layout_key", default=None, help="Draw which rank/file holds which region of tensor KEY.")
+@click.option("--trust-pickle", is_flag=True, help="Allow previews of non-tensor entries that need arbitrary classes.")
+def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: tuple[str, ...],
+                layout_key: str | None, trust_pickle: bool) -> None:
+    """Show what is inside a checkpoint (DCP directory or universal store)."""
+    from rich.console import Console
+
+    from converter.inspect import build_report, key_matcher, render_layout, render_report, render_stats
+    from converter.sources import open_checkpoint
+    from converter.stats import tensor_stats
+
+    reader = open_checkpoint(path, trust_pickle=trust_pickle)
+    try:
+        index = reader.index()
+        stats = []
+        for pattern in stats_keys:
+            keys = [k for k in index.tensors if key_matcher(pattern)(k)] or _missing_key(index, pattern)
+            stats += [tensor_stats(reader, k) for k in keys]
+        if as_json:
+            doc = build_report(reader, key_pattern)
+            if stats:
+                doc = {**doc, "stats": [s.to_json() for s in stats]}
+            _echo_json(doc)
+            return
+        console = Console()
+        if layout_key is not None:
+            render_layout(index, layout_key, console)
+        elif not stats:
+            render_report(build_report(reader, key_pattern), console)
+        if stats:
+            render_stats(stats, console)
+    finally:
+        reader.close()
+
+
+def _missing_key(index: Any, pattern: str) -> list[str]:
+    from formats.errors import ConfigError
+
+    raise ConfigError(f"{index.root}: no tensor matches {pattern!r}; list keys with 'ckptconv inspect {index.root}'")
+
+
+@cli.command("from-universal")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--mesh", required=True, help="Target mesh, e.g. tp2,dp32 or pp2,dp_replicate2,dp4 (names: pp, dp_replicate, dp/dp_shard, cp, tp).")
+@click.option("--mesh-order", default=None, help="Rank order of the mesh dims, outermost first (default: pp,dp_replicate,dp_shard,cp,tp).")
+@click.option("--plan", "plan_name", default="fsdp", show_default=True, help="Placement plan: fsdp, llama, source, or a plan file (JSON/YAML).")
+@click.option("--dtype", default=None, help="Cast floating-point parameters to this dtype (e.g. bfloat16); off by default.")
+@run_options
+def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
+                       dtype: str | None, **kw: Any) -> None:
+    """Write from SRC (universal store or DCP) the DCP checkpoint a job on --mesh would save."""
+    from converter.api import from_universal
+
+    result = from_universal(src, dst, mesh, plan=plan_name, mesh_order=mesh_order, dtype=dtype,
+                            options=make_options(**kw))
+    for w in result.warnings:
+        click.echo(f"ckptconv: warning: {w}", err=True)
+    if result.plan is not None:
+        click.echo(result.plan)
+        return
+    click.echo(f"wrote {result.dst}: {result.tensors} tensors, {result.objects} objects, "
+               f"{result.bytes / 1e6:.1f} MB in {result.seconds:.2f}s")
+
+
+@cli.command("demo")
+@click.option("--workdir", type=click.Path(), default=None, help="Where to write the demo outputs (default: a temp dir).")
+def demo_cmd(workdir: str | None) -> None:
+    """Run the whole pipeline on the bundled demo checkpoint (FSDP2, 2 ranks)."""
+    from converter.demo import run_demo
+
+    run_demo(workdir)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning errors into one line and an exit status."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])

@@ -53,9 +53,11 @@ def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dic
         splits = {k: r.tp_split_dim for k, r in meta.tensors.items()}
         replicated = {k for k, r in meta.tensors.items() if r.source_replicated}
         return splits, replicated
-    from converter.detect import replicated_keys, tp_split_dims
+    from converter.detect import detect_layout
+    from converter.to_universal import source_hints
 
-    return tp_split_dims(index), replicated_keys(index)
+    hints = source_hints(detect_layout(index), index)
+    return {k: h.tp_dim for k, h in hints.items()}, {k for k, h in hints.items() if h.replicated}
 
 
 def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mesh, plan_name: str,

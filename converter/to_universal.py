@@ -12,6 +12,7 @@ import torch
 from converter import __version__
 from converter.atoms import group_atoms
 from converter.config import RunOptions, check_destination
+from converter.detect import WHOLE, LayoutReport, detect_layout
 from converter.execute import ExecStats, execute
 from converter.plan import Piece, WriteTask, plan_tensor
 from converter.sources import open_checkpoint
@@ -54,21 +55,32 @@ class _ChunkSink:
             pass
 
 
-def _detected_layout(index: CheckpointIndex) -> str | None:
-    try:
-        from converter.detect import detect_layout
-    except ImportError:
-        return None
-    return detect_layout(index).summary
+@dataclass(frozen=True)
+class SourceHint:
+    """How the source laid one tensor out, kept in the store for plans that follow the source."""
+
+    split: dict[str, int]
+    replicated: bool
+    tp_dim: int | None
 
 
-def _source_info(index: CheckpointIndex, src: str) -> SourceInfo:
+def source_hints(layout: LayoutReport, index: CheckpointIndex) -> dict[str, SourceHint]:
+    """Per tensor key: split dims, whether every rank held it whole, and its TP split dim."""
+    sharded_source = (layout.world_size or 1) > 1
+    hints = {}
+    for key, lay in layout.tensors.items():
+        whole = lay.kind == WHOLE and bool(index.tensors[key].shape)
+        hints[key] = SourceHint({str(d): n for d, n in lay.split_dims.items()}, whole and sharded_source, lay.tp_dim)
+    return hints
+
+
+def _source_info(index: CheckpointIndex, layout: LayoutReport, src: str) -> SourceInfo:
     info = index.info
     return SourceInfo(
         format=index.format,
         path=str(Path(src).resolve()),
-        world_size=info.get("world_size"),
-        layout=_detected_layout(index),
+        world_size=layout.world_size if layout.world_size is not None else info.get("world_size"),
+        layout=layout.summary,
         dcp_version=info.get("version") if index.format == "dcp" else None,
     )
 
@@ -102,16 +114,20 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
             return _dry_run(index, dst, chunk_bytes)
         out = check_destination(src, dst, options.overwrite)
         writer = UniversalWriter(out, chunk_bytes)
+        layout = detect_layout(index)
+        hints = source_hints(layout, index)
         tasks: list[WriteTask] = []
         for key, entry in index.tensors.items():
-            writer.add_tensor(entry, refs[key].atom, refs[key].role)
+            h = hints[key]
+            writer.add_tensor(entry, refs[key].atom, refs[key].role, source_split=h.split,
+                              source_replicated=h.replicated, tp_split_dim=h.tp_dim)
             tasks += plan_tensor(entry, writer.chunks(key), piece_bytes=chunk_bytes)
         _copy_objects(reader, index, writer, refs, options.trust_pickle)
         stats: ExecStats = execute(tasks, reader, _ChunkSink(writer), workers=options.workers,
                                    memory_budget=options.memory_budget, progress=options.progress,
                                    label="to-universal")
         created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        writer.commit(_source_info(index, str(src)), __version__, atoms, created)
+        writer.commit(_source_info(index, layout, str(src)), __version__, atoms, created)
         return ConversionResult(str(out), len(index.tensors), len(index.objects), stats.bytes_written, stats.seconds)
     finally:
         reader.close()
