@@ -337,11 +337,14 @@ class TensorArchiveWriter:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def _what(self) -> str:
+        return f"{self._dtype.name}{list(self._shape)}"
+
     def _write_prefix(self) -> None:
         recs = self._layout.records
-        contents = (data_pkl(self._dtype.name, self._shape), _FORMAT_VERSION, _STORAGE_ALIGNMENT, _BYTEORDER)
         parts = []
-        for rec, body in zip(recs, contents):
+        for rec, body in zip(recs, self._small_records()):
             parts += [rec.local_header(), body, rec.descriptor(zlib.crc32(body))]
         parts.append(recs[_DATA].local_header())
         _pwrite_all(self._fd, b"".join(parts), self._base)
@@ -349,7 +352,7 @@ class TensorArchiveWriter:
     def write(self, piece: torch.Tensor) -> None:
         """Append the bytes of ``piece`` (contiguous CPU tensor of the archive's dtype)."""
         if self._closed:
-            raise InvalidCheckpointError(f"write after close of a {self._dtype.name}{list(self._shape)} archive")
+            raise InvalidCheckpointError(f"write after close of a {self._what} archive")
         if piece.dtype != self._dtype.torch_dtype or piece.device.type != "cpu":
             raise InvalidCheckpointError(
                 f"piece is {piece.dtype} on {piece.device}, archive expects {self._dtype.name} on cpu; "
@@ -361,9 +364,7 @@ class TensorArchiveWriter:
             return
         data = piece.reshape(-1).view(torch.uint8).numpy()
         if self._written + data.nbytes > self.nbytes:
-            raise InvalidCheckpointError(
-                f"pieces exceed the {self.nbytes} bytes of a {self._dtype.name}{list(self._shape)} chunk"
-            )
+            raise InvalidCheckpointError(f"pieces exceed the {self.nbytes} bytes of a {self._what} chunk")
         if len(self._head) < 8:
             self._head += data[: 8 - len(self._head)].tobytes()
         _pwrite_all(self._fd, data, self._base + self._layout.data_offset + self._written)
@@ -376,15 +377,18 @@ class TensorArchiveWriter:
             return
         if self._written != self.nbytes:
             raise IncompleteCheckpointError(
-                f"{self._dtype.name}{list(self._shape)} chunk got {self._written} of {self.nbytes} bytes; "
+                f"{self._what} chunk got {self._written} of {self.nbytes} bytes; "
                 "write every piece before close()"
             )
         _pwrite_all(self._fd, self._tail(), self._base + self._layout.data_offset + self.nbytes)
         self._closed = True
 
+    def _small_records(self) -> tuple[bytes, ...]:
+        """Contents of the records before data/0."""
+        return (data_pkl(self._dtype.name, self._shape), _FORMAT_VERSION, _STORAGE_ALIGNMENT, _BYTEORDER)
+
     def _record_crcs(self) -> list[int]:
-        small = (data_pkl(self._dtype.name, self._shape), _FORMAT_VERSION, _STORAGE_ALIGNMENT, _BYTEORDER)
-        return [zlib.crc32(b) for b in small] + [self._crc, zlib.crc32(_VERSION)]
+        return [zlib.crc32(b) for b in self._small_records()] + [self._crc, zlib.crc32(_VERSION)]
 
     def _serialization_id(self, crcs: list[int]) -> bytes:
         combined = 0

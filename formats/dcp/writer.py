@@ -100,18 +100,22 @@ class ItemLocation:
 def _check_box(spec: ChunkSpec) -> None:
     shape, box = spec.global_shape, spec.box
     if len(box.offsets) != len(shape) or len(box.sizes) != len(shape):
-        raise ConfigError(f"chunk of {spec.key!r}: box {box.to_json()} has the wrong rank for shape {list(shape)}")
+        raise ConfigError(
+            f"chunk of {spec.key!r}: box {box.to_json()} has the wrong rank for shape {list(shape)}"
+        )
     for o, s, d in zip(box.offsets, box.sizes, shape):
         if o < 0 or s < 0 or o + s > d:
-            raise ConfigError(f"chunk of {spec.key!r}: box {box.to_json()} lies outside shape {list(shape)}")
+            raise ConfigError(
+                f"chunk of {spec.key!r}: box {box.to_json()} lies outside shape {list(shape)}"
+            )
 
 
 def _check_disjoint(key: str, boxes: list[Box]) -> None:
     """Raise unless the non-empty ``boxes`` are pairwise disjoint (vectorized, O(n^2))."""
     full = [b for b in boxes if b.numel]
-    if len(full) < 2 or not full[0].ndim:
-        if len(full) > 1:
-            raise ConfigError(f"tensor {key!r} (0-d) has {len(full)} chunks; it needs exactly one")
+    if len(full) > 1 and not full[0].ndim:
+        raise ConfigError(f"tensor {key!r} is 0-d but has {len(full)} chunks; it needs exactly one")
+    if len(full) < 2:
         return
     lo = np.array([b.offsets for b in full], dtype=np.int64)
     hi = np.array([b.ends for b in full], dtype=np.int64)
@@ -148,12 +152,17 @@ def _group_chunks(chunks: Sequence[ChunkSpec]) -> list[ChunkSpec]:
         stored = sum(s.box.numel for s in specs)
         _check_disjoint(key, [s.box for s in specs])
         if stored != total:
-            raise ConfigError(f"tensor {key!r}: chunks hold {stored} of its {total} elements; cover it exactly once")
+            raise ConfigError(
+                f"tensor {key!r}: chunks hold {stored} of its {total} elements; cover it exactly once"
+            )
     return kept
 
 
 def _check_names(
-    chunks: Sequence[ChunkSpec], objects: Sequence[ObjectSpec], planner_data: Mapping[str, tuple], world_size: int
+    chunks: Sequence[ChunkSpec],
+    objects: Sequence[ObjectSpec],
+    planner_data: Mapping[str, tuple],
+    world_size: int,
 ) -> None:
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -167,7 +176,9 @@ def _check_names(
         raise ConfigError(f"keys stored twice: {dup}; each key is one tensor or one object")
     missing = (tensor_keys | set(object_keys)) ^ set(planner_data)
     if missing:
-        raise ConfigError(f"planner_data must name exactly the stored keys; mismatched: {sorted(missing)[:5]}")
+        raise ConfigError(
+            f"planner_data must name exactly the stored keys; mismatched: {sorted(missing)[:5]}"
+        )
 
 
 # ----------------------------------------------------------------------------- the writer
@@ -239,7 +250,9 @@ class DCPWriter:
                 return
             self.root.mkdir(parents=True, exist_ok=True)
             if (self.root / METADATA_NAME).exists():
-                raise DestinationError(f"{self.root} already holds a checkpoint ({METADATA_NAME}); write to an empty directory")
+                raise DestinationError(
+                    f"{self.root} already holds a checkpoint ({METADATA_NAME}); write to an empty directory"
+                )
             try:
                 for rank, name in self._files.items():
                     fd = os.open(safe_join(self.root, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -256,13 +269,17 @@ class DCPWriter:
         if cid not in self._chunk_loc:
             if any(spec.box == s.box and not s.box.numel for s in self._tensors.get(spec.key, ())):
                 return _EmptySink(spec)  # a deduplicated empty chunk: nothing to store
-            raise ConfigError(f"chunk {spec.key!r} {spec.box.to_json()} of rank {spec.rank} is not in this writer's plan")
+            raise ConfigError(
+                f"chunk {spec.key!r} {spec.box.to_json()} of rank {spec.rank} is not in this writer's plan"
+            )
         self.prepare()
         loc = self._chunk_loc[cid]
         with self._lock:
             self._check_state("open_chunk")
             if cid in self._sinks:
-                raise ConfigError(f"chunk {spec.key!r} {spec.box.to_json()} was opened twice; write each chunk once")
+                raise ConfigError(
+                    f"chunk {spec.key!r} {spec.box.to_json()} was opened twice; write each chunk once"
+                )
             sink = TensorArchiveWriter(self._fds[spec.rank], loc.offset, spec.dtype, spec.box.sizes)
             self._sinks[cid] = sink
         return sink
@@ -283,12 +300,12 @@ class DCPWriter:
         self.write_objects()
         with self._lock:
             self._check_state("commit")
-            unclosed = [cid for cid in self._chunk_loc if cid not in self._sinks or not self._sinks[cid].closed]
+            unclosed = [c for c in self._chunk_loc if c not in self._sinks or not self._sinks[c].closed]
             if unclosed:
                 key, _, offsets, _ = unclosed[0]
                 raise IncompleteCheckpointError(
-                    f"{self.root}: {len(unclosed)} chunk(s) not written and closed, e.g. {key!r} at {list(offsets)}; "
-                    "close every chunk before commit()"
+                    f"{self.root}: {len(unclosed)} chunk(s) not written and closed, e.g. {key!r} at "
+                    f"{list(offsets)}; close every chunk before commit()"
                 )
             for fd in self._fds.values():
                 os.fsync(fd)
@@ -338,7 +355,9 @@ class DCPWriter:
             sd_md[key] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=by_name(specs[0].dtype).torch_dtype),
                 size=torch.Size(specs[0].global_shape),
-                chunks=[ChunkStorageMetadata(torch.Size(s.box.offsets), torch.Size(s.box.sizes)) for s in specs],
+                chunks=[
+                    ChunkStorageMetadata(torch.Size(s.box.offsets), torch.Size(s.box.sizes)) for s in specs
+                ],
             )
             index.update({_chunk_id(s): MetadataIndex(key, s.box.offsets, i) for i, s in enumerate(specs)})
         items = [(MetadataIndex(o.key), self._object_loc[o.key]) for o in self._objects]
@@ -360,7 +379,8 @@ class _EmptySink:
 
     def write(self, piece: torch.Tensor) -> None:
         if piece.numel():
-            raise ConfigError(f"chunk {self._spec.key!r} {self._spec.box.to_json()} is empty; it takes no data")
+            spec = self._spec
+            raise ConfigError(f"chunk {spec.key!r} {spec.box.to_json()} is empty; it takes no data")
 
     def close(self) -> None:
         self.closed = True
