@@ -10,13 +10,15 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+_API = frozenset({
+    "RunOptions", "ConversionResult", "detect_format", "open_checkpoint", "parse_size",
+    "to_universal", "from_universal",
+})
+
 
 def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'converter' has no attribute {name!r}")
     import importlib
 
-    if name.startswith("__"):
-        raise AttributeError(name)
-    api = importlib.import_module("converter.api")
-    if name in api.__all__:
-        return getattr(api, name)
-    raise AttributeError(f"module 'converter' has no attribute {name!r}")
+    return getattr(importlib.import_module("converter.api"), name)
