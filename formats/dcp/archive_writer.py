@@ -23,6 +23,7 @@ import math
 import os
 import pickle
 import struct
+import sys
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from functools import lru_cache
 import torch
 
 from formats.dtypes import by_name
-from formats.errors import IncompleteCheckpointError, InvalidCheckpointError
+from formats.errors import IncompleteCheckpointError, InvalidCheckpointError, UnsupportedError
 
 Shape = tuple[int, ...]
 
@@ -312,6 +313,8 @@ class TensorArchiveWriter:
     """
 
     def __init__(self, fd: int, file_offset: int, dtype_name: str, shape: Shape) -> None:
+        if sys.byteorder != "little":
+            raise UnsupportedError("writing DCP archives needs a little-endian host (the bytes are raw)")
         self._fd = fd
         self._base = file_offset
         self._dtype = by_name(dtype_name)
