@@ -1,0 +1,155 @@
+"""Shared fixtures: real DCP checkpoints built once and cached across sessions.
+
+``dcp_checkpoint(kind)`` returns the DCP directory of a fixture kind (see ``ckpt_factory.KINDS``);
+``fixture_info(path)`` (in ckpt_factory) reads its ``_fixture.json``.
+
+Cache: ``$CKPTCONV_TEST_CACHE`` (default ``~/.cache/ckptconv-tests``) / ``<torch version>-<hash of
+ckpt_factory.py + models.py>`` / ``<kind>/{ckpt/, _fixture.json, _complete.json}``. A kind is built
+into a temp dir and renamed in whole, with ``_complete.json`` (a manifest of every file's size and
+xxh3 hash) written first, so an interrupted build is never used and a change to the factory or
+model source starts a new cache.
+
+CACHED CHECKPOINTS ARE SHARED AND MUST NEVER BE MODIFIED. They are made read-only (no effect for
+root), and every ``dcp_checkpoint(kind)`` call re-checks the manifest: a test that changed a cached
+checkpoint fails the next user loudly. Tests that need to corrupt, delete or write next to a
+checkpoint take ``dcp_checkpoint_copy(kind)`` (a private writable copy under ``tmp_path``).
+
+Imports: this directory and the repository root are put on ``sys.path``, so both
+``from ckpt_factory import ...`` and ``from tests.oracle import ...`` work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+for _p in (str(TESTS_DIR.parent), str(TESTS_DIR)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+import xxhash  # noqa: E402
+
+import ckpt_factory  # noqa: E402
+
+COMPLETE = "_complete.json"
+
+
+def source_hash() -> str:
+    """Hash of the sources that determine the fixtures' bytes."""
+    h = hashlib.sha256()
+    for name in ("ckpt_factory.py", "models.py"):
+        h.update((TESTS_DIR / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where fixtures of this torch version and factory source live."""
+    base = os.environ.get("CKPTCONV_TEST_CACHE") or Path.home() / ".cache" / "ckptconv-tests"
+    return Path(base) / f"{torch.__version__}-{source_hash()}"
+
+
+def _manifest(root: Path) -> dict[str, list]:
+    out = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != COMPLETE):
+        out[path.relative_to(root).as_posix()] = [path.stat().st_size, xxhash.xxh3_64_hexdigest(path.read_bytes())]
+    return out
+
+
+def _set_writable(root: Path, writable: bool) -> None:
+    for path in [root, *root.rglob("*")]:
+        if path.is_dir():
+            path.chmod(0o755 if writable else 0o555)
+        else:
+            path.chmod(0o644 if writable else 0o444)
+
+
+def _remove(root: Path) -> None:
+    if root.exists():
+        _set_writable(root, True)
+        shutil.rmtree(root)
+
+
+def _is_intact(root: Path) -> bool:
+    marker = root / COMPLETE
+    return marker.is_file() and json.loads(marker.read_text()) == _manifest(root)
+
+
+def _build(kind: str, cache: Path) -> Path:
+    """Build ``kind`` into ``cache/<kind>`` atomically (concurrent sessions: first rename wins)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".tmp-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        ckpt_factory.make_checkpoint(kind, tmp)
+        built = tmp / kind
+        (built / COMPLETE).write_text(json.dumps(_manifest(built), indent=1))
+        _set_writable(built, False)
+        built.chmod(0o755)  # the rename below needs it writable (non-root)
+        try:
+            built.rename(cache / kind)
+        except OSError:
+            if not _is_intact(cache / kind):
+                raise
+        (cache / kind).chmod(0o555)
+    finally:
+        _remove(tmp)
+    return cache / kind
+
+
+class CheckpointCache:
+    """Session view of the cache: builds each kind at most once, checks it on every use."""
+
+    def __init__(self, cache: Path):
+        self.cache = cache
+        self.checked: set[str] = set()
+
+    def get(self, kind: str) -> Path:
+        if kind not in ckpt_factory.KINDS:
+            raise KeyError(f"unknown fixture kind {kind!r}; known: {sorted(ckpt_factory.KINDS)}")
+        root = self.cache / kind
+        if kind in self.checked:
+            if not _is_intact(root):
+                raise AssertionError(
+                    f"cached fixture {root} was modified during this session; tests must use "
+                    "dcp_checkpoint_copy() to change a checkpoint"
+                )
+            return root / "ckpt"
+        if not _is_intact(root):
+            _remove(root)  # stale or damaged: rebuild
+            _build(kind, self.cache)
+        self.checked.add(kind)
+        return root / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def checkpoint_cache() -> CheckpointCache:
+    return CheckpointCache(cache_dir())
+
+
+@pytest.fixture(scope="session")
+def dcp_checkpoint(checkpoint_cache: CheckpointCache) -> Callable[[str], Path]:
+    """``dcp_checkpoint(kind) -> Path`` of a cached, READ-ONLY fixture checkpoint."""
+    return checkpoint_cache.get
+
+
+@pytest.fixture
+def dcp_checkpoint_copy(checkpoint_cache: CheckpointCache, tmp_path: Path) -> Callable[[str], Path]:
+    """``dcp_checkpoint_copy(kind) -> Path``: a private writable copy (with its _fixture.json)."""
+
+    def copy(kind: str) -> Path:
+        src = checkpoint_cache.get(kind).parent
+        dst = tmp_path / f"copy-{kind}-{uuid.uuid4().hex[:6]}"
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(COMPLETE))
+        _set_writable(dst, True)
+        return dst / "ckpt"
+
+    return copy
