@@ -1,0 +1,139 @@
+"""Bad input: one line naming the path and the fix, non-zero exit, no traceback, SRC untouched."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+
+def run_subprocess(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "converter", *args], capture_output=True, text=True, timeout=300)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """Run ``ckptconv ARGS`` in this process through the real entry point (exit status, streams)."""
+    import contextlib
+    import io
+
+    from converter.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def snapshot(path: Path) -> dict:
+    return {p.relative_to(path): (p.stat().st_size, p.read_bytes()) for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture()
+def small_ckpt(tmp_path) -> Path:
+    src = tmp_path / "ckpt"
+    dcp.save({"model": {"w": torch.arange(64, dtype=torch.float32).view(8, 8), "b": torch.ones(3)},
+              "extra": {"step": 3}}, checkpoint_id=str(src))
+    return src
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ckptconv: error: ") and "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_missing_path(tmp_path):
+    assert_one_line_error(run_cli("to-universal", str(tmp_path / "nope"), str(tmp_path / "u")), "nope", "check the path")
+
+
+def test_empty_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(run_cli("inspect", str(tmp_path / "empty")), "empty")
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("hello")
+    assert_one_line_error(run_cli("to-universal", str(tmp_path / "d"), str(tmp_path / "u")), "not a checkpoint")
+
+
+def test_truncated_distcp(small_ckpt, tmp_path):
+    f = next(small_ckpt.glob("*.distcp"))
+    f.write_bytes(f.read_bytes()[:-200])
+    before = snapshot(small_ckpt)
+    assert_one_line_error(run_cli("to-universal", str(small_ckpt), str(tmp_path / "u")), f.name)
+    assert snapshot(small_ckpt) == before
+    assert not (tmp_path / "u" / "ckptconv.json").exists()
+
+
+def test_missing_distcp(small_ckpt, tmp_path):
+    f = next(small_ckpt.glob("*.distcp"))
+    f.unlink()
+    assert_one_line_error(run_cli("to-universal", str(small_ckpt), str(tmp_path / "u")), f.name)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupted_metadata(small_ckpt, tmp_path, damage):
+    meta = small_ckpt / ".metadata"
+    data = meta.read_bytes()
+    meta.write_bytes(os.urandom(300) if damage == "garbage" else data[: len(data) // 2])
+    assert_one_line_error(run_cli("inspect", str(small_ckpt)), ".metadata")
+
+
+def test_malicious_pickle_is_never_executed(small_ckpt, tmp_path):
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (small_ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    proc = run_cli("to-universal", str(small_ckpt), str(tmp_path / "u"))
+    assert_one_line_error(proc, "system")
+    assert not marker.exists()
+
+
+def test_non_empty_destination(small_ckpt, tmp_path):
+    dst = tmp_path / "u"
+    dst.mkdir()
+    (dst / "precious.txt").write_text("keep me")
+    assert_one_line_error(run_cli("to-universal", str(small_ckpt), str(dst)), "--overwrite")
+    assert (dst / "precious.txt").read_text() == "keep me"
+
+
+def test_destination_inside_source(small_ckpt):
+    before = snapshot(small_ckpt)
+    assert_one_line_error(run_cli("to-universal", str(small_ckpt), str(small_ckpt / "uni")), "inside the source")
+    assert snapshot(small_ckpt) == before
+
+
+def test_debug_shows_traceback(tmp_path):
+    proc = run_subprocess("--debug", "inspect", str(tmp_path / "nope"))
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_happy_path_and_overwrite(small_ckpt, tmp_path):
+    dst = tmp_path / "u"
+    proc = run_subprocess("to-universal", str(small_ckpt), str(dst))
+    assert proc.returncode == 0, proc.stderr
+    assert (dst / "ckptconv.json").is_file()
+    proc = run_subprocess("inspect", str(tmp_path / "nope"))
+    assert proc.returncode == 2 and proc.stderr.startswith("ckptconv: error:") and "Traceback" not in proc.stderr
+    assert run_cli("to-universal", str(small_ckpt), str(dst)).returncode == 2
+    proc = run_cli("to-universal", "--overwrite", str(small_ckpt), str(dst))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("inspect", "--json", str(dst))
+    assert proc.returncode == 0 and '"format": "universal"' in proc.stdout
