@@ -135,13 +135,14 @@ def _check(shape: Shape, mesh_sizes: Sequence[int], placements: Sequence[Placeme
             raise PlanError(f"placement {p}: split_factor must be >= 1")
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=1 << 18)
 def local_intervals(
     shape: Shape, mesh_sizes: tuple[int, ...], placements: tuple[Placement, ...], coord: tuple[int, ...]
 ) -> tuple[Intervals | None, ...]:
     """Per tensor dim, the global index ranges a coordinate holds (None: dim not sharded).
 
     This is the index set torch computes before reducing it to a first offset and a length.
+    Arguments are tuples (the result is cached).
     """
     _check(shape, mesh_sizes, placements, coord)
     held: list[Intervals | None] = [None] * len(shape)
@@ -167,7 +168,12 @@ def local_box(
     ``strict`` raises PlanError when the coordinate's index set is not one contiguous range (torch
     then still reports first offset and length, a box that does not describe the data).
     """
-    held = local_intervals(tuple(shape), tuple(mesh_sizes), tuple(placements), tuple(coord))
+    return _local_box(tuple(shape), tuple(mesh_sizes), tuple(placements), tuple(coord), strict)
+
+
+@lru_cache(maxsize=1 << 18)
+def _local_box(shape: Shape, mesh_sizes, placements, coord, strict: bool) -> Box:
+    held = local_intervals(shape, mesh_sizes, placements, coord)
     offsets, sizes = [], []
     for dim, (n, iv) in enumerate(zip(shape, held)):
         if iv is None:
@@ -203,6 +209,16 @@ def dtensor_coord(mesh: Mesh, rank: int, dims: Sequence[Sequence[str]]) -> tuple
     return tuple(out)
 
 
+@lru_cache(maxsize=256)
+def _rank_table(mesh: Mesh, dims: tuple[tuple[str, ...], ...]) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+    """``(rank, DTensor coordinate, pp coordinate)`` of every rank."""
+    pp_index = mesh.names.index("pp") if "pp" in mesh.names else None
+    return tuple(
+        (r, dtensor_coord(mesh, r, dims), 0 if pp_index is None else mesh.coords(r)[pp_index])
+        for r in range(mesh.world_size)
+    )
+
+
 def _dims_and_sizes(mesh: Mesh, placements, dims):
     dims = default_dims(mesh) if dims is None else tuple(tuple(g) for g in dims)
     if len(dims) != len(placements):
@@ -224,14 +240,17 @@ def rank_boxes(
 
     ``placements`` go with ``dims`` (default: one per mesh dim, ``pp`` excluded).
     """
-    dims, sizes = _dims_and_sizes(mesh, tuple(placements), dims)
-    placements = tuple(placements)
-    pp_index = mesh.names.index("pp") if "pp" in mesh.names else None
+    placements, shape = tuple(placements), tuple(shape)
+    dims, sizes = _dims_and_sizes(mesh, placements, dims)
+    by_coord: dict[tuple[int, ...], Box] = {}
     out = {}
-    for rank in range(mesh.world_size):
-        if pp_stage is not None and pp_index is not None and mesh.coords(rank)[pp_index] != pp_stage:
+    for rank, coord, pp in _rank_table(mesh, dims):
+        if pp_stage is not None and pp != pp_stage:
             continue
-        out[rank] = local_box(tuple(shape), sizes, placements, dtensor_coord(mesh, rank, dims))
+        box = by_coord.get(coord)
+        if box is None:
+            box = by_coord[coord] = local_box(shape, sizes, placements, coord)
+        out[rank] = box
     return out
 
 
