@@ -315,6 +315,8 @@ def _summarize(index, ws, stages, meshes, layouts):
         src = index.info.get("source") or {}
         extra = f"; source layout: {src['layout']}" if isinstance(src, Mapping) and src.get("layout") else ""
         return f"no rank information: {index.format} storage chunks{extra}", {}, tuple(notes)
+    if not any(c.rank is not None for t in index.tensors.values() for c in t.chunks):
+        return f"every tensor whole (no rank information in this {index.format} checkpoint)", {}, tuple(notes)
     if not stages:
         return _whole_summary(index, ws), ({} if not ws or ws == 1 else {"dp_replicate": ws}), tuple(notes)
     parts = [_stage_summary(meshes[s], {k: layouts[k] for k in _stage_keys(index, s)}) for s in stages]

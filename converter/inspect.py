@@ -11,7 +11,6 @@ Works for any :class:`formats.base.CheckpointReader` (DCP, universal store, Hugg
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -384,12 +383,10 @@ def render_layout(index: CheckpointIndex, key: str, console, width: int | None =
     """
     from rich.text import Text
 
-    from converter.detect import detect_layout as _detect
-
     entry = index.tensors.get(key)
     if entry is None:
         raise ConfigError(f"{index.root}: no tensor {key!r}; list keys with 'ckptconv inspect'")
-    lay = _detect(index).tensors[key]
+    lay = detect_layout(index).tensors[key]
     shape = entry.shape
     width = width or console.width
     margin = len(str(shape[0])) + 2 if len(shape) >= 2 else 2

@@ -302,3 +302,15 @@ def test_rankless_chunks_are_storage_chunks(indexes):
     assert rep.summary.endswith("source layout: FSDP: dim 0 over 4 ranks")
     assert rep.tensors["model.tok.weight"].kind == CHUNKED
     assert rep.world_size is None
+
+
+def test_rankless_whole_tensors(indexes):
+    # one file per tensor, no ranks (a Hugging Face directory): no training layout is claimed
+    src = indexes["fsdp4"]
+    whole = {
+        k: TensorEntry(k, t.dtype, t.shape, (ChunkRef(Box((0,) * len(t.shape), t.shape), "model.safetensors", k),), t.path)
+        for k, t in src.tensors.items()
+    }
+    rep = detect_layout(CheckpointIndex("hf", src.root, whole, {}, {}))
+    assert rep.summary == "every tensor whole (no rank information in this hf checkpoint)"
+    assert {t.kind for t in rep.tensors.values()} == {WHOLE}
