@@ -11,9 +11,10 @@ from __future__ import annotations
 from converter.config import RunOptions, parse_size
 from converter.sources import detect_format, open_checkpoint
 from converter.from_universal import from_universal
+from converter.hf import export_hf, import_hf
 from converter.to_universal import ConversionResult, to_universal
 
 __all__ = [
     "RunOptions", "ConversionResult", "detect_format", "open_checkpoint", "parse_size",
-    "to_universal", "from_universal",
+    "to_universal", "from_universal", "export_hf", "import_hf",
 ]

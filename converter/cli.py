@@ -195,3 +195,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _echo_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=1, default=str))
+
+
+from converter.cli_hf import register as _register_hf; _register_hf(cli)  # noqa: E402

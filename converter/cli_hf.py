@@ -1,0 +1,65 @@
+"""``ckptconv export-hf`` and ``ckptconv import-hf`` (registered on the main group by
+:func:`register`; they call :func:`converter.api.export_hf` / :func:`converter.api.import_hf`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from converter.cli import SIZE, make_options, run_options
+
+MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k RoPE permutation), or a JSON "
+            "map file {\"hf.name.{}.x\": \"native.{}.x\", \"dropped.hf.key\": null} or "
+            "{\"map\": {...}, \"drop\": [native keys], \"transforms\": {native key: \"rope:<config field>\"}}.")
+
+
+def _report(result: Any) -> None:
+    if result.plan is not None:
+        click.echo(result.plan)
+        click.echo(f"# dry run: {result.tensors} tensors, {result.bytes} bytes; nothing written")
+        return
+    click.echo(f"wrote {result.dst}: {result.tensors} tensors, {result.bytes / 1e6:.1f} MB in {result.seconds:.2f}s")
+
+
+@click.command("export-hf")
+@click.argument("src", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--map", "key_map", default="identity", show_default=True, help=MAP_HELP)
+@click.option("--max-shard-size", type=SIZE, default="5GB", show_default=True,
+              help="Largest shard file (huggingface_hub's rule: greedy in key order; bigger tensors alone).")
+@click.option("--dtype", default=None, help="Cast floating-point weights, e.g. bf16, fp16, fp32 (float8/int kept).")
+@click.option("--config", default=None,
+              help="config.json to write into OUT: a path or inline JSON; the Llama map completes it from the "
+                   "weights and reads its head counts.")
+@run_options
+def export_hf_cmd(src: str, out: str, key_map: str, max_shard_size: int, dtype: str | None,
+                  config: str | None, **kw: Any) -> None:
+    """Write the model weights of SRC (universal store or DCP) as Hugging Face safetensors in OUT."""
+    from converter.api import export_hf
+
+    _report(export_hf(src, out, key_map=key_map, max_shard_size=max_shard_size, dtype=dtype, config=config,
+                      options=make_options(**kw)))
+
+
+@click.command("import-hf")
+@click.argument("hf_dir", type=click.Path())
+@click.argument("uni", type=click.Path())
+@click.option("--map", "key_map", default="identity", show_default=True, help=MAP_HELP)
+@click.option("--config", default=None, help="config.json with the head counts (default: HF_DIR/config.json).")
+@click.option("--prefix", default=None, help="Put the weights under this state-dict root, e.g. 'model' (default: top level, torchtitan style).")
+@click.option("--chunk-size", type=SIZE, default=None, help="Target bytes per zarr chunk (default 64MiB).")
+@run_options
+def import_hf_cmd(hf_dir: str, uni: str, key_map: str, config: str | None, prefix: str | None,
+                  chunk_size: int | None, **kw: Any) -> None:
+    """Convert Hugging Face safetensors in HF_DIR (single or sharded) into a universal store UNI."""
+    from converter.api import import_hf
+
+    _report(import_hf(hf_dir, uni, key_map=key_map, config=config, prefix=prefix, options=make_options(**kw),
+                      chunk_bytes=chunk_size))
+
+
+def register(cli: click.Group) -> None:
+    """Add the HF commands to the ``ckptconv`` group."""
+    cli.add_command(export_hf_cmd)
+    cli.add_command(import_hf_cmd)

@@ -1,0 +1,382 @@
+"""Hugging Face safetensors export and import, on the plan/execute core.
+
+- ``export_hf``: a universal store or DCP checkpoint -> ``model.safetensors`` (or shards and an
+  index). Model weights only (role "param" of :mod:`converter.atoms`, the ``model.`` prefix
+  stripped), renamed by a key map, optionally cast; every HF tensor is one write task whose
+  pieces are streamed into the file at their offsets (:class:`formats.hf.HFWriter`).
+- ``import_hf``: an HF directory -> a universal store (the inverse map), ready for
+  ``from-universal``.
+
+Renaming and row permutations (the RoPE q/k permutation) are a :class:`MappedReader`: a view of the
+source whose index names the target tensors and whose chunks are boxes in target coordinates, so
+``plan_tensor`` and ``execute`` run unchanged. A permuted tensor's virtual chunks are runs of
+target rows whose source rows lie in one source chunk; reading a region reads the span of source
+rows it needs in one go and gathers the rows (at most a few heads of extra rows).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from converter import __version__
+from converter.atoms import group_atoms
+from converter.config import RunOptions, check_destination, parse_size
+from converter.execute import execute
+from converter.key_maps import (CONFIG_FILLERS, KeyMap, get_key_map, heads_for, parse_transform,
+                                rename_all, rope_permutation)
+from converter.plan import Piece, WriteTask, describe, plan_tensor
+from converter.sources import detect_format, open_checkpoint
+from converter.to_universal import ConversionResult, _ChunkSink
+from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, full_box
+from formats.dtypes import by_name
+from formats.errors import ConfigError, InvalidCheckpointError, PlanError
+from formats.fsutil import atomic_write_bytes
+from formats.hf import DEFAULT_MAX_SHARD_BYTES, HFWriter, TensorSpec, plan_files
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                 "float": "float32", "fp64": "float64", "double": "float64"}
+#: Source dtypes --dtype casts (float8 and integer tensors keep theirs).
+CASTABLE = frozenset({"float16", "bfloat16", "float32", "float64"})
+CONFIG_FILE = "config.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# the mapped view
+
+
+class Source(NamedTuple):
+    """Where a target tensor comes from: the source key and a row permutation (or None)."""
+
+    key: str
+    perm: torch.Tensor | None = None
+
+
+class _VLoc(NamedTuple):
+    key: str
+    chunk: ChunkRef
+
+
+def permuted_chunks(chunks: Sequence[ChunkRef], perm: torch.Tensor, key: str) -> tuple[ChunkRef, ...]:
+    """Virtual chunks (target coordinates) of a tensor whose target row ``t`` is source row
+    ``perm[t]``: runs of target rows whose source rows fall in one row segment of the source
+    chunks, times each source chunk covering that segment (pure)."""
+    rows = len(perm)
+    live = [c for c in chunks if c.box.numel]
+    cuts = sorted({0, rows} | {c.box.offsets[0] for c in live} | {c.box.ends[0] for c in live})
+    seg = torch.bucketize(perm, torch.tensor(cuts[1:-1], dtype=perm.dtype), right=True)
+    starts = [0] + (torch.nonzero(seg[1:] != seg[:-1]).flatten() + 1).tolist()
+    out = []
+    for t0, t1 in zip(starts, starts[1:] + [rows]):
+        s = int(seg[t0])
+        lo, hi = cuts[s], cuts[s + 1]
+        for c in live:
+            if c.box.offsets[0] <= lo and hi <= c.box.ends[0]:
+                box = Box((t0, *c.box.offsets[1:]), (t1 - t0, *c.box.sizes[1:]))
+                out.append(ChunkRef(box, c.file, _VLoc(key, c), c.rank))
+    return tuple(out)
+
+
+class MappedReader:
+    """A :class:`CheckpointReader` view: target tensors renamed (and row-permuted) from a source.
+
+    ``sources`` maps each target key to its :class:`Source`; ``paths`` gives target object paths.
+    """
+
+    def __init__(self, reader: CheckpointReader, sources: Mapping[str, Source],
+                 paths: Mapping[str, tuple] | None = None) -> None:
+        self.reader = reader
+        self.sources = dict(sources)
+        src_index = reader.index()
+        tensors = {}
+        for target, src in self.sources.items():
+            e = src_index.tensors[src.key]
+            if src.perm is None:
+                chunks = tuple(ChunkRef(c.box, c.file, _VLoc(src.key, c), c.rank) for c in e.chunks)
+            else:
+                chunks = permuted_chunks(e.chunks, src.perm, src.key)
+            path = (paths or {}).get(target, (target,))
+            tensors[target] = TensorEntry(target, e.dtype, e.shape, chunks, path)
+        self._index = CheckpointIndex(src_index.format, src_index.root, tensors, {}, src_index.info)
+
+    def index(self) -> CheckpointIndex:
+        return self._index
+
+    def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
+        loc: _VLoc = chunk.locator
+        perm = self.sources[key].perm
+        if perm is None:
+            return self.reader.read_region(loc.key, loc.chunk, region)
+        rows = perm[region.offsets[0]: region.ends[0]]
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        span = Box((lo, *region.offsets[1:]), (hi - lo, *region.sizes[1:]))
+        data = self.reader.read_region(loc.key, loc.chunk, span)
+        if hi - lo == len(rows) and bool((rows == torch.arange(lo, hi)).all()):
+            return data
+        return data.index_select(0, rows - lo)
+
+    def read_object_bytes(self, key: str) -> bytes:
+        raise PlanError(f"no non-tensor entry {key!r} in a mapped view")
+
+    def load_object(self, key: str, trust_pickle: bool = False) -> Any:
+        return self.read_object_bytes(key)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _perm_for(kmap: KeyMap, native_key: str, shape: Sequence[int], config: Mapping[str, Any] | None,
+              to_hf: bool) -> torch.Tensor | None:
+    spec = kmap.transform_of(native_key)
+    if spec is None:
+        return None
+    _, field = parse_transform(spec, f"key map {kmap.name!r}")
+    if not shape:
+        raise ConfigError(f"key map {kmap.name!r}: cannot permute the rows of 0-d tensor {native_key!r}")
+    heads = heads_for(field, config, kmap.name, native_key)
+    return rope_permutation(int(shape[0]), heads, to_hf, native_key)
+
+
+# ---------------------------------------------------------------------------------------------
+# options
+
+
+def normalize_dtype(dtype: str | None) -> str | None:
+    """``bf16`` / ``bfloat16`` / ``torch.bfloat16`` -> ``bfloat16``; floating point only."""
+    if dtype is None:
+        return None
+    name = by_name(DTYPE_ALIASES.get(dtype.lower(), dtype)).name
+    if name not in CASTABLE:
+        raise ConfigError(f"--dtype {dtype}: cast only to {', '.join(sorted(CASTABLE))} (or bf16, fp16, fp32)")
+    return name
+
+
+def load_config_arg(config: str | os.PathLike | Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, bytes | None]:
+    """(parsed config, original file bytes) from a path, inline JSON text or a mapping."""
+    if config is None:
+        return None, None
+    if isinstance(config, Mapping):
+        return dict(config), None
+    text = os.fspath(config)
+    raw: bytes | None = None
+    if text.lstrip().startswith("{"):
+        where, body = "--config", text
+    else:
+        path = Path(text)
+        if path.is_dir():
+            path = path / CONFIG_FILE
+        if not path.is_file():
+            raise ConfigError(f"--config {text!r}: no such file; pass a config.json path or inline JSON")
+        raw = path.read_bytes()
+        where, body = str(path), raw.decode("utf-8", errors="replace")
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise ConfigError(f"{where}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: config must be a JSON object")
+    return doc, raw
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+def model_weights(index: CheckpointIndex) -> dict[str, str]:
+    """Source key -> model FQN (prefix stripped) of every model weight, in index order."""
+    paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
+    refs, _ = group_atoms(paths)
+    return {k: refs[k].atom for k in index.tensors if refs[k].role == "param"}
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """Everything an export writes, decided before any tensor byte is read."""
+
+    sources: dict[str, Source]  # HF name -> source key (+ permutation)
+    specs: tuple[TensorSpec, ...]  # HF tensors in source order, target dtypes
+    config: dict[str, Any] | None
+
+
+def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
+                config: Mapping[str, Any] | None) -> ExportPlan:
+    """Pure: which source tensor becomes which HF tensor, with dtypes and permutations."""
+    weights = model_weights(index)
+    if not weights:
+        raise InvalidCheckpointError(f"{index.root}: no model weights found (only optimizer / training state); nothing to export")
+    fqn_key = {fqn: key for key, fqn in weights.items()}
+    if len(fqn_key) != len(weights):
+        raise InvalidCheckpointError(f"{index.root}: two keys hold the same model weight; cannot export")
+    names = rename_all(list(fqn_key), kmap.exporter(), kmap.name, "export")
+    shapes = {fqn: tuple(index.tensors[k].shape) for fqn, k in fqn_key.items()}
+    filler = CONFIG_FILLERS.get(kmap.name)
+    if config is not None and filler is not None:
+        config = filler(shapes, config)
+    sources, specs = {}, []
+    for fqn, hf in names.items():
+        key = fqn_key[fqn]
+        entry = index.tensors[key]
+        sources[hf] = Source(key, _perm_for(kmap, fqn, entry.shape, config, to_hf=True))
+        target = dtype if dtype is not None and entry.dtype in CASTABLE else entry.dtype
+        specs.append(TensorSpec(hf, target, tuple(entry.shape)))
+    return ExportPlan(sources, tuple(specs), None if config is None else dict(config))
+
+
+class _HFSink:
+    """Execute sink: pwrite each piece at its offset in the tensor's file, cast if asked."""
+
+    def __init__(self, writer: HFWriter, dtypes: Mapping[str, torch.dtype]) -> None:
+        self.writer, self.dtypes = writer, dtypes
+
+    def open(self, task: WriteTask) -> _HFSink._One:
+        return _HFSink._One(self.writer, task, self.dtypes[task.key])
+
+    class _One:
+        def __init__(self, writer: HFWriter, task: WriteTask, dtype: torch.dtype) -> None:
+            self.writer, self.task, self.dtype = writer, task, dtype
+            shape = task.box.sizes
+            self.strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+
+        def write(self, piece: Piece, data: torch.Tensor) -> None:
+            local = piece.box.relative_to(self.task.box)
+            offset = sum(o * s for o, s in zip(local.offsets, self.strides))
+            self.writer.write_tensor(self.task.key, offset, data if data.dtype == self.dtype else data.to(self.dtype))
+
+        def close(self) -> None:
+            pass
+
+
+def _shard_summary(plans) -> str:
+    return "\n".join(f"# {p.name}: {len(p.tensors)} tensors, {p.size} bytes" for p in plans)
+
+
+def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
+              config: str | os.PathLike | Mapping[str, Any] | None = None,
+              options: RunOptions | None = None) -> ConversionResult:
+    """Write the model weights of ``src`` (universal store or DCP) as HF safetensors in ``dst``.
+
+    ``key_map``: ``identity``, ``torchtitan-llama`` or a map file; ``max_shard_size``: bytes or
+    text like ``5GB`` (huggingface_hub's default); ``dtype``: cast floating-point weights (e.g.
+    ``bf16``); ``config``: a config.json path or inline JSON, written to ``dst/config.json``
+    (completed from the weights' shapes for the built-in Llama map) and used for head counts.
+    """
+    options = options or RunOptions()
+    kmap = get_key_map(key_map)
+    max_bytes = parse_size(max_shard_size)
+    if max_bytes < 1:
+        raise ConfigError(f"--max-shard-size must be positive (got {max_shard_size!r})")
+    dtype = normalize_dtype(dtype)
+    cfg, cfg_raw = load_config_arg(config)
+    reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
+    try:
+        index = reader.index()
+        plan = plan_export(index, kmap, dtype, cfg)
+        view = MappedReader(reader, plan.sources)
+        file_plans = plan_files(plan.specs, max_bytes)
+        tasks = [t for hf, e in view.index().tensors.items()
+                 for t in plan_tensor(e, [(hf, full_box(e.shape))], options.effective_piece_bytes)]
+        total = sum(s.nbytes for s in plan.specs)
+        if options.dry_run:
+            return ConversionResult(str(dst), len(plan.specs), 0, total, 0.0,
+                                    plan=_shard_summary(file_plans) + "\n" + describe(tasks))
+        out = check_destination(src, dst, options.overwrite)
+        writer = HFWriter(out, plan.specs, max_bytes)
+        dtypes = {s.name: by_name(s.dtype).torch_dtype for s in plan.specs}
+        try:
+            writer.start()
+            stats = execute(tasks, view, _HFSink(writer, dtypes), workers=options.workers,
+                            memory_budget=options.memory_budget, progress=options.progress, label="export-hf")
+            if plan.config is not None:
+                same = cfg_raw is not None and plan.config == cfg
+                atomic_write_bytes(out / CONFIG_FILE, cfg_raw if same else _config_bytes(plan.config))
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        return ConversionResult(str(out), len(plan.specs), 0, total, stats.seconds)
+    finally:
+        reader.close()
+
+
+def _config_bytes(cfg: Mapping[str, Any]) -> bytes:
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# import
+
+
+def plan_import(index: CheckpointIndex, kmap: KeyMap, config: Mapping[str, Any] | None,
+                prefix: str | None) -> tuple[dict[str, Source], dict[str, tuple]]:
+    """Pure: (universal key -> Source, universal key -> object path) for an HF index."""
+    names = rename_all(list(index.tensors), kmap.importer(), kmap.name, "import")
+    sources, paths = {}, {}
+    for hf, native in names.items():
+        key = f"{prefix}.{native}" if prefix else native
+        sources[key] = Source(hf, _perm_for(kmap, native, index.tensors[hf].shape, config, to_hf=False))
+        paths[key] = (prefix, native) if prefix else (native,)
+    return sources, paths
+
+
+def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
+              config: str | os.PathLike | Mapping[str, Any] | None = None, prefix: str | None = None,
+              options: RunOptions | None = None, chunk_bytes: int | None = None) -> ConversionResult:
+    """Convert the HF safetensors directory ``src`` into a universal store at ``dst``.
+
+    ``key_map`` renames HF names to native ones (the inverse of the export map); ``config``
+    (default: ``src/config.json`` when the map needs head counts) gives the head counts;
+    ``prefix`` puts the weights under an object-path root (e.g. ``model`` for DCP's
+    ``get_state_dict`` style), top level by default (torchtitan's style).
+    """
+    from converter import knobs
+    from formats.universal import UniversalWriter
+    from formats.universal_meta import SourceInfo
+
+    options = options or RunOptions()
+    kmap = get_key_map(key_map)
+    if detect_format(src) != "hf":
+        raise ConfigError(f"{src}: import-hf reads a Hugging Face directory (*.safetensors); use to-universal for other checkpoints")
+    if config is None and kmap.transforms and (Path(src) / CONFIG_FILE).is_file():
+        config = Path(src) / CONFIG_FILE
+    cfg, _ = load_config_arg(config)
+    reader = open_checkpoint(src)
+    try:
+        index = reader.index()
+        sources, paths = plan_import(index, kmap, cfg, prefix)
+        view = MappedReader(reader, sources, paths)
+        vindex = view.index()
+        chunk_bytes = chunk_bytes or min(knobs.UNIVERSAL_CHUNK_BYTES, options.effective_piece_bytes)
+        if options.dry_run:
+            from formats.universal import chunk_grid, chunk_shape_for
+
+            tasks = []
+            for e in vindex.tensors.values():
+                grid = chunk_grid(e.shape, chunk_shape_for(e.shape, by_name(e.dtype).itemsize, chunk_bytes))
+                tasks += plan_tensor(e, list(grid), chunk_bytes)
+            return ConversionResult(str(dst), len(sources), 0, sum(t.nbytes for t in tasks), 0.0, plan=describe(tasks))
+        out = check_destination(src, dst, options.overwrite)
+        refs, atoms = group_atoms(paths)
+        writer = UniversalWriter(out, chunk_bytes)
+        tasks: list[WriteTask] = []
+        for key, entry in vindex.tensors.items():
+            writer.add_tensor(entry, refs[key].atom, refs[key].role)
+            tasks += plan_tensor(entry, writer.chunks(key), piece_bytes=chunk_bytes)
+        stats = execute(tasks, view, _ChunkSink(writer), workers=options.workers,
+                        memory_budget=options.memory_budget, progress=options.progress, label="import-hf")
+        files = [f for f in index.info.get("files", {}) if f.endswith(".safetensors")]
+        layout = f"hf {len(files)} file{'s' if len(files) != 1 else ''}"
+        source = SourceInfo(format="hf", path=str(Path(src).resolve()), world_size=None, layout=layout)
+        created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        writer.commit(source, __version__, atoms, created)
+        return ConversionResult(str(out), len(sources), 0, stats.bytes_written, stats.seconds)
+    finally:
+        reader.close()

@@ -1,0 +1,339 @@
+"""Key maps between a training framework's parameter names and Hugging Face names, as data.
+
+A map is a table in torchtitan's state-dict-adapter style, HF name -> native name, with ``{}``
+standing for a layer (or expert) number and ``None`` dropping the HF key on import::
+
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight"
+
+The export direction (native -> HF) is derived from it by :meth:`KeyMap.exporter`; ``drop``
+lists native names left out on export. ``transforms`` names native tensors whose rows must be
+permuted between the layouts: ``"rope:<config field>"`` is the q/k permutation between
+interleaved RoPE (torchtitan, Meta) and HF's rotate-half, per head, with the head count read from
+``config.json`` field ``<config field>``.
+
+Map files (``--map FILE``) are JSON: either the table itself, or ``{"map": {...}, "drop": [...],
+"transforms": {...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from formats.errors import ConfigError
+
+DROP = None
+_MAX_LISTED = 10
+
+
+# ---------------------------------------------------------------------------------------------
+# templates
+
+
+@dataclass(frozen=True)
+class Template:
+    """A name with ``{}`` placeholders, each matching one dot-free run of digits."""
+
+    text: str
+
+    @property
+    def holes(self) -> int:
+        return self.text.count("{}")
+
+    def regex(self) -> re.Pattern[str]:
+        return re.compile(r"(\d+)".join(map(re.escape, self.text.split("{}"))))
+
+    def fill(self, values: Sequence[str]) -> str:
+        parts = self.text.split("{}")
+        out = [parts[0]]
+        for v, p in zip(values, parts[1:]):
+            out += [v, p]
+        return "".join(out)
+
+
+class Renamer:
+    """Renames keys by a table of templates: exact entries first, then templates in table order.
+
+    ``rename(key)`` returns the new name, ``None`` when the table drops the key, or raises
+    ``KeyError`` when no entry matches.
+    """
+
+    def __init__(self, table: Mapping[str, str | None]) -> None:
+        self._exact: dict[str, str | None] = {}
+        self._patterns: list[tuple[re.Pattern[str], Template | None]] = []
+        for src, dst in table.items():
+            s = Template(src)
+            d = None if dst is None else Template(dst)
+            if d is not None and d.holes != s.holes:
+                raise ConfigError(f"key map entry {src!r} -> {dst!r}: both sides need the same number of '{{}}'")
+            if s.holes == 0:
+                self._exact[src] = dst
+            else:
+                self._patterns.append((s.regex(), d))
+
+    def rename(self, key: str) -> str | None:
+        if key in self._exact:
+            return self._exact[key]
+        for rx, dst in self._patterns:
+            m = rx.fullmatch(key)
+            if m:
+                return None if dst is None else dst.fill(m.groups())
+        raise KeyError(key)
+
+
+def _listing(keys: Sequence[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:_MAX_LISTED])
+    return shown + (f" and {len(keys) - _MAX_LISTED} more" if len(keys) > _MAX_LISTED else "")
+
+
+def rename_all(keys: Iterable[str], renamer: Renamer | None, map_name: str, direction: str) -> dict[str, str]:
+    """key -> new name for every kept key (dropped keys left out), in ``keys`` order.
+
+    Raises ConfigError listing every key the map leaves unmapped, or two keys given one name.
+    ``renamer`` None is the identity.
+    """
+    out: dict[str, str] = {}
+    unmapped: list[str] = []
+    for key in keys:
+        if renamer is None:
+            out[key] = key
+            continue
+        try:
+            new = renamer.rename(key)
+        except KeyError:
+            unmapped.append(key)
+            continue
+        if new is not None:
+            out[key] = new
+    if unmapped:
+        raise ConfigError(
+            f"key map {map_name!r} ({direction}) leaves {len(unmapped)} key(s) unmapped: {_listing(unmapped)}; "
+            "add them to the map (null drops a key) or use --map identity"
+        )
+    seen: dict[str, str] = {}
+    for key, new in out.items():
+        if new in seen:
+            raise ConfigError(f"key map {map_name!r} ({direction}) gives {seen[new]!r} and {key!r} the same name {new!r}; fix the map")
+        seen[new] = key
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# maps
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """A named HF <-> native key map (see the module docstring)."""
+
+    name: str
+    from_hf: Mapping[str, str | None] = field(default_factory=dict)
+    drop: tuple[str, ...] = ()
+    transforms: Mapping[str, str] = field(default_factory=dict)
+    identity: bool = False
+
+    def importer(self) -> Renamer | None:
+        """HF name -> native name (None: identity)."""
+        return None if self.identity else Renamer(self.from_hf)
+
+    def export_table(self) -> dict[str, str | None]:
+        """The derived native -> HF table (drops included)."""
+        table: dict[str, str | None] = {}
+        for hf, native in self.from_hf.items():
+            if native is None:
+                continue
+            if native in table:
+                raise ConfigError(f"key map {self.name!r}: {native!r} is the target of two HF names; the map cannot be inverted")
+            table[native] = hf
+        for native in self.drop:
+            table.setdefault(native, None)
+        return table
+
+    def exporter(self) -> Renamer | None:
+        """Native name -> HF name (None: identity)."""
+        if self.identity:
+            return _DropOnly(self.drop) if self.drop else None
+        return Renamer(self.export_table())
+
+    def transform_of(self, native_key: str) -> str | None:
+        """The row transform of a native key (``"rope:<field>"``) or None."""
+        for pattern, transform in self.transforms.items():
+            if Template(pattern).regex().fullmatch(native_key):
+                return transform
+        return None
+
+
+class _DropOnly(Renamer):
+    """Identity except for dropped keys."""
+
+    def __init__(self, drop: Sequence[str]) -> None:
+        super().__init__({d: None for d in drop})
+
+    def rename(self, key: str) -> str | None:
+        try:
+            return super().rename(key)
+        except KeyError:
+            return key
+
+
+_L = "layers.{}."
+TORCHTITAN_LLAMA = KeyMap(
+    "torchtitan-llama",
+    from_hf={
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.layers.{}.self_attn.q_proj.weight": _L + "attention.wq.weight",
+        "model.layers.{}.self_attn.k_proj.weight": _L + "attention.wk.weight",
+        "model.layers.{}.self_attn.v_proj.weight": _L + "attention.wv.weight",
+        "model.layers.{}.self_attn.o_proj.weight": _L + "attention.wo.weight",
+        "model.layers.{}.self_attn.rotary_emb.inv_freq": DROP,
+        "model.layers.{}.mlp.gate_proj.weight": _L + "feed_forward.w1.weight",
+        "model.layers.{}.mlp.up_proj.weight": _L + "feed_forward.w3.weight",
+        "model.layers.{}.mlp.down_proj.weight": _L + "feed_forward.w2.weight",
+        "model.layers.{}.input_layernorm.weight": _L + "attention_norm.weight",
+        "model.layers.{}.post_attention_layernorm.weight": _L + "ffn_norm.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "output.weight",
+    },
+    drop=("freqs_cis",),
+    transforms={
+        _L + "attention.wq.weight": "rope:num_attention_heads",
+        _L + "attention.wk.weight": "rope:num_key_value_heads",
+    },
+)
+IDENTITY = KeyMap("identity", identity=True)
+BUILTIN_MAPS: dict[str, KeyMap] = {m.name: m for m in (IDENTITY, TORCHTITAN_LLAMA)}
+
+
+def get_key_map(name_or_path: str | KeyMap | None) -> KeyMap:
+    """A built-in map (``identity``, ``torchtitan-llama``) or a JSON map file."""
+    if name_or_path is None:
+        return IDENTITY
+    if isinstance(name_or_path, KeyMap):
+        return name_or_path
+    if name_or_path in BUILTIN_MAPS:
+        return BUILTIN_MAPS[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"--map {name_or_path!r}: not a built-in map ({', '.join(BUILTIN_MAPS)}) nor a map file")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{path}: map file is not JSON ({e}); see 'ckptconv export-hf --help'") from None
+    return key_map_from_doc(doc, str(path))
+
+
+def _str_map(doc: Any, where: str, what: str, allow_null: bool) -> dict[str, str | None]:
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: {what} must be a JSON object")
+    for k, v in doc.items():
+        if not (isinstance(v, str) or (allow_null and v is None)):
+            raise ConfigError(f"{where}: {what} entry {k!r} must map to a string{' or null' if allow_null else ''}")
+    return dict(doc)
+
+
+def key_map_from_doc(doc: Any, where: str = "map") -> KeyMap:
+    """A :class:`KeyMap` from a parsed map file (the table, or {"map", "drop", "transforms"})."""
+    if isinstance(doc, dict) and isinstance(doc.get("map"), dict):
+        extra = set(doc) - {"map", "drop", "transforms"}
+        if extra:
+            raise ConfigError(f"{where}: unknown map file field(s) {sorted(extra)}; allowed: map, drop, transforms")
+        table = _str_map(doc["map"], where, "\"map\"", True)
+        drop = doc.get("drop", [])
+        if not isinstance(drop, list) or not all(isinstance(d, str) for d in drop):
+            raise ConfigError(f"{where}: \"drop\" must be a list of native key names")
+        transforms = _str_map(doc.get("transforms", {}), where, "\"transforms\"", False)
+        for k, t in transforms.items():
+            parse_transform(t, f"{where}: transform of {k!r}")
+        km = KeyMap(where, table, tuple(drop), transforms)
+    else:
+        km = KeyMap(where, _str_map(doc, where, "the map", True))
+    km.export_table()  # invertible?
+    Renamer(km.from_hf)
+    return km
+
+
+# ---------------------------------------------------------------------------------------------
+# row transforms
+
+
+def parse_transform(text: str, where: str) -> tuple[str, str]:
+    """``"rope:<config field>"`` -> ("rope", field)."""
+    kind, _, arg = text.partition(":")
+    if kind != "rope" or not arg:
+        raise ConfigError(f"{where}: unknown transform {text!r}; the only one is 'rope:<config field with the head count>'")
+    return kind, arg
+
+
+def rope_permutation(rows: int, n_heads: int, to_hf: bool, key: str = "") -> torch.Tensor:
+    """Row permutation ``p`` (int64, length ``rows``): target row ``t`` takes source row ``p[t]``.
+
+    ``to_hf``: interleaved RoPE pairs (torchtitan / Meta) -> HF rotate-half halves, exactly
+    ``w.view(n_heads, hd // 2, 2, dim).transpose(1, 2).reshape(rows, dim)`` of HF's
+    ``convert_llama_weights_to_hf``; otherwise its inverse.
+    """
+    if n_heads <= 0 or rows % n_heads or (rows // n_heads) % 2:
+        raise ConfigError(
+            f"{key or 'tensor'}: {rows} rows cannot be split into {n_heads} heads of even size; "
+            "check num_attention_heads / num_key_value_heads in the config"
+        )
+    hd = rows // n_heads
+    idx = torch.arange(rows)
+    if to_hf:
+        return idx.view(n_heads, hd // 2, 2).transpose(1, 2).reshape(-1)
+    return idx.view(n_heads, 2, hd // 2).transpose(1, 2).reshape(-1)
+
+
+def heads_for(field_name: str, config: Mapping[str, Any] | None, map_name: str, key: str) -> int:
+    """The head count a transform needs, from ``config`` (HF semantics: KV heads default to the
+    attention heads)."""
+    config = config or {}
+    value = config.get(field_name)
+    if value is None and field_name == "num_key_value_heads":
+        value = config.get("num_attention_heads")
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(
+            f"key map {map_name!r} permutes the rows of {key!r} per head and needs {field_name!r}: pass "
+            f"--config config.json (or inline JSON, e.g. '{{\"num_attention_heads\": 32, \"num_key_value_heads\": 8}}')"
+        )
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json for the built-in Llama map
+
+
+def llama_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` completed with what the torchtitan-llama weights' shapes say (HF LlamaConfig
+    names); a given value that contradicts the shapes is an error."""
+    cfg = dict(given)
+    derived: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    emb = shapes.get("tok_embeddings.weight")
+    if emb is not None:
+        derived["vocab_size"], derived["hidden_size"] = int(emb[0]), int(emb[1])
+    layers = {k.split(".")[1] for k in shapes if k.startswith("layers.")}
+    if layers:
+        derived["num_hidden_layers"] = len(layers)
+    w1 = shapes.get("layers.0.feed_forward.w1.weight")
+    if w1 is not None:
+        derived["intermediate_size"] = int(w1[0])
+    derived["tie_word_embeddings"] = "output.weight" not in shapes
+    wq, wk = shapes.get("layers.0.attention.wq.weight"), shapes.get("layers.0.attention.wk.weight")
+    n_heads = cfg.get("num_attention_heads")
+    if isinstance(n_heads, int) and wq is not None and wk is not None and n_heads > 0:
+        head_dim = cfg.get("head_dim") or int(wq[0]) // n_heads
+        if head_dim and int(wk[0]) % head_dim == 0:
+            derived["num_key_value_heads"] = int(wk[0]) // head_dim
+    for name, value in derived.items():
+        if name in cfg and cfg[name] != value and name not in ("architectures",):
+            raise ConfigError(f"config.json says {name}={cfg[name]!r} but the weights give {value!r}; fix the config")
+        cfg.setdefault(name, value)
+    return cfg
+
+
+CONFIG_FILLERS = {"torchtitan-llama": llama_config}

@@ -1,0 +1,557 @@
+"""Hugging Face safetensors: a validating zero-copy reader and a streaming writer.
+
+A safetensors file is ``u64`` little-endian header length ``N``, ``N`` bytes of JSON (padded with
+spaces to a multiple of 8), then the data section: every tensor's raw little-endian C-order bytes,
+back to back with no gaps, at ``data_offsets`` relative to the data start. A sharded checkpoint
+adds ``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {name:
+file}}``) next to ``model-0000i-of-0000N.safetensors``.
+
+:class:`HFReader` parses and validates the headers itself (no safetensors library) and reads any
+row range of a tensor with one ``pread`` straight into the returned tensor's memory.
+
+:class:`HFWriter` never needs a whole tensor in memory (the safetensors library does): every
+file's header is computed up front from names, dtypes and shapes, written first, the file sized,
+and each tensor's bytes are then ``pwrite``-n at their offsets as they arrive. Tensors are laid
+out in the order safetensors' own writer uses (dtype rank descending, then name), so the files are
+byte-identical to ``safetensors.torch.save_file(..., metadata={"format": "pt"})``. Files are
+written as ``*.tmp`` and renamed when complete; the index is published last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from formats.base import Box, CheckpointIndex, ChunkRef, Shape, TensorEntry, full_box
+from formats.dtypes import by_name, by_safetensors, by_torch
+from formats.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DestinationError,
+    InvalidCheckpointError,
+    PlanError,
+    UnsupportedError,
+)
+from formats.fsutil import atomic_write_bytes, fsync_dir, read_exact_into, safe_join
+
+#: Largest header safetensors accepts (bytes).
+MAX_HEADER_BYTES = 100_000_000
+#: Largest index JSON accepted (bytes).
+MAX_INDEX_BYTES = 100_000_000
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FORMAT_METADATA: Mapping[str, str] = {"format": "pt"}
+#: huggingface_hub's default ``max_shard_size`` ("5GB").
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+# safetensors' Rust ``Dtype`` enum order; its writer sorts tensors by it, descending, then by name.
+_WRITER_DTYPE_ORDER = (
+    "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16",
+    "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+)
+_DTYPE_RANK = {name: i for i, name in enumerate(_WRITER_DTYPE_ORDER)}
+
+
+# ---------------------------------------------------------------------------------------------
+# headers
+
+
+@dataclass(frozen=True)
+class StEntry:
+    """One tensor of a safetensors file; ``begin``/``end`` are absolute file offsets."""
+
+    name: str
+    dtype: str  # torch dtype name
+    shape: Shape
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class StHeader:
+    """A parsed, validated safetensors header."""
+
+    file: str
+    size: int
+    data_start: int
+    metadata: Mapping[str, str] | None
+    tensors: Mapping[str, StEntry]
+
+
+def _bad(where: str, what: str) -> InvalidCheckpointError:
+    return InvalidCheckpointError(f"{where}: {what}; the file is not a valid safetensors file: re-export it")
+
+
+def _parse_entry(name: str, doc: Any, data_start: int, where: str) -> StEntry:
+    if not isinstance(doc, dict):
+        raise _bad(where, f"header entry {name!r} is not an object")
+    dtype, shape, offsets = doc.get("dtype"), doc.get("shape"), doc.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise _bad(where, f"tensor {name!r} has no dtype")
+    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+        raise _bad(where, f"tensor {name!r} has a bad shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(type(o) is int and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+        raise _bad(where, f"tensor {name!r} has bad data_offsets {offsets!r}")
+    d = by_safetensors(dtype)
+    nbytes = math.prod(shape) * d.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise _bad(where, f"tensor {name!r} ({dtype} {shape}) needs {nbytes} bytes but data_offsets span "
+                          f"{offsets[1] - offsets[0]}")
+    return StEntry(name, d.name, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def parse_header(raw: bytes, file_size: int, where: str, file: str = "") -> StHeader:
+    """Validate a header (``raw`` = the JSON bytes) of a file of ``file_size`` bytes.
+
+    Checks what safetensors checks: JSON object, known dtypes, sizes matching shapes, offsets
+    covering the data section exactly (no gaps, no overlaps, nothing past the end).
+    """
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _bad(where, f"header is not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise _bad(where, "header is not a JSON object")
+    data_start = 8 + len(raw)
+    metadata = doc.pop("__metadata__", None)
+    if metadata is not None and (
+        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise _bad(where, "__metadata__ is not a map of strings")
+    tensors = {name: _parse_entry(name, d, data_start, where) for name, d in doc.items()}
+    cursor = data_start
+    for e in sorted(tensors.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin != cursor:
+            what = "overlaps the previous tensor" if e.begin < cursor else "leaves a gap before it"
+            raise _bad(where, f"tensor {e.name!r} at data offset {e.begin - data_start} {what}")
+        cursor = e.end
+    if cursor != file_size:
+        raise CorruptCheckpointError(
+            f"{where}: tensors end at byte {cursor} but the file has {file_size} bytes; "
+            "the file is truncated or has trailing data: re-download or re-export it"
+        )
+    return StHeader(file, file_size, data_start, metadata, tensors)
+
+
+def read_header(path: Path, file: str = "") -> StHeader:
+    """Read and validate the header of the safetensors file at ``path``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such safetensors file; check the path or the index") from None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CorruptCheckpointError(f"{path}: {size} bytes is too short for a safetensors file; re-export it")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise InvalidCheckpointError(
+                f"{path}: header length {n} is over the {MAX_HEADER_BYTES} byte limit; "
+                "not a safetensors file (or a damaged one)"
+            )
+        if 8 + n > size:
+            raise CorruptCheckpointError(f"{path}: header of {n} bytes runs past the end of the {size} byte file; re-export it")
+        raw = bytearray(n)
+        if read_exact_into(fd, memoryview(raw), 8) != n:
+            raise CorruptCheckpointError(f"{path}: file shrank while reading its header")
+    finally:
+        os.close(fd)
+    return parse_header(bytes(raw), size, str(path), file or path.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# the index
+
+
+def read_index(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """``(weight_map, metadata)`` of a ``model.safetensors.index.json``, validated."""
+    size = path.stat().st_size
+    if size > MAX_INDEX_BYTES:
+        raise InvalidCheckpointError(f"{path}: {size} bytes is over the {MAX_INDEX_BYTES} byte limit for an index")
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidCheckpointError(f"{path}: malformed index JSON ({e}); re-export the checkpoint") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+        raise InvalidCheckpointError(f"{path}: index has no \"weight_map\" object; re-export the checkpoint")
+    wmap = doc["weight_map"]
+    bad = [k for k, v in wmap.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise InvalidCheckpointError(f"{path}: weight_map entry {bad[0]!r} does not name a file; fix the index")
+    meta = doc.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise InvalidCheckpointError(f"{path}: index \"metadata\" is not an object; fix the index")
+    return dict(wmap), dict(meta or {})
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key comparing digit runs as numbers: ``layers.2`` before ``layers.10``."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name))
+
+
+def is_hf_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a directory holding safetensors files or an HF index."""
+    p = Path(path)
+    return p.is_dir() and ((p / INDEX_FILE).is_file() or any(p.glob("*.safetensors")))
+
+
+# ---------------------------------------------------------------------------------------------
+# reader
+
+
+class HFReader:
+    """Reads a Hugging Face safetensors directory (single file or sharded with an index).
+
+    Each tensor is one chunk (the whole tensor); regions are read with one ``pread`` of the rows
+    they span, straight into the returned tensor's memory. HF checkpoints hold no non-tensor
+    entries.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.root = Path(path)
+        if not self.root.exists():
+            raise CheckpointNotFoundError(f"{self.root}: no such directory; check the path")
+        if not self.root.is_dir():
+            raise InvalidCheckpointError(f"{self.root}: is a file; pass the Hugging Face model directory")
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[str, StEntry]] = {}
+        self._index = self._build_index()
+
+    def _files(self) -> tuple[list[str], dict[str, str] | None, dict[str, Any]]:
+        index_path = self.root / INDEX_FILE
+        if index_path.is_file():
+            wmap, meta = read_index(index_path)
+            return list(dict.fromkeys(wmap.values())), wmap, meta
+        names = sorted(p.name for p in self.root.glob("*.safetensors"))
+        if not names:
+            raise InvalidCheckpointError(f"{self.root}: no *.safetensors files and no {INDEX_FILE}; "
+                                         "pass a Hugging Face model directory")
+        if len(names) > 1:
+            raise InvalidCheckpointError(
+                f"{self.root}: {len(names)} safetensors files but no {INDEX_FILE}; a sharded checkpoint "
+                "needs its index (it is written last: was the save interrupted?)"
+            )
+        return names, None, {}
+
+    def _build_index(self) -> CheckpointIndex:
+        files, wmap, meta = self._files()
+        headers: dict[str, StHeader] = {}
+        for f in files:
+            headers[f] = read_header(safe_join(self.root, f), f)
+        if wmap is None:
+            wmap = {name: files[0] for name in headers[files[0]].tensors}
+            sharded = False
+        else:
+            sharded = True
+        # shard order, then natural name order (layers.2 before layers.10): the model's order as
+        # far as the files still show it (the index itself is sorted by name)
+        names = sorted(wmap.items(), key=lambda kv: (kv[1], natural_key(kv[0])))
+        tensors: dict[str, TensorEntry] = {}
+        for name, f in names:
+            e = headers[f].tensors.get(name)
+            if e is None:
+                raise CorruptCheckpointError(
+                    f"{self.root / INDEX_FILE}: tensor {name!r} is mapped to {f} but that file does not "
+                    "hold it; the shards and the index do not match: re-export the checkpoint"
+                )
+            self._entries[name] = (f, e)
+            chunk = ChunkRef(full_box(e.shape), f, (f, e.begin))
+            tensors[name] = TensorEntry(name, e.dtype, e.shape, (chunk,), (name,))
+        sizes = {f: h.size for f, h in headers.items()}
+        info: dict[str, Any] = {
+            "version": None,
+            "files": sizes,
+            "metadata_files": [INDEX_FILE] if sharded else [],
+            "file_metadata": {f: dict(h.metadata) if h.metadata is not None else None for f, h in headers.items()},
+            "index_metadata": meta,
+            "sharded": sharded,
+        }
+        if sharded:
+            info["files"][INDEX_FILE] = (self.root / INDEX_FILE).stat().st_size
+        return CheckpointIndex("hf", str(self.root), tensors, {}, info)
+
+    def index(self) -> CheckpointIndex:
+        """The checkpoint's index (built and validated on open)."""
+        return self._index
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                path = safe_join(self.root, file)
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError:
+                    raise CheckpointNotFoundError(f"{path}: file disappeared") from None
+                self._fds[file] = fd
+            return fd
+
+    def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
+        """A new contiguous tensor holding ``region``: one pread of the rows it spans."""
+        found = self._entries.get(key)
+        if found is None:
+            raise PlanError(f"{self.root}: no tensor {key!r} in this checkpoint")
+        file, e = found
+        if region.ndim != len(e.shape) or not full_box(e.shape).contains(region):
+            raise PlanError(f"key {key!r}: region {region.to_json()} is not inside the tensor {list(e.shape)}")
+        d = by_name(e.dtype)
+        row = math.prod(e.shape[1:]) * d.itemsize
+        r0, r1 = (region.offsets[0], region.ends[0]) if e.shape else (0, 1)
+        nbytes = (r1 - r0) * row
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        got = read_exact_into(self._fd(file), memoryview(buf.numpy()), e.begin + r0 * row)
+        if got != nbytes:
+            raise CorruptCheckpointError(f"{self.root / file}: truncated while reading {key!r}; re-export it")
+        t = buf.view(d.torch_dtype).reshape((r1 - r0, *e.shape[1:]) if e.shape else ())
+        if not e.shape or region.sizes[1:] == e.shape[1:]:
+            return t
+        return t[(slice(None),) + region.slices()[1:]].contiguous()
+
+    def read_object_bytes(self, key: str) -> bytes:
+        raise PlanError(f"{self.root}: Hugging Face checkpoints hold no non-tensor entries (asked for {key!r})")
+
+    def load_object(self, key: str, trust_pickle: bool = False) -> Any:
+        return self.read_object_bytes(key)
+
+    def close(self) -> None:
+        """Close open files (they are reopened if the reader is used again)."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> HFReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# writer: pure layout
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to write: HF name, torch dtype name, shape."""
+
+    name: str
+    dtype: str
+    shape: Shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * by_name(self.dtype).itemsize
+
+    @property
+    def st_dtype(self) -> str:
+        return by_name(self.dtype).safetensors
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """One output file: its name, the tensors in file order, the header bytes and offsets."""
+
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    header: bytes  # the u64 length and the padded JSON
+    offsets: Mapping[str, int] = field(default_factory=dict)  # name -> absolute begin
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
+
+
+def split_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Group tensors into shards as huggingface_hub's ``split_torch_state_dict_into_shards`` does.
+
+    Greedy in the given order: a tensor that would take the current shard over the limit starts a
+    new shard; a tensor bigger than the limit gets a shard of its own (appended at once, before the
+    shard being filled).
+    """
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for spec in specs:
+        n = spec.nbytes
+        if n > max_shard_bytes:
+            shards.append([spec])
+            continue
+        if size + n > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
+        size += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_names(n: int) -> list[str]:
+    """HF file names for ``n`` shards (``model.safetensors`` for one)."""
+    if n == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def writer_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+    """The order safetensors' writer lays tensors out: dtype rank descending, then name."""
+    return sorted(specs, key=lambda s: (-_DTYPE_RANK[s.st_dtype], s.name.encode("utf-8")))
+
+
+def build_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None) -> tuple[bytes, dict[str, int]]:
+    """(header bytes with the length prefix, name -> begin relative to the data start) for tensors
+    in file order, byte-identical to what safetensors writes."""
+    doc: dict[str, Any] = {}
+    if metadata is not None:
+        doc["__metadata__"] = dict(metadata)
+    offsets, cursor = {}, 0
+    for s in specs:
+        doc[s.name] = {"dtype": s.st_dtype, "shape": list(s.shape), "data_offsets": [cursor, cursor + s.nbytes]}
+        offsets[s.name] = cursor
+        cursor += s.nbytes
+    text = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER_BYTES:
+        raise UnsupportedError(f"safetensors header of {len(text)} bytes is over the {MAX_HEADER_BYTES} byte limit; "
+                               "use a smaller --max-shard-size")
+    return struct.pack("<Q", len(text)) + text, offsets
+
+
+def plan_files(specs: Sequence[TensorSpec], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+               metadata: Mapping[str, str] | None = FORMAT_METADATA) -> list[FilePlan]:
+    """Every output file with its tensors, header and offsets (pure)."""
+    for s in specs:
+        if s.st_dtype not in _DTYPE_RANK:
+            raise UnsupportedError(f"tensor {s.name!r}: dtype {s.dtype} cannot be written to safetensors by torch; "
+                                   "cast it with --dtype or drop it with a key map")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ConfigError(f"two tensors would both be written as {dup!r}; fix the key map")
+    groups = split_shards(specs, max_shard_bytes) if specs else [[]]
+    plans = []
+    for name, group in zip(shard_names(len(groups)), groups):
+        ordered = writer_order(group)
+        header, rel = build_header(ordered, metadata)
+        plans.append(FilePlan(name, tuple(ordered), header, {k: len(header) + v for k, v in rel.items()}))
+    return plans
+
+
+def index_json(plans: Sequence[FilePlan]) -> bytes:
+    """The ``model.safetensors.index.json`` bytes, formatted as transformers writes it."""
+    doc = {
+        "metadata": {"total_size": sum(t.nbytes for p in plans for t in p.tensors)},
+        "weight_map": {t.name: p.name for p in plans for t in p.tensors},
+    }
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# writer: I/O
+
+
+class HFWriter:
+    """Streams tensors into safetensors files laid out by :func:`plan_files`.
+
+    ``start`` creates every ``<file>.tmp`` with its header, sized to its final length; then
+    :meth:`write` ``pwrite``s any byte range of any tensor (thread-safe, ranges written once);
+    ``commit`` checks that every byte was written, fsyncs, renames each file into place and writes
+    the index last. ``abort`` removes the temp files.
+    """
+
+    def __init__(self, root: str | os.PathLike, specs: Sequence[TensorSpec],
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 metadata: Mapping[str, str] | None = FORMAT_METADATA) -> None:
+        self.root = Path(root)
+        self.plans = plan_files(specs, max_shard_bytes, metadata)
+        self._where: dict[str, tuple[FilePlan, int, int]] = {
+            t.name: (p, p.offsets[t.name], t.nbytes) for p in self.plans for t in p.tensors
+        }
+        self._fds: dict[str, int] = {}
+        self._written: dict[str, int] = {name: 0 for name in self._where}
+        self._lock = threading.Lock()
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.plans) > 1
+
+    def _tmp(self, plan: FilePlan) -> Path:
+        return self.root / f"{plan.name}.tmp"
+
+    def start(self) -> None:
+        """Create every temp file: header written, sized to its final length."""
+        for name in [p.name for p in self.plans] + [INDEX_FILE]:
+            if (self.root / name).exists():
+                raise DestinationError(f"{self.root / name}: already exists; choose an empty directory")
+        for plan in self.plans:
+            fd = os.open(self._tmp(plan), os.O_CREAT | os.O_TRUNC | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
+            self._fds[plan.name] = fd
+            _pwrite_all(fd, memoryview(plan.header), 0)
+            os.ftruncate(fd, plan.size)
+
+    def write(self, name: str, byte_offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``byte_offset`` within tensor ``name``'s bytes."""
+        plan, begin, nbytes = self._where[name]
+        if byte_offset < 0 or byte_offset + len(data) > nbytes:
+            raise PlanError(f"tensor {name!r}: write of {len(data)} bytes at {byte_offset} is outside its {nbytes} bytes")
+        _pwrite_all(self._fds[plan.name], data, begin + byte_offset)
+        with self._lock:
+            self._written[name] += len(data)
+
+    def write_tensor(self, name: str, element_offset: int, tensor: torch.Tensor) -> None:
+        """Write a contiguous run of elements of ``name`` starting at flat index ``element_offset``."""
+        t = tensor.detach().contiguous().reshape(-1)
+        itemsize = by_torch(t.dtype).itemsize
+        raw = t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        self.write(name, element_offset * itemsize, memoryview(raw.numpy()))
+
+    def commit(self) -> list[str]:
+        """fsync, rename every file into place, then publish the index (sharded only)."""
+        short = [n for n, w in self._written.items() if w != self._where[n][2]]
+        if short:
+            raise CorruptCheckpointError(
+                f"internal error: tensor {short[0]!r} got {self._written[short[0]]} of {self._where[short[0]][2]} bytes"
+            )
+        for plan in self.plans:
+            fd = self._fds.pop(plan.name)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(self._tmp(plan), self.root / plan.name)
+        fsync_dir(self.root)
+        names = [p.name for p in self.plans]
+        if self.sharded:
+            atomic_write_bytes(self.root / INDEX_FILE, index_json(self.plans))
+            names.append(INDEX_FILE)
+        return names
+
+    def abort(self) -> None:
+        """Close and remove the temp files (published files are left alone)."""
+        for name, fd in list(self._fds.items()):
+            os.close(fd)
+            self._fds.pop(name)
+        for plan in self.plans:
+            self._tmp(plan).unlink(missing_ok=True)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
