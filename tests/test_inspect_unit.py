@@ -217,6 +217,8 @@ def test_stats_special_dtypes(special):
     assert (i64.min, i64.max) == (int(model["i64"].min()), int(model["i64"].max()))  # exact ints
     assert isinstance(i64.min, int)
     assert tensor_stats(reader, "model.cplx").of == "abs"
+    doc = {**build_report(reader), "stats": [tensor_stats(reader, f"model.{n}").to_json() for n in SPECIAL_KEYS]}
+    assert validation_errors("inspect", doc) == []
     empty = tensor_stats(reader, "model.empty")
     assert empty.count == 0 and empty.mean is None and empty.min is None
     assert tensor_stats(reader, "model.scalar").to_json()["shape"] == []
