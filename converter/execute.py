@@ -23,6 +23,25 @@ from formats.base import CheckpointReader
 from formats.dtypes import by_name
 
 
+def _pin_malloc_threshold() -> None:
+    """Keep glibc from caching freed piece buffers on its heaps.
+
+    glibc raises its mmap threshold after large buffers are freed, so later pieces come from the
+    heap and freed pieces stay in RSS. A fixed threshold (128 KiB) returns every piece buffer to
+    the OS on free, so RSS follows the budget. No-op where glibc is absent.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+_pin_malloc_threshold()
+
+
 class PieceWriter(Protocol):
     """Receives one task's pieces in C order, then ``close`` (or ``abort`` on failure)."""
 
@@ -140,6 +159,7 @@ def execute(
                 data = fill_piece(reader, task, piece)
                 writer.write(piece, data)
                 bar.advance(data.numel() * data.element_size())
+                del data  # free this piece before the next one is read
             writer.close()
         except BaseException:
             failed.set()
