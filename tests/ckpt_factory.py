@@ -68,6 +68,9 @@ class FixtureSpec:
     ``style``: "dcp" saves {"model", "optim", "extra"}; "titan" saves torchtitan's keys (model at
     the top level, flattened "optimizer", "lr_scheduler", "dataloader", "train_state").
     ``special``: add the special-dtype buffers and extra objects (see :func:`add_special_buffers`).
+    ``flatten_optim``: optimizer state with ``flatten_optimizer_state_dict=True`` (param_groups keyed
+    by parameter FQN). Pipeline stages need it: unflattened, ``optim.param_groups.0.params`` differs
+    per stage and DCP keeps only one stage's list, which no longer loads.
     """
 
     kind: str
@@ -76,6 +79,7 @@ class FixtureSpec:
     seed: int = 0
     style: str = "dcp"
     special: bool = False
+    flatten_optim: bool = False
 
     @property
     def world_size(self) -> int:
@@ -92,7 +96,7 @@ KINDS: dict[str, FixtureSpec] = {
         FixtureSpec("fsdp4", (("dp", 4),)),
         FixtureSpec("tp2dp2", (("dp", 2), ("tp", 2))),
         FixtureSpec("hsdp2x2", (("dp_replicate", 2), ("dp_shard", 2))),
-        FixtureSpec("pp2fsdp2", (("pp", 2), ("dp", 2))),
+        FixtureSpec("pp2fsdp2", (("pp", 2), ("dp", 2)), flatten_optim=True),
         FixtureSpec("single", ()),
         FixtureSpec("bf16_fsdp2", (("dp", 2),), ModelArgs(dtype="bfloat16")),
         FixtureSpec("special_dtypes", (("dp", 2),), ModelArgs(out_scale=True), special=True),
@@ -282,6 +286,10 @@ def _lr_scheduler_state(optim: torch.optim.Optimizer) -> dict:
     return sched.state_dict()
 
 
+def _options(spec: FixtureSpec) -> StateDictOptions:
+    return StateDictOptions(flatten_optimizer_state_dict=spec.flatten_optim)
+
+
 def state_for_save(spec: FixtureSpec, model: Transformer, optim: Any, rank: int, step: int) -> dict:
     """The dict each rank passes to dcp.save (and, filled with templates, to dcp.load)."""
     if spec.style == "titan":
@@ -295,7 +303,7 @@ def state_for_save(spec: FixtureSpec, model: Transformer, optim: Any, rank: int,
         state["dataloader"] = {f"dp_rank_{dp_rank}": pickle.dumps(loader), "world_size": dp_world}
         state["train_state"] = {"step": step, "ntokens_seen": torch.tensor(step * BATCH * SEQ_LEN)}
         return state
-    model_sd, optim_sd = get_state_dict(model, optim)
+    model_sd, optim_sd = get_state_dict(model, optim, options=_options(spec))
     extra = special_extra() if spec.special else {"step": step, "kind": spec.kind}
     return {"model": model_sd, "optim": optim_sd, "extra": extra}
 
@@ -310,10 +318,13 @@ def load_into(spec: FixtureSpec, model: Transformer, optim: Any, ckpt_dir: str) 
         osd = state.pop("optimizer")
         set_state_dict(model, optim, model_state_dict=state, optim_state_dict=osd, options=opts)
         return
-    model_sd, optim_sd = get_state_dict(model, optim)
+    opts = _options(spec)
+    model_sd, optim_sd = get_state_dict(model, optim, options=opts)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=ckpt_dir)
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts
+    )
 
 
 def param_boxes(model: Transformer) -> dict[str, dict]:
@@ -393,6 +404,7 @@ def build_checkpoint(spec: FixtureSpec, ckpt_dir: Path, work_dir: Path) -> Path:
         "layout": [[n, s] for n, s in spec.layout],
         "style": spec.style,
         "special": spec.special,
+        "flatten_optim": spec.flatten_optim,
         "seed": spec.seed,
         "model_args": spec.model_args.to_json(),
         "torch_version": torch.__version__,
@@ -430,6 +442,7 @@ def spec_from_info(info: dict) -> FixtureSpec:
         seed=info["seed"],
         style=info["style"],
         special=info["special"],
+        flatten_optim=info["flatten_optim"],
     )
 
 
