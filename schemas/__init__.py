@@ -14,11 +14,16 @@ def load_schema(name: str) -> dict[str, Any]:
     return json.loads(resources.files(__name__).joinpath(f"{name}.schema.json").read_text())
 
 
-def validation_errors(name: str, document: Any) -> list[str]:
-    """Every violation of schema ``name`` by ``document``, as 'path: message' lines."""
+@cache
+def _validator(name: str) -> Any:
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(load_schema(name))
+    return jsonschema.Draft202012Validator(load_schema(name))
+
+
+def validation_errors(name: str, document: Any) -> list[str]:
+    """Every violation of schema ``name`` by ``document``, as 'path: message' lines."""
+    validator = _validator(name)
     return [
         f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
         for e in sorted(validator.iter_errors(document), key=lambda e: list(map(str, e.path)))
