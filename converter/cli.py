@@ -96,7 +96,7 @@ def to_universal_cmd(src: str, dst: str, chunk_size: int | None, **kw: Any) -> N
 @click.option("--trust-pickle", is_flag=True, help="Allow previews of non-tensor entries that need arbitrary classes.")
 def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: tuple[str, ...],
                 layout_key: str | None, trust_pickle: bool) -> None:
-    """Show what is inside a checkpoint (DCP directory or universal store)."""
+    """Show what is inside a checkpoint (DCP directory, universal store or HF safetensors directory)."""
     from rich.console import Console
 
     from converter.inspect import build_report, key_matcher, render_layout, render_report, render_stats
