@@ -230,3 +230,28 @@ def test_oracle_assert_same_value():
     for b in bad:
         with pytest.raises(AssertionError):
             assert_same_value(a, b)
+
+
+def test_cache_detects_modification_and_rebuilds(tmp_path):
+    from conftest import CheckpointCache
+
+    cache = CheckpointCache(tmp_path / "cache")
+    ckpt = cache.get("single")
+    assert cache.get("single") == ckpt and (ckpt.parent / "_complete.json").is_file()
+    victim = ckpt / "__0_0.distcp"
+    victim.chmod(0o644)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(AssertionError, match="dcp_checkpoint_copy"):
+        cache.get("single")
+    fresh = CheckpointCache(tmp_path / "cache")  # a new session rebuilds the damaged kind
+    assert fresh.get("single") == ckpt and torch_reference(ckpt)
+
+
+def test_writable_copy_is_private(dcp_checkpoint, dcp_checkpoint_copy):
+    copy = dcp_checkpoint_copy("bf16_fsdp2")
+    assert copy != dcp_checkpoint("bf16_fsdp2") and fixture_info(copy)["kind"] == "bf16_fsdp2"
+    (copy / ".metadata").unlink()
+    (copy / "junk").write_text("x")
+    assert (dcp_checkpoint("bf16_fsdp2") / ".metadata").is_file()
