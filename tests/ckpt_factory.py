@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch._dynamo  # noqa: F401  fully_shard imports it lazily (~2.5 s); preloaded once instead
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
