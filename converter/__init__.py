@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _API = frozenset({
     "RunOptions", "ConversionResult", "detect_format", "open_checkpoint", "parse_size",
-    "to_universal", "from_universal", "export_hf", "import_hf",
+    "to_universal", "from_universal", "export_hf", "import_hf", "verify", "VerifyReport", "diff", "DiffReport",
 })
 
 

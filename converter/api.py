@@ -13,8 +13,10 @@ from converter.sources import detect_format, open_checkpoint
 from converter.from_universal import from_universal
 from converter.hf import export_hf, import_hf
 from converter.to_universal import ConversionResult, to_universal
+from converter.verify import VerifyReport, verify
+from converter.diff import DiffReport, diff
 
 __all__ = [
     "RunOptions", "ConversionResult", "detect_format", "open_checkpoint", "parse_size",
-    "to_universal", "from_universal", "export_hf", "import_hf",
+    "to_universal", "from_universal", "export_hf", "import_hf", "verify", "VerifyReport", "diff", "DiffReport",
 ]

@@ -198,3 +198,4 @@ def _echo_json(doc: Any) -> None:
 
 
 from converter.cli_hf import register as _register_hf; _register_hf(cli)  # noqa: E402
+from converter.cli_tools import register as _register_tools; _register_tools(cli)  # noqa: E402

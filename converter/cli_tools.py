@@ -1,0 +1,86 @@
+"""``ckptconv verify`` and ``ckptconv diff`` (registered on the main group by :func:`register`;
+they call :func:`converter.api.verify` / :func:`converter.api.diff`).
+
+Exit status: 0 when the checkpoint is sound (verify) or the checkpoints match (diff), 1 when
+not, 2 on an error (no such checkpoint, bad options), like ``cmp``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+EXIT_FOUND = 1
+
+
+def _emit(doc_or_text: object, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(doc_or_text, indent=1))
+    else:
+        click.echo(doc_or_text)
+
+
+@click.command("verify")
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schemas/verify.schema.json).")
+@click.option("--quick", is_flag=True, help="Structure and completeness only; read no tensor data.")
+@click.option("--workers", type=int, default=None, help="Checking threads (default: CPU count, 2..8).")
+@click.option("--trust-pickle", is_flag=True, help="Also load non-tensor entries that need arbitrary classes (runs their pickle code).")
+def verify_cmd(path: str, as_json: bool, quick: bool, workers: int | None, trust_pickle: bool) -> None:
+    """Check that the checkpoint at PATH is sound (DCP, universal store or HF directory).
+
+    Universal: schema, completeness, every chunk's xxh3_64. DCP: chunk coverage, files, the zip
+    CRC-32 of every chunk archive. HF: headers, coverage, index (safetensors has no checksums, so
+    flipped data bytes cannot be found there). Exit status 0 only when sound, 1 when not.
+    """
+    from converter.api import verify
+    from converter.verify import render_text
+
+    report = verify(path, quick=quick, trust_pickle=trust_pickle, workers=_workers(workers))
+    _emit(report.to_json() if as_json else render_text(report), as_json)
+    if not report.ok:
+        sys.exit(EXIT_FOUND)
+
+
+@click.command("diff")
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance: |a-b| <= atol + rtol*|b|.")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance.")
+@click.option("--key", "key_pattern", default=None, help="Only keys matching this glob (or 're:REGEX').")
+@click.option("--model", "model_only", is_flag=True,
+              help="Model weights only, named by their model FQN (compares a DCP checkpoint with its HF export).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schemas/diff.schema.json).")
+@click.option("--workers", type=int, default=None, help="Comparing threads (default: CPU count, 2..8).")
+@click.option("--trust-pickle", is_flag=True, help="Load non-tensor entries that need arbitrary classes to compare values.")
+def diff_cmd(a: str, b: str, atol: float, rtol: float, key_pattern: str | None, model_only: bool,
+             as_json: bool, workers: int | None, trust_pickle: bool) -> None:
+    """Compare checkpoints A and B of any formats, streaming.
+
+    Keys on one side only, dtype/shape mismatches, and per tensor: bitwise equal, or how many
+    elements differ with the max abs/rel difference. Exit status 0 when they match, 1 when not.
+    """
+    from converter.api import diff
+    from converter.diff import render_text
+
+    report = diff(a, b, atol=atol, rtol=rtol, key_pattern=key_pattern, model_only=model_only,
+                  trust_pickle=trust_pickle, workers=_workers(workers))
+    _emit(report.to_json() if as_json else render_text(report), as_json)
+    if not report.same:
+        sys.exit(EXIT_FOUND)
+
+
+def _workers(workers: int | None) -> int | None:
+    from formats.errors import ConfigError
+
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be at least 1 (got {workers})")
+    return workers
+
+
+def register(cli: click.Group) -> None:
+    """Add ``verify`` and ``diff`` to the ``ckptconv`` group."""
+    cli.add_command(verify_cmd)
+    cli.add_command(diff_cmd)

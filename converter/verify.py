@@ -1,0 +1,580 @@
+"""``ckptconv verify``: is a checkpoint sound? Structure, completeness and every stored checksum.
+
+- **universal**: ``ckptconv.json`` against its schema; every record consistent (dtype, chunk
+  shape, array path); one checksum per chunk of the grid (complete); the group and array
+  ``zarr.json`` files; every chunk file whole, its xxh3_64 equal to the recorded one and its edge
+  padding zero; every object file's size and xxh3_64; atoms naming existing keys.
+- **dcp**: ``.metadata`` through the allowlist unpickler; every tensor covered by its chunks with
+  no gap or overlap; every referenced file present and long enough; no two items sharing bytes;
+  every chunk archive parsed (dtype, shape, storage) and the zip CRC-32 of every entry in every
+  archive checked (``torch.load`` checks none of them); non-tensor entries likewise.
+- **hf**: every safetensors header (JSON, dtypes, offsets covering the data exactly, file size),
+  the index (every name in the file it names, every tensor of every shard in the index,
+  ``total_size``), and a read of every byte. safetensors stores no checksums: a flipped data
+  byte cannot be detected from the files alone (compare with ``ckptconv diff`` against the
+  source).
+
+Checks stream chunk by chunk in bounded slabs, across a thread pool. The result is a
+:class:`VerifyReport`; a checkpoint is sound when it has no problems (warnings do not count).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import time
+import zipfile
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from converter.sources import detect_format
+from formats.base import ChunkRef
+from formats.errors import CkptConvError, DestinationError, UnsafePickleError
+from formats.fsutil import read_exact_into, safe_join
+
+#: Bytes read at once when streaming a chunk file (per worker).
+SLAB_BYTES = 16 << 20
+#: Problems listed in the text report before "... and N more".
+SHOW_PROBLEMS = 50
+HF_NOTE = ("safetensors files carry no checksums: verify checks their structure and reads every byte, "
+           "but a flipped data byte cannot be detected from the files alone; compare with "
+           "'ckptconv diff' against the source")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One defect: which check found it, a one-line message, and where (key, chunk, file)."""
+
+    check: str
+    message: str
+    key: str | None = None
+    chunk: tuple[int, ...] | None = None  # the chunk's global offsets
+    file: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"check": self.check, "message": self.message}
+        if self.key is not None:
+            doc["key"] = self.key
+        if self.chunk is not None:
+            doc["chunk"] = list(self.chunk)
+        if self.file is not None:
+            doc["file"] = self.file
+        return doc
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify`` checked and found. ``ok`` when there are no problems."""
+
+    path: str
+    format: str
+    checks: tuple[str, ...]
+    problems: tuple[Problem, ...]
+    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    tensors: int = 0
+    chunks: int = 0
+    objects: int = 0
+    files: int = 0
+    bytes_checked: int = 0
+    seconds: float = 0.0
+    data_checked: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON (``schemas/verify.schema.json``)."""
+        return {
+            "path": self.path,
+            "format": self.format,
+            "ok": self.ok,
+            "data_checked": self.data_checked,
+            "checks": list(self.checks),
+            "counts": {"tensors": self.tensors, "chunks": self.chunks, "objects": self.objects,
+                       "files": self.files, "bytes_checked": self.bytes_checked},
+            "seconds": round(self.seconds, 3),
+            "problems": [p.to_json() for p in self.problems],
+            "warnings": list(self.warnings),
+            "notes": list(self.notes),
+        }
+
+
+@dataclass
+class _Findings:
+    """What the checks of one format collect."""
+
+    checks: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    bytes_checked: int = 0
+    data_checked: bool = True
+
+
+# A check task: returns (problems, bytes checked).
+_Task = Callable[[], "tuple[list[Problem], int]"]
+
+
+def verify(path: str | os.PathLike, *, quick: bool = False, trust_pickle: bool = False,
+           workers: int | None = None) -> VerifyReport:
+    """Check the checkpoint at ``path`` (DCP directory, universal store or HF directory).
+
+    ``quick`` checks structure and completeness only (no data read). ``trust_pickle`` lets
+    non-tensor entries that need arbitrary classes be loaded (their pickle code runs). Raises a
+    :class:`formats.errors.CkptConvError` only when ``path`` is not a checkpoint at all; defects
+    of a checkpoint are reported as :class:`Problem` s.
+    """
+    from converter import knobs
+
+    start = time.perf_counter()
+    fmt = detect_format(path)
+    run = {"dcp": _verify_dcp, "universal": _verify_universal, "hf": _verify_hf}[fmt]
+    found = _Findings()
+    tasks = run(Path(path), found, quick, trust_pickle)
+    found.bytes_checked += _run_tasks(tasks, found.problems, workers or knobs.WORKERS)
+    return VerifyReport(
+        path=str(path), format=fmt, checks=tuple(found.checks), problems=tuple(found.problems),
+        warnings=tuple(found.warnings), notes=tuple(found.notes),
+        tensors=found.counts.get("tensors", 0), chunks=found.counts.get("chunks", 0),
+        objects=found.counts.get("objects", 0), files=found.counts.get("files", 0),
+        bytes_checked=found.bytes_checked, seconds=time.perf_counter() - start,
+        data_checked=found.data_checked and not quick,
+    )
+
+
+def _run_tasks(tasks: Sequence[_Task], problems: list[Problem], workers: int) -> int:
+    """Run the check tasks on a pool; problems are appended in task order. Bytes checked."""
+    if not tasks:
+        return 0
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptconv-verify") as pool:
+        results = list(pool.map(lambda t: t(), tasks))
+    total = 0
+    for found, nbytes in results:
+        problems.extend(found)
+        total += nbytes
+    return total
+
+
+def _guard(task: Callable[[], int], check: str, key: str | None = None, chunk: ChunkRef | None = None,
+           file: str | None = None) -> _Task:
+    """A task that turns a CkptConvError raised by ``task`` into one problem."""
+
+    def run() -> tuple[list[Problem], int]:
+        try:
+            return [], task()
+        except CkptConvError as e:
+            offsets = None if chunk is None else tuple(chunk.box.offsets)
+            return [Problem(check, str(e), key, offsets, file or (chunk.file if chunk else None))], 0
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP
+
+
+class _Window(io.RawIOBase):
+    """A read-only seekable file over ``[base, base + length)`` of an open binary file."""
+
+    def __init__(self, f: io.BufferedReader, base: int, length: int) -> None:
+        self._f, self._base, self._len, self._pos = f, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = max(0, {0: 0, 1: self._pos, 2: self._len}[whence] + pos)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self._len - self._pos))
+        if n == 0:
+            return 0
+        got = read_exact_into(self._f.fileno(), memoryview(b)[:n], self._base + self._pos)
+        self._pos += got
+        return got
+
+
+def check_zip_crcs(stream: io.RawIOBase | io.BytesIO, where: str) -> int:
+    """Read every entry of the zip archive in ``stream`` and check its CRC-32 (bounded reads).
+
+    Raises CorruptCheckpointError naming the entry; returns the bytes of entry data checked.
+    """
+    from formats.errors import CorruptCheckpointError
+
+    total = 0
+    try:
+        with zipfile.ZipFile(stream) as z:
+            for info in z.infolist():
+                try:
+                    with z.open(info) as member:
+                        while block := member.read(1 << 20):
+                            total += len(block)
+                except zipfile.BadZipFile as e:
+                    raise CorruptCheckpointError(f"{where}: archive entry {info.filename}: {e}; the bytes are damaged") from None
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # zipfile raises many builtin types on damaged archives
+        raise CorruptCheckpointError(f"{where}: damaged zip archive ({type(e).__name__}: {e})") from None
+    return total
+
+
+def _dcp_item_crcs(root: Path, loc: Any, where: str, limit: int) -> int:
+    """Check the CRC-32 of every entry of one DCP item (stream transforms undone first)."""
+    from formats.dcp import archive
+
+    path = safe_join(root, loc.relative_path)
+    with open(path, "rb") as f:
+        if not loc.transforms:
+            return check_zip_crcs(_Window(f, loc.offset, loc.length), where)
+        archive.check_transforms(loc.transforms, where)
+        f.seek(loc.offset)
+        data = archive.decode_item(f.read(loc.length), loc.transforms, where, limit)
+    return check_zip_crcs(io.BytesIO(data), where)
+
+
+def _verify_dcp(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
+    from formats.dcp import DCPReader
+    from formats.dcp.reader import _ARCHIVE_SLACK, MAX_OBJECT_BYTES
+
+    found.checks += [
+        ".metadata unpickled through the allowlist (nothing in it runs)",
+        "every tensor covered by its chunks: in bounds, no gaps, no overlaps",
+        "every referenced file present and long enough",
+        "no two items share bytes of a file",
+    ]
+    try:
+        reader = DCPReader(root, trust_pickle=trust_pickle)
+    except CkptConvError as e:
+        found.problems.append(Problem("metadata", str(e)))
+        return []
+    index = reader.index()
+    found.counts.update(tensors=len(index.tensors), objects=len(index.objects),
+                        chunks=sum(len(t.chunks) for t in index.tensors.values()),
+                        files=len(index.info.get("files", {})))
+    found.problems += _dcp_overlaps(index)
+    found.warnings += _unreferenced(root, set(index.info.get("files", {})), suffix=".distcp")
+    if quick:
+        return []
+    found.checks += [
+        "every chunk archive parsed: dtype, shape and storage size match the metadata",
+        "zip CRC-32 of every entry of every chunk and object archive (torch.load checks none)",
+        "every non-tensor entry loads (weights-only unpickling unless --trust-pickle)",
+    ]
+    tasks: list[_Task] = []
+    for key, entry in index.tensors.items():
+        limit = entry.nbytes + _ARCHIVE_SLACK
+        for chunk in entry.chunks:
+            where = f"{root / chunk.file}: key {key!r} chunk at {list(chunk.box.offsets)}"
+
+            def check(key=key, chunk=chunk, where=where, limit=limit) -> int:
+                reader.chunk_archive(key, chunk)
+                return _dcp_item_crcs(root, chunk.locator, where, limit)
+
+            tasks.append(_guard(check, "chunk", key, chunk))
+    for key, obj in index.objects.items():
+        tasks.append(_object_task(reader, key, obj.file, found, trust_pickle,
+                                  lambda obj=obj, key=key: _dcp_item_crcs(
+                                      root, obj.locator, f"{root / obj.file}: key {key!r}", MAX_OBJECT_BYTES)))
+    return tasks
+
+
+def _object_task(reader: Any, key: str, file: str, found: _Findings, trust_pickle: bool,
+                 integrity: Callable[[], int]) -> _Task:
+    """Check an object's bytes (``integrity``), then that it loads; an object that needs
+    --trust-pickle is a warning, not a defect."""
+
+    def check() -> int:
+        n = integrity()
+        try:
+            reader.load_object(key, trust_pickle=trust_pickle)
+        except UnsafePickleError:
+            found.warnings.append(f"non-tensor entry {key!r} needs --trust-pickle to load (its pickle was "
+                                  "not run); its bytes pass their checks")
+        return n
+
+    return _guard(check, "object", key, file=file)
+
+
+def _dcp_overlaps(index: Any) -> list[Problem]:
+    """Items whose byte ranges overlap inside one file (a damaged metadata could alias chunks)."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for key, entry in index.tensors.items():
+        for c in entry.chunks:
+            spans.setdefault(c.file, []).append((c.locator.offset, c.locator.length, key))
+    for key, obj in index.objects.items():
+        spans.setdefault(obj.file, []).append((obj.locator.offset, obj.locator.length, key))
+    problems = []
+    for file, items in sorted(spans.items()):
+        items.sort()
+        for (o1, n1, k1), (o2, n2, k2) in zip(items, items[1:]):
+            if o2 < o1 + n1:
+                problems.append(Problem(
+                    "overlap", f"{file}: items of key {k1!r} (bytes {o1}..{o1 + n1}) and key {k2!r} "
+                               f"(bytes {o2}..{o2 + n2}) overlap; the metadata is damaged", k2, file=file))
+    return problems
+
+
+def _unreferenced(root: Path, referenced: set[str], suffix: str) -> list[str]:
+    names = sorted(n for n in os.listdir(root) if n.endswith(suffix) and n not in referenced)
+    return [f"{n}: not referenced by the checkpoint's metadata (left over from another save?)" for n in names]
+
+
+# ---------------------------------------------------------------------------------------------
+# universal
+
+
+def _verify_universal(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
+    from formats.universal import TENSORS_DIR, UniversalReader, read_metadata
+
+    found.checks += [
+        "ckptconv.json valid against schemas/universal.schema.json (the completion marker)",
+        "every record consistent: dtype, storage dtype, chunk shape, array path inside the store",
+        "one checksum per chunk of every array (complete)",
+        "group and array zarr.json files match the records",
+        "atoms name existing keys",
+    ]
+    try:
+        meta = read_metadata(root)
+        reader = UniversalReader(root)
+        index = reader.index()
+    except CkptConvError as e:
+        found.problems.append(Problem("metadata", str(e)))
+        return []
+    found.counts.update(tensors=len(meta.tensors), objects=len(meta.objects),
+                        chunks=sum(len(t.chunks) for t in index.tensors.values()))
+    for group in (root, root / TENSORS_DIR):
+        found.problems += _check_group_json(root, group)
+    for key, record in meta.tensors.items():
+        found.problems += _check_array_json(root, key, record)
+    found.problems += _check_atoms(meta)
+    if quick:
+        return []
+    found.checks += [
+        "every chunk file whole, its xxh3_64 equal to the recorded checksum, edge padding zero",
+        "every object file's size and xxh3_64; every object loads (weights-only unless --trust-pickle)",
+    ]
+    tasks: list[_Task] = []
+    for key, entry in index.tensors.items():
+        record = meta.tensors[key]
+        for chunk in entry.chunks:
+            tasks.append(_guard(lambda record=record, chunk=chunk, key=key: _check_uchunk(root, key, record, chunk),
+                                "checksum", key, chunk))
+    for key, obj in meta.objects.items():
+        tasks.append(_object_task(reader, key, obj.file, found, trust_pickle,
+                                  lambda key=key: len(reader.read_object_bytes(key))))
+    found.counts["files"] = len(tasks) + 3 + len(meta.tensors)
+    return tasks
+
+
+def _read_json(path: Path) -> Any:
+    from formats.errors import CorruptCheckpointError
+
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: missing; the store is damaged: reconvert it") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path}: not JSON ({e}); the store is damaged: reconvert it") from None
+
+
+def _check_group_json(root: Path, group: Path) -> list[Problem]:
+    rel = (group / "zarr.json").relative_to(root).as_posix()
+    try:
+        doc = _read_json(group / "zarr.json")
+    except CkptConvError as e:
+        return [Problem("zarr", str(e), file=rel)]
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        return [Problem("zarr", f"{group / 'zarr.json'}: not a zarr v3 group document", file=rel)]
+    return []
+
+
+def _check_array_json(root: Path, key: str, record: Any) -> list[Problem]:
+    """The array's zarr.json must be what ckptconv writes for the record (extra attributes allowed)."""
+    from formats.universal import _array_json
+
+    rel = f"{record.array}/zarr.json"
+    try:
+        path = safe_join(root, rel)
+        doc = _read_json(path)
+        expected = _array_json(record, key)
+    except CkptConvError as e:
+        return [Problem("zarr", str(e), key, file=rel)]
+    if not isinstance(doc, dict):
+        return [Problem("zarr", f"{path}: not a JSON object", key, file=rel)]
+    attrs = doc.get("attributes")
+    got = {**doc, "attributes": expected["attributes"]}
+    if got != expected or not isinstance(attrs, dict) or any(attrs.get(k) != v for k, v in expected["attributes"].items()):
+        diff = sorted(k for k in expected if doc.get(k) != expected[k])
+        return [Problem("zarr", f"{path}: does not match ckptconv.json for key {key!r} (fields {diff}); "
+                                "the store is damaged: reconvert it", key, file=rel)]
+    return []
+
+
+def _check_atoms(meta: Any) -> list[Problem]:
+    problems = []
+    keys = set(meta.tensors) | set(meta.objects)
+    for name, members in meta.atoms.items():
+        for role, key in members.items():
+            if key not in keys:
+                problems.append(Problem("atoms", f"ckptconv.json: atom {name!r} role {role!r} names key {key!r}, "
+                                                 "which the store does not hold", key))
+    for key, r in [*meta.tensors.items(), *meta.objects.items()]:
+        if meta.atoms.get(r.atom, {}).get(r.role) != key:
+            problems.append(Problem("atoms", f"ckptconv.json: key {key!r} says it is {r.role!r} of atom {r.atom!r}, "
+                                             "but the atom does not list it", key))
+    return problems
+
+
+def _check_uchunk(root: Path, key: str, record: Any, chunk: ChunkRef) -> int:
+    """Stream one chunk file: size, xxh3_64 of its logical bytes, zero padding. Bytes read."""
+    from formats.errors import CorruptCheckpointError
+    from formats.universal import chunk_id
+
+    path = safe_join(root, chunk.file)
+    isz = np.dtype(record.storage_dtype).itemsize
+    cshape, sizes = tuple(record.chunk_shape), tuple(chunk.box.sizes)
+    full = math.prod(cshape) * isz
+    where = f"{path}: key {key!r} chunk {chunk_id(chunk.locator[1])}"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: chunk file is missing; the store is damaged: reconvert it") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != full:
+            raise CorruptCheckpointError(f"{where}: chunk file has {size} bytes, expected {full}; "
+                                         "the store is damaged: reconvert it")
+        hasher, padding_ok = xxhash.xxh3_64(), True
+        for slab, sel in _slabs(fd, cshape, sizes, isz, where):
+            hasher.update(memoryview(np.ascontiguousarray(slab[sel])).cast("B"))
+            if sel is not None and padding_ok and cshape != sizes:
+                rest = slab.copy()
+                rest[sel] = 0
+                padding_ok = not rest.any()
+    finally:
+        os.close(fd)
+    expected = record.checksums.get(chunk_id(chunk.locator[1]), "")
+    if hasher.hexdigest() != expected:
+        raise CorruptCheckpointError(f"{where}: xxh3_64 {hasher.hexdigest()} != recorded {expected}; "
+                                     "the chunk's bytes are damaged")
+    if not padding_ok:
+        raise CorruptCheckpointError(f"{where}: the padding past the tensor's edge is not zero; the chunk file is damaged")
+    return full
+
+
+def _slabs(fd: int, cshape: tuple[int, ...], sizes: tuple[int, ...], isz: int, where: str) -> Iterable[tuple[np.ndarray, Any]]:
+    """(slab of whole chunk rows viewed as (rows, *cshape[1:], itemsize) bytes, selection of its
+    logical part) in file order."""
+    from formats.errors import CorruptCheckpointError
+
+    rows = cshape[0] if cshape else 1
+    row = math.prod(cshape[1:]) * isz
+    step = max(1, SLAB_BYTES // max(1, row))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        buf = np.empty((r1 - r0) * row, dtype=np.uint8)
+        if read_exact_into(fd, memoryview(buf), r0 * row) != buf.size:
+            raise CorruptCheckpointError(f"{where}: chunk file shrank while reading")
+        if not cshape:
+            yield buf, slice(None)
+            continue
+        slab = buf.reshape((r1 - r0, *cshape[1:], isz))
+        live = max(0, min(r1, sizes[0]) - r0)
+        yield slab, (slice(0, live), *(slice(0, s) for s in sizes[1:]), slice(None))
+
+
+# ---------------------------------------------------------------------------------------------
+# HF
+
+
+def _verify_hf(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
+    from formats.hf import INDEX_FILE, HFReader, read_header
+
+    found.checks += [
+        "every safetensors header: JSON, known dtypes, sizes matching shapes, offsets covering the data exactly",
+        "the index: every name stored in the file it names",
+    ]
+    found.notes.append(HF_NOTE)
+    found.data_checked = False
+    try:
+        reader = HFReader(root)
+    except CkptConvError as e:
+        found.problems.append(Problem("header", str(e)))
+        return []
+    index = reader.index()
+    files = [f for f in index.info.get("files", {}) if f != INDEX_FILE]
+    found.counts.update(tensors=len(index.tensors), chunks=len(index.tensors), files=len(index.info.get("files", {})))
+    if index.info.get("sharded"):
+        found.checks += ["the index: every tensor of every shard listed, metadata.total_size"]
+        for f in files:
+            header = read_header(safe_join(root, f), f)
+            for name in header.tensors:
+                if name not in index.tensors or index.tensors[name].chunks[0].file != f:
+                    found.problems.append(Problem("index", f"{root / f}: tensor {name!r} is not mapped to this file "
+                                                           f"by {INDEX_FILE}; the index and the shards do not match",
+                                                  name, file=f))
+        total = index.info.get("index_metadata", {}).get("total_size")
+        nbytes = sum(t.nbytes for t in index.tensors.values())
+        if total is not None and total != nbytes:
+            found.warnings.append(f"{INDEX_FILE}: metadata.total_size is {total} but the tensors hold {nbytes} bytes")
+    found.warnings += _unreferenced(root, set(files), suffix=".safetensors")
+    for f, meta in sorted(index.info.get("file_metadata", {}).items()):
+        if meta is None or meta.get("format") != "pt":
+            found.warnings.append(f"{f}: __metadata__ has no \"format\": \"pt\" (transformers expects it)")
+    if quick:
+        return []
+    found.checks += ["every tensor's bytes read (unreadable or vanished data is found; flipped bytes are not)"]
+    return [_guard(lambda key=key, e=e: _read_all(reader, key, e), "read", key, e.chunks[0])
+            for key, e in index.tensors.items()]
+
+
+def _read_all(reader: Any, key: str, entry: Any) -> int:
+    """Read a whole tensor in bounded slabs (row blocks). Bytes read."""
+    from converter.plan import split_pieces
+    from formats.dtypes import by_name
+
+    chunk = entry.chunks[0]
+    total = 0
+    for piece in split_pieces(chunk.box, by_name(entry.dtype).itemsize, SLAB_BYTES):
+        t = reader.read_region(key, chunk, piece)
+        total += t.numel() * t.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# text rendering
+
+
+def render_text(report: VerifyReport) -> str:
+    """The human report: a verdict line, then problems, warnings and notes."""
+    what = (f"{report.tensors} tensors, {report.chunks} chunks, {report.objects} objects, "
+            f"{report.bytes_checked / 1e6:.1f} MB checked in {report.seconds:.2f}s")
+    verdict = "ok" if report.ok else f"FAILED ({len(report.problems)} problem{'s' if len(report.problems) != 1 else ''})"
+    lines = [f"{verdict}: {report.path} ({report.format}): {what}"]
+    for p in report.problems[:SHOW_PROBLEMS]:
+        lines.append(f"  problem [{p.check}]: {p.message}")
+    if len(report.problems) > SHOW_PROBLEMS:
+        lines.append(f"  ... and {len(report.problems) - SHOW_PROBLEMS} more (use --json for all)")
+    lines += [f"  warning: {w}" for w in report.warnings]
+    lines += [f"  note: {n}" for n in report.notes]
+    if not report.data_checked and report.format != "hf":
+        lines.append("  note: --quick: structure only, no data read")
+    return "\n".join(lines)
