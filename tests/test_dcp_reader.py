@@ -579,3 +579,81 @@ def test_not_a_checkpoint(tmp_path, single):
     (unfinished / ".metadata").unlink()
     with pytest.raises(IncompleteCheckpointError, match="did not finish"):
         DCPReader(unfinished)
+
+
+def test_unflattened_objects_load_whole(tmp_path):
+    """Like torch <= 2.3 flattening: a whole dict of non-tensors is one bytes entry."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    sd = {"w": torch.arange(6.0).view(2, 3), "extra": {"pos": 7, "hist": [1, 2], "s": "x"}}
+    dcp.save(sd, checkpoint_id=tmp_path / "c", planner=DefaultSavePlanner(flatten_state_dict=False))
+    reader = DCPReader(tmp_path / "c")
+    assert set(reader.index().objects) == {"extra"}
+    assert reader.index().objects["extra"].path == ("extra",)
+    assert reader.load_object("extra") == sd["extra"]
+    oracle = torch_oracle(tmp_path / "c", tmp_path / "o.pt")
+    assert oracle["extra"] == sd["extra"]
+    check_against_oracle(reader, oracle, seed=7)
+
+
+def _only_our_errors(action) -> bool:
+    """Run ``action``; True if it succeeded, False if it raised one of ckptconv's errors."""
+    from formats.errors import CkptConvError
+
+    try:
+        action()
+        return True
+    except CkptConvError:
+        return False
+
+
+_FUZZ_METADATA = r"""
+import pathlib, random, resource, sys
+# a damaged memo index can make CPython's C unpickler reserve a huge memo table: cap memory so
+# that this shows up as MemoryError (-> CorruptCheckpointError), never as the OOM killer
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+from formats.dcp import DCPReader
+from formats.errors import CkptConvError
+ckpt, seed, rounds = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+md = ckpt / ".metadata"
+raw = md.read_bytes()
+rng = random.Random(seed)
+for _ in range(rounds):
+    data = bytearray(raw)
+    for _ in range(rng.randint(1, 4)):
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    md.write_bytes(bytes(data))
+    try:
+        DCPReader(ckpt)
+    except CkptConvError:
+        pass
+print("fuzz done")
+"""
+
+
+def test_fuzzed_metadata_raises_only_our_errors(single, tmp_path):
+    import subprocess
+    import sys
+
+    ckpt = copy_ckpt(single[0], tmp_path / "f")
+    proc = subprocess.run([sys.executable, "-c", _FUZZ_METADATA, str(ckpt), "11", "400"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "fuzz done" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_fuzzed_chunk_archive_raises_only_our_errors(single, tmp_path):
+    ckpt = copy_ckpt(single[0], tmp_path / "f")
+    entry = DCPReader(ckpt).index().tensors["model.wbf16"]
+    chunk = entry.chunks[0]
+    loc = chunk.locator
+    path = ckpt / loc.relative_path
+    pristine = path.read_bytes()
+    rng = random.Random(12)
+    ok = 0
+    for _ in range(300):
+        data = bytearray(pristine)
+        data[loc.offset + rng.randrange(loc.length)] = rng.randrange(256)
+        path.write_bytes(bytes(data))
+        with DCPReader(ckpt) as reader:
+            ok += _only_our_errors(lambda: reader.read_region(entry.key, chunk, chunk.box))
+    assert 0 < ok < 300  # flips in padding and data read fine; header damage is refused

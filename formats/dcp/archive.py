@@ -142,7 +142,9 @@ class Entry:
 def _entries(f: _ItemFile, where: str) -> dict[str, Entry]:
     try:
         infos = zipfile.ZipFile(f).infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError) as exc:
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:  # zipfile raises many types on damaged directories
         raise CorruptCheckpointError(
             f"{where}: not a readable torch.save archive ({exc}); the file is damaged"
         ) from None
@@ -271,8 +273,10 @@ def _check_byteorder(f: _ItemFile, entries: dict[str, Entry], prefix: str, where
     e = entries.get(prefix + "byteorder")
     if e is not None and e.size <= 16:
         order = bytes(f.pread(e.start, e.size)).decode("ascii", "replace")
+        if order == "big":
+            raise UnsupportedError(f"{where}: big-endian archive; only little-endian is supported")
         if order != "little":
-            raise UnsupportedError(f"{where}: archive byte order {order!r}; only little-endian")
+            raise CorruptCheckpointError(f"{where}: damaged archive (byte order {order!r})")
 
 
 def _find_data_pkl(entries: dict[str, Entry], where: str) -> tuple[str, Entry]:
@@ -299,7 +303,7 @@ def parse_tensor_archive(read: ReadAt, where: str, dtype: str, size: Shape) -> A
         raise CorruptCheckpointError(f"{where}: data.pkl is {pkl.size} bytes; not a tensor chunk")
     _check_byteorder(f, entries, prefix, where)
     desc = safe_loads(bytes(f.pread(pkl.start, pkl.size)), f"{where} (data.pkl)",
-                      _resolve_data_pkl, _persistent(where))
+                      _resolve_data_pkl, _persistent(where), scan=True)
     if not isinstance(desc, _TensorDesc) or not isinstance(desc.storage, _StorageRef):
         raise CorruptCheckpointError(f"{where}: chunk archive does not hold a plain tensor")
     return _describe(desc, entries, prefix, where, dtype, size)

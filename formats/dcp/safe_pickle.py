@@ -6,8 +6,8 @@ tuples), not to torch classes, so unpickling runs no torch code at all.
 
 from __future__ import annotations
 
-import io
 import pickle
+import pickletools
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -81,7 +81,7 @@ def _torch_layout_names() -> frozenset[str]:
 _DTYPE_NAMES = _torch_dtype_names()
 _LAYOUT_NAMES = _torch_layout_names()
 
-#: Safe builtins a container-only pickle may name (none of them runs code on construction).
+#: Safe builtins a container-only pickle may name (none runs code or allocates by a count).
 SAFE_BUILTINS: Mapping[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
@@ -90,7 +90,6 @@ SAFE_BUILTINS: Mapping[tuple[str, str], Any] = {
     ("builtins", "tuple"): tuple,
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
-    ("builtins", "bytearray"): bytearray,
     ("collections", "OrderedDict"): OrderedDict,
 }
 
@@ -115,6 +114,23 @@ def resolve_torch_layout(module: str, name: str) -> str | None:
     return None
 
 
+class _Source:
+    """A read-only file over bytes. Unlike ``io.BytesIO`` it offers no ``readinto``, which keeps
+    CPython's unpickler off a path that mishandles damaged BYTEARRAY8 lengths."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._pos = bytes(data), 0
+
+    def read(self, size: int = -1) -> bytes:
+        stop = len(self._data) if size < 0 else min(len(self._data), self._pos + size)
+        out, self._pos = self._data[self._pos : stop], max(self._pos, stop)
+        return out
+
+    def readline(self) -> bytes:
+        nl = self._data.find(b"\n", self._pos)
+        return self.read(-1 if nl < 0 else nl + 1 - self._pos)
+
+
 class AllowlistUnpickler(pickle.Unpickler):
     """Unpickler resolving globals through ``resolve``; anything it does not know is refused.
 
@@ -129,7 +145,7 @@ class AllowlistUnpickler(pickle.Unpickler):
         resolve: Callable[[str, str], Any],
         persistent: Callable[[Any], Any] | None = None,
     ) -> None:
-        super().__init__(io.BytesIO(data))
+        super().__init__(_Source(data))
         self._source = source
         self._resolve = resolve
         self._persistent = persistent
@@ -149,13 +165,42 @@ class AllowlistUnpickler(pickle.Unpickler):
         return self._persistent(pid)
 
 
+_REFUSED_OPS = frozenset({"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER"})
+
+
+def prescan(data: bytes, source: str) -> None:
+    """Walk the opcodes of a small pickle before unpickling it (pure Python, ~1 MB/s).
+
+    Refuses what could make CPython's unpickler allocate far more memory than the pickle's size:
+    memo indices beyond the pickle's length (the C memo table grows to twice the index) and
+    out-of-band buffers. Truncated arguments are caught here too. Not run on ``.metadata``, whose
+    size makes a Python-level walk too slow; there a damaged memo index is a memory risk only.
+    """
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in _REFUSED_OPS:
+                raise CorruptCheckpointError(f"{source}: pickle uses {op.name}; not a DCP pickle")
+            if op.name in ("BINPUT", "LONG_BINPUT", "PUT") and int(arg) > len(data):
+                raise CorruptCheckpointError(f"{source}: pickle memo index {arg} is out of range")
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{source}: damaged pickle ({exc})") from None
+
+
 def safe_loads(
     data: bytes,
     source: str,
     resolve: Callable[[str, str], Any],
     persistent: Callable[[Any], Any] | None = None,
+    scan: bool = False,
 ) -> Any:
-    """Unpickle ``data`` with the allowlist; damaged pickles raise CorruptCheckpointError."""
+    """Unpickle ``data`` with the allowlist; damaged pickles raise CorruptCheckpointError.
+
+    ``scan`` runs :func:`prescan` first (use it for small pickles such as ``data.pkl``).
+    """
+    if scan:
+        prescan(data, source)
     try:
         return AllowlistUnpickler(data, source, resolve, persistent).load()
     except (UnsafePickleError, CorruptCheckpointError):
