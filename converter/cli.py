@@ -39,6 +39,7 @@ def run_options(f):
         click.option("--workers", type=int, default=None, help="I/O worker threads (default: CPU count, 2..8)."),
         click.option("--memory-budget", type=SIZE, default=None, help="Bytes of buffers in flight, e.g. 512MiB (default 512MiB)."),
         click.option("--overwrite", is_flag=True, help="Replace a non-empty destination."),
+        click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same destination."),
         click.option("--trust-pickle", is_flag=True, help="Allow non-tensor entries that need arbitrary classes (runs their pickle code)."),
         click.option("--dry-run", is_flag=True, help="Print the plan, write nothing."),
         click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when stderr is a terminal)."),
@@ -48,13 +49,13 @@ def run_options(f):
     return f
 
 
-def make_options(workers, memory_budget, overwrite, trust_pickle, dry_run, progress) -> RunOptions:
+def make_options(workers, memory_budget, overwrite, resume, trust_pickle, dry_run, progress) -> RunOptions:
     from converter import knobs
 
     return RunOptions(
         workers=workers or knobs.WORKERS,
         memory_budget=memory_budget or knobs.MEMORY_BUDGET,
-        overwrite=overwrite, trust_pickle=trust_pickle, dry_run=dry_run, progress=progress,
+        overwrite=overwrite, resume=resume, trust_pickle=trust_pickle, dry_run=dry_run, progress=progress,
     )
 
 

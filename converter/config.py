@@ -37,8 +37,11 @@ class RunOptions:
     overwrite: bool = False
     trust_pickle: bool = False
     dry_run: bool = False
+    resume: bool = False
 
     def __post_init__(self) -> None:
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume and --overwrite contradict each other: resume keeps the partial output, overwrite deletes it")
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1 (got {self.workers})")
         if self.memory_budget < 1 << 20:
@@ -66,6 +69,13 @@ def check_destination(src: str | os.PathLike, dst: str | os.PathLike, overwrite:
         raise DestinationError(f"{dst}: exists and is not a directory; choose a new path")
     if d.exists() and any(d.iterdir()):
         if not overwrite:
+            from converter.journal import has_journal
+
+            if has_journal(d):
+                raise DestinationError(
+                    f"{dst}: holds the partial output of an interrupted conversion; pass --resume to continue it "
+                    "or --overwrite to start over"
+                )
             raise DestinationError(f"{dst}: destination is not empty; pass --overwrite to replace it or choose a new path")
         for child in d.iterdir():
             if child.is_dir() and not child.is_symlink():
@@ -73,4 +83,14 @@ def check_destination(src: str | os.PathLike, dst: str | os.PathLike, overwrite:
             else:
                 child.unlink()
     d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def check_resume_destination(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """The destination of a ``--resume`` run: it must exist and not be inside the source."""
+    s, d = Path(src).resolve(), Path(dst).resolve()
+    if d == s or s in d.parents or d in s.parents:
+        raise DestinationError(f"{dst}: destination overlaps the source {src}; choose a directory outside it")
+    if not d.is_dir():
+        raise DestinationError(f"{dst}: nothing to resume (no such directory); run without --resume")
     return d

@@ -12,15 +12,18 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from converter.plan import Piece, WriteTask
 from formats.base import CheckpointReader
 from formats.dtypes import by_name
+
+if TYPE_CHECKING:
+    from converter.journal import Journal
 
 
 def _pin_malloc_threshold() -> None:
@@ -43,17 +46,45 @@ _pin_malloc_threshold()
 
 
 class PieceWriter(Protocol):
-    """Receives one task's pieces in C order, then ``close`` (or ``abort`` on failure)."""
+    """Receives one task's pieces in C order, then ``close``.
+
+    ``close`` returns what the journal must remember to resume without the task (e.g. a
+    checksum), or None.
+    """
 
     def write(self, piece: Piece, data: torch.Tensor) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self) -> Any: ...
 
 
 class TaskSink(Protocol):
-    """Opens a :class:`PieceWriter` for each write task."""
+    """Opens a :class:`PieceWriter` for each write task; ``sync`` makes closed tasks durable."""
 
     def open(self, task: WriteTask) -> PieceWriter: ...
+
+    def sync(self) -> None: ...
+
+
+class _FaultInjector:
+    """SIGKILLs the process after ``knobs.FAULT_KILL_AFTER_BYTES`` written bytes (tests only)."""
+
+    def __init__(self) -> None:
+        from converter import knobs
+
+        self.limit = knobs.FAULT_KILL_AFTER_BYTES
+        self.written = 0
+        self._lock = threading.Lock()
+
+    def wrote(self, n: int) -> None:
+        if not self.limit:
+            return
+        with self._lock:
+            self.written += n
+            if self.written >= self.limit:
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -140,13 +171,21 @@ def execute(
     memory_budget: int,
     progress: bool | None = None,
     label: str = "converting",
+    journal: Journal | None = None,
 ) -> ExecStats:
-    """Run every task; the first failure stops the run and is re-raised."""
+    """Run every task not already in ``journal``; the first failure stops the run and is re-raised.
+
+    Finished tasks are journaled in batches (data fsynced first), so an interrupted run resumes
+    where the last batch ended.
+    """
     stats = ExecStats()
     budget = MemoryBudget(memory_budget)
+    todo = [t for t in tasks if journal is None or not journal.is_done(t)]
     bar = _Progress(sum(t.nbytes for t in tasks), label, progress)
+    bar.advance(sum(t.nbytes for t in tasks) - sum(t.nbytes for t in todo))
     failed = threading.Event()
     lock = threading.Lock()
+    fault = _FaultInjector()
     start = time.perf_counter()
 
     def run(task: WriteTask) -> None:
@@ -158,31 +197,52 @@ def execute(
             for piece in task.pieces:
                 data = fill_piece(reader, task, piece)
                 writer.write(piece, data)
-                bar.advance(data.numel() * data.element_size())
+                n = data.numel() * data.element_size()
                 del data  # free this piece before the next one is read
-            writer.close()
+                bar.advance(n)
+                fault.wrote(n)
+            info = writer.close()
         except BaseException:
             failed.set()
             raise
         finally:
             budget.release(held)
+        if journal is not None:
+            journal.record(task, info)
         with lock:
             stats.tasks += 1
             stats.bytes_written += task.nbytes
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptconv") as pool:
-            futures = [pool.submit(run, t) for t in tasks]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:
-                if f.done() and f.exception() is not None:
+            futures = [pool.submit(run, t) for t in todo]
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                error = next((f.exception() for f in done if f.exception() is not None), None)
+                if error is not None:
                     failed.set()
-                    for g in futures:
-                        g.cancel()
-                    raise f.exception()
+                    for f in pending:
+                        f.cancel()
+                    _flush_after_failure(journal, sink)
+                    raise error
+                if journal is not None:
+                    journal.flush(sink.sync)
+        if journal is not None:
+            journal.flush(sink.sync, force=True)
     finally:
         bar.stop()
     stats.seconds = time.perf_counter() - start
     stats.bytes_read = stats.bytes_written
     stats.peak_reserved = budget.peak
     return stats
+
+
+def _flush_after_failure(journal: Journal | None, sink: TaskSink) -> None:
+    """Keep what finished before a failure (a full disk, say) for ``--resume``; best effort."""
+    if journal is None:
+        return
+    try:
+        journal.flush(sink.sync, force=True)
+    except OSError:
+        pass

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from converter.atoms import AtomRef, group_atoms
-from converter.config import RunOptions, check_destination
+from converter import __version__
+from converter.config import RunOptions, check_destination, check_resume_destination
+from converter.journal import Journal, has_journal, index_fingerprint
 from converter.execute import execute
 from converter.mesh import Mesh, parse_mesh
 from converter.plan import Piece, WriteTask, plan_tensor
@@ -110,6 +113,9 @@ class _RankChunkSink:
     def open(self, task: WriteTask) -> "_RankChunkSink._One":
         return _RankChunkSink._One(self.writer.open_chunk(task.target), by_name(task.target.dtype).torch_dtype)
 
+    def sync(self) -> None:
+        self.writer.sync()
+
     class _One:
         def __init__(self, sink, dtype: torch.dtype) -> None:
             self.sink, self.dtype = sink, dtype
@@ -119,6 +125,7 @@ class _RankChunkSink:
 
         def close(self) -> None:
             self.sink.close()
+            return None
 
 
 def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "fsdp",
@@ -141,18 +148,35 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         if options.dry_run:
             return ConversionResult(str(dst), len(index.tensors), len(index.objects), sum(t.nbytes for t in tasks),
                                     0.0, plan=describe_ranks(layout, tasks))
-        out = check_destination(src, dst, options.overwrite)
+        header = {"op": "from-universal", "src": str(Path(src).resolve()), "source": index_fingerprint(index),
+                  "mesh": str(target_mesh), "plan": plan, "dtype": dtype,
+                  "piece_bytes": options.effective_piece_bytes, "tool": __version__}
+        if options.resume:
+            out = check_resume_destination(src, dst)
+            if (out / ".metadata").is_file() and not has_journal(out):
+                return ConversionResult(str(out), len(index.tensors), len(index.objects), 0, 0.0,
+                                        warnings=layout.warnings)
+            journal = Journal.resume(out, header)
+        else:
+            out = check_destination(src, dst, options.overwrite)
+            journal = Journal(out, header)
         objects = [ObjectSpec(k, reader.read_object_bytes(k), 0) for k in index.objects]
         planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: tuple(o.path) for k, o in index.objects.items()}
         writer = DCPWriter(out, layout.chunks, objects, planner_data, target_mesh.world_size)
         try:
+            writer.prepare(resume=options.resume)
+            for task in tasks:
+                if journal.is_done(task):
+                    writer.adopt_chunk(task.target)
             writer.write_objects()
             stats = execute(tasks, reader, _RankChunkSink(writer), workers=options.workers,
-                            memory_budget=options.memory_budget, progress=options.progress, label="from-universal")
+                            memory_budget=options.memory_budget, progress=options.progress,
+                            label="from-universal", journal=journal)
             writer.commit()
         except BaseException:
-            writer.abort()
+            writer.close()
             raise
+        journal.remove()
         return ConversionResult(str(out), len(index.tensors), len(index.objects), stats.bytes_written, stats.seconds,
                                 warnings=layout.warnings)
     finally:

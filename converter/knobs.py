@@ -19,3 +19,8 @@ WORKERS = max(2, min(8, (os.cpu_count() or 2)))
 MAX_METADATA_BYTES = 2 * GIB
 #: Largest non-tensor entry accepted (bytes).
 MAX_OBJECT_BYTES = 1 * GIB
+#: Fault injection for the resume tests: SIGKILL this process once this many bytes were written
+#: by the executor (0 = off). Set through the environment only.
+FAULT_KILL_AFTER_BYTES = int(os.environ.get("CKPTCONV_FAULT_KILL_AFTER_BYTES", "0") or 0)
+#: Seconds between journal batches (data fsync + journal append) of a conversion.
+JOURNAL_FLUSH_SECONDS = float(os.environ.get("CKPTCONV_JOURNAL_FLUSH_SECONDS", "2.0") or 2.0)

@@ -11,7 +11,8 @@ import torch
 
 from converter import __version__
 from converter.atoms import group_atoms
-from converter.config import RunOptions, check_destination
+from converter.config import RunOptions, check_destination, check_resume_destination
+from converter.journal import Journal, index_fingerprint
 from converter.detect import WHOLE, LayoutReport, detect_layout
 from converter.execute import ExecStats, execute
 from converter.plan import Piece, WriteTask, plan_tensor
@@ -19,7 +20,7 @@ from converter.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
 from formats.objects import json_view, load_torch_object
 from formats.universal import UniversalWriter
-from formats.universal_meta import SourceInfo
+from formats.universal_meta import METADATA_FILE, SourceInfo
 
 
 @dataclass(frozen=True)
@@ -44,15 +45,18 @@ class _ChunkSink:
     def open(self, task: WriteTask) -> "_ChunkSink._One":
         return _ChunkSink._One(self.writer, task)
 
+    def sync(self) -> None:
+        self.writer.sync()
+
     class _One:
         def __init__(self, writer: UniversalWriter, task: WriteTask) -> None:
             self.writer, self.task = writer, task
 
         def write(self, piece: Piece, data: torch.Tensor) -> None:
-            self.writer.write_chunk(self.task.key, self.task.target, data)
+            self.checksum = self.writer.write_chunk(self.task.key, self.task.target, data)
 
-        def close(self) -> None:
-            pass
+        def close(self) -> str:
+            return self.checksum
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,16 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         refs, atoms = group_atoms(paths)
         if options.dry_run:
             return _dry_run(index, dst, chunk_bytes)
-        out = check_destination(src, dst, options.overwrite)
+        header = {"op": "to-universal", "src": str(Path(src).resolve()), "source": index_fingerprint(index),
+                  "chunk_bytes": chunk_bytes, "tool": __version__}
+        if options.resume:
+            out = check_resume_destination(src, dst)
+            if (out / METADATA_FILE).is_file():
+                return ConversionResult(str(out), len(index.tensors), len(index.objects), 0, 0.0)
+            journal = Journal.resume(out, header)
+        else:
+            out = check_destination(src, dst, options.overwrite)
+            journal = Journal(out, header)
         writer = UniversalWriter(out, chunk_bytes)
         layout = detect_layout(index)
         hints = source_hints(layout, index)
@@ -122,12 +135,16 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
             writer.add_tensor(entry, refs[key].atom, refs[key].role, source_split=h.split,
                               source_replicated=h.replicated, tp_split_dim=h.tp_dim)
             tasks += plan_tensor(entry, writer.chunks(key), piece_bytes=chunk_bytes)
+        for task in tasks:
+            if journal.is_done(task):
+                writer.restore_chunk(task.key, task.target, journal.info(task))
         _copy_objects(reader, index, writer, refs, options.trust_pickle)
         stats: ExecStats = execute(tasks, reader, _ChunkSink(writer), workers=options.workers,
                                    memory_budget=options.memory_budget, progress=options.progress,
-                                   label="to-universal")
+                                   label="to-universal", journal=journal)
         created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         writer.commit(_source_info(index, layout, str(src)), __version__, atoms, created)
+        journal.remove()
         return ConversionResult(str(out), len(index.tensors), len(index.objects), stats.bytes_written, stats.seconds)
     finally:
         reader.close()

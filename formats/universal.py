@@ -157,6 +157,7 @@ class UniversalWriter:
         self._objects: dict[str, ObjectRecord] = {}
         self._names: set[str] = set()
         self._lock = threading.Lock()
+        self._unsynced: list[Path] = []
         (self.root / TENSORS_DIR).mkdir(parents=True, exist_ok=True)
         (self.root / OBJECTS_DIR).mkdir(exist_ok=True)
         for d in (self.root, self.root / TENSORS_DIR):
@@ -199,8 +200,8 @@ class UniversalWriter:
         r = self._tensors[key]
         return list(chunk_grid(r.shape, r.chunk_shape))
 
-    def write_chunk(self, key: str, index: tuple[int, ...], tensor: torch.Tensor) -> None:
-        """Write one whole chunk (thread-safe across chunks): temp file, then rename."""
+    def write_chunk(self, key: str, index: tuple[int, ...], tensor: torch.Tensor) -> str:
+        """Write one whole chunk (thread-safe across chunks): temp file, then rename; its checksum."""
         record = self._tensors[key]
         d = by_name(record.dtype)
         t = tensor.contiguous()
@@ -217,6 +218,28 @@ class UniversalWriter:
         os.replace(tmp, path)
         with self._lock:
             record.checksums[chunk_id(index)] = checksum
+            self._unsynced.append(path)
+        return checksum
+
+    def restore_chunk(self, key: str, index: tuple[int, ...], checksum: str) -> None:
+        """Adopt a chunk written by an interrupted run (resume): its file must be there."""
+        record = self._tensors[key]
+        path = self.root / _chunk_file(record.array, index)
+        if not path.is_file():
+            raise CorruptCheckpointError(f"{path}: chunk of {key!r} recorded as written is missing; rerun with --overwrite")
+        with self._lock:
+            record.checksums[chunk_id(index)] = checksum
+
+    def sync(self) -> None:
+        """fsync every chunk file written since the last sync."""
+        with self._lock:
+            paths, self._unsynced = self._unsynced, []
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def add_object(self, key: str, data: bytes, path: tuple, atom: str, role: str, json_view: Any) -> None:
         """Store a non-tensor entry's exact bytes with a JSON view."""

@@ -242,8 +242,11 @@ class DCPWriter:
 
     # -- I/O -----------------------------------------------------------------------------------
 
-    def prepare(self) -> None:
-        """Create the root and every rank's data file at its final size (idempotent)."""
+    def prepare(self, resume: bool = False) -> None:
+        """Create the root and every rank's data file at its final size (idempotent).
+
+        ``resume`` keeps the bytes already in the files (an interrupted run of the same plan).
+        """
         with self._lock:
             self._check_state("prepare")
             if self._state == "prepared":
@@ -253,9 +256,10 @@ class DCPWriter:
                 raise DestinationError(
                     f"{self.root} already holds a checkpoint ({METADATA_NAME}); write to an empty directory"
                 )
+            flags = os.O_RDWR | os.O_CREAT | (0 if resume else os.O_TRUNC)
             try:
                 for rank, name in self._files.items():
-                    fd = os.open(safe_join(self.root, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                    fd = os.open(safe_join(self.root, name), flags, 0o644)
                     self._fds[rank] = fd
                     os.ftruncate(fd, self._sizes[rank])
             except BaseException:
@@ -283,6 +287,26 @@ class DCPWriter:
             sink = TensorArchiveWriter(self._fds[spec.rank], loc.offset, spec.dtype, spec.box.sizes)
             self._sinks[cid] = sink
         return sink
+
+    def adopt_chunk(self, spec: ChunkSpec) -> None:
+        """Count a chunk written (and made durable) by an interrupted run as written (resume)."""
+        cid = _chunk_id(spec)
+        if cid not in self._chunk_loc:
+            return
+        with self._lock:
+            self._sinks[cid] = _Adopted()
+
+    def close(self) -> None:
+        """Close the files and keep them (an interrupted run that ``--resume`` continues)."""
+        with self._lock:
+            self._close_fds()
+
+    def sync(self) -> None:
+        """fdatasync every rank file (the journal calls this before recording finished chunks)."""
+        with self._lock:
+            fds = list(self._fds.values())
+        for fd in fds:
+            os.fdatasync(fd)
 
     def write_objects(self) -> None:
         """Write every object's bytes at its offset (idempotent)."""
@@ -384,6 +408,12 @@ class _EmptySink:
 
     def close(self) -> None:
         self.closed = True
+
+
+class _Adopted:
+    """A chunk an earlier, interrupted run wrote."""
+
+    closed = True
 
 
 def _chunk_id(spec: ChunkSpec) -> tuple:

@@ -1,0 +1,111 @@
+"""Interrupted conversions: SIGKILL at many points, refuse without --resume, resume bit-identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_MAKE = """
+import sys, torch, torch.distributed.checkpoint as dcp
+g = torch.Generator().manual_seed(0)
+sd = {"model": {f"layers.{i}.w": torch.randn(256 * (i + 1), 1024, generator=g) for i in range(6)},
+      "optim": {"state": {"layers.0.w": {"step": torch.tensor(3.0)}}}, "extra": {"epoch": 2, "name": "x"}}
+sd["model"]["half"] = torch.randn(1000, 300, generator=g).to(torch.bfloat16)
+dcp.save(sd, checkpoint_id=sys.argv[1])
+"""
+
+
+def ckptconv(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "CKPTCONV_JOURNAL_FLUSH_SECONDS": "0", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "converter", *args], capture_output=True, text=True,
+                          timeout=300, env=full_env)
+
+
+def tree_bytes(root: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name not in skip}
+
+
+def universal_without_timestamp(root: Path) -> dict[str, bytes]:
+    files = tree_bytes(root, skip=("ckptconv.json",))
+    doc = json.loads((root / "ckptconv.json").read_text())
+    doc.pop("created")
+    files["ckptconv.json"] = json.dumps(doc, sort_keys=True).encode()
+    return files
+
+
+def dcp_without_save_id(root: Path) -> dict[str, bytes]:
+    files = tree_bytes(root, skip=(".metadata",))
+    md = pickle.loads((root / ".metadata").read_bytes())  # our own output, in a test
+    files[".metadata"] = repr((md.state_dict_metadata, md.planner_data, sorted(md.storage_data.items(), key=repr))).encode()
+    return files
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("resume") / "ckpt"
+    subprocess.run([sys.executable, "-c", _MAKE, str(path)], check=True, timeout=300)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(source, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("reference")
+    uni, out = root / "uni", root / "out"
+    assert ckptconv("to-universal", "--chunk-size", "256KiB", str(source), str(uni)).returncode == 0
+    assert ckptconv("from-universal", "--memory-budget", "2MiB", "--mesh", "tp2,dp3", str(uni), str(out)).returncode == 0
+    return uni, out
+
+
+TOTAL = 21 * 256 * 1024 * 4 + 1000 * 300 * 2  # tensor bytes of the source
+SLOW = pytest.mark.slow
+#: Six kill points per conversion; a representative few run in the default suite, all with -m slow.
+TO_UNIVERSAL_POINTS = [1, pytest.param(TOTAL // 7, marks=SLOW), pytest.param(TOTAL // 3, marks=SLOW), TOTAL // 2,
+                       pytest.param((4 * TOTAL) // 5, marks=SLOW), TOTAL]
+FROM_UNIVERSAL_POINTS = [pytest.param(1, marks=SLOW), pytest.param(TOTAL // 7, marks=SLOW), TOTAL // 3,
+                         pytest.param(TOTAL // 2, marks=SLOW), pytest.param((4 * TOTAL) // 5, marks=SLOW), TOTAL]
+
+
+@pytest.mark.parametrize("kill_after", TO_UNIVERSAL_POINTS)
+def test_to_universal_resumes_bit_identical(source, reference, tmp_path, kill_after):
+    dst = tmp_path / "uni"
+    args = ("to-universal", "--chunk-size", "256KiB", str(source), str(dst))
+    killed = ckptconv(*args, env={"CKPTCONV_FAULT_KILL_AFTER_BYTES": str(kill_after)})
+    assert killed.returncode == -9
+    assert not (dst / "ckptconv.json").exists()
+    refused = ckptconv(*args)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    second_kill = ckptconv(*args, "--resume", env={"CKPTCONV_FAULT_KILL_AFTER_BYTES": str(TOTAL // 4)})
+    assert second_kill.returncode in (0, -9)
+    done = ckptconv(*args, "--resume")
+    assert done.returncode == 0, done.stderr
+    assert universal_without_timestamp(dst) == universal_without_timestamp(reference[0])
+
+
+@pytest.mark.parametrize("kill_after", FROM_UNIVERSAL_POINTS)
+def test_from_universal_resumes_bit_identical(reference, tmp_path, kill_after):
+    dst = tmp_path / "out"
+    args = ("from-universal", "--memory-budget", "2MiB", "--mesh", "tp2,dp3", str(reference[0]), str(dst))
+    killed = ckptconv(*args, env={"CKPTCONV_FAULT_KILL_AFTER_BYTES": str(kill_after)})
+    assert killed.returncode == -9
+    assert not (dst / ".metadata").exists()
+    refused = ckptconv(*args)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    done = ckptconv(*args, "--resume")
+    assert done.returncode == 0, done.stderr
+    assert dcp_without_save_id(dst) == dcp_without_save_id(reference[1])
+
+
+def test_resume_refuses_another_conversion(source, reference, tmp_path):
+    dst = tmp_path / "uni"
+    args = ("to-universal", "--chunk-size", "256KiB", str(source), str(dst))
+    assert ckptconv(*args, env={"CKPTCONV_FAULT_KILL_AFTER_BYTES": str(TOTAL // 2)}).returncode == -9
+    other = ckptconv("to-universal", "--chunk-size", "512KiB", "--resume", str(source), str(dst))
+    assert other.returncode == 2 and "different conversion" in other.stderr
+    assert ckptconv("to-universal", "--resume", "--overwrite", str(source), str(dst)).returncode == 2
