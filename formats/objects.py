@@ -24,8 +24,9 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
             f"{where}: non-tensor entry needs classes outside the safe allowlist ({hint.strip()[:160]}); "
             "pass --trust-pickle only if you trust this checkpoint"
         ) from None
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise CorruptCheckpointError(f"{where}: corrupt non-tensor entry ({str(e).splitlines()[0][:160]})") from None
+    except Exception as e:  # damaged pickles make torch's unpickler raise many builtin types
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        raise CorruptCheckpointError(f"{where}: corrupt non-tensor entry ({type(e).__name__}: {first})") from None
 
 
 def json_view(value: Any) -> Any:
