@@ -21,6 +21,7 @@ import torch
 from converter.plan import Piece, WriteTask
 from formats.base import CheckpointReader
 from formats.dtypes import by_name
+from formats.errors import CkptConvError, StorageError
 
 if TYPE_CHECKING:
     from converter.journal import Journal
@@ -121,6 +122,38 @@ class MemoryBudget:
             self._cond.notify_all()
 
 
+def storage_error(e: OSError, what: str) -> StorageError:
+    """A one-line project error for an OS-level failure, saying how to continue."""
+    import errno
+
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return StorageError(
+            f"{what}: out of space{where}: {e.strerror}; free space (or raise the file size limit), "
+            "then rerun the same command with --resume"
+        )
+    return StorageError(f"{what}: I/O error{where}: {e.strerror or e}; fix the storage, then rerun with --resume")
+
+
+def os_errors_as_storage_errors(what: str):
+    """Decorator: an OSError that escapes a conversion becomes a :class:`StorageError`."""
+    import functools
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except OSError as e:
+                if isinstance(e, CkptConvError):
+                    raise
+                raise storage_error(e, what) from e
+
+        return run
+
+    return wrap
+
+
 def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece) -> torch.Tensor:
     """The piece's data, read from its source regions (no extra copy when one region covers it)."""
     if len(piece.copies) == 1 and piece.copies[0].region == piece.box:
@@ -202,6 +235,9 @@ def execute(
                 bar.advance(n)
                 fault.wrote(n)
             info = writer.close()
+        except OSError as e:
+            failed.set()
+            raise storage_error(e, f"writing {task.key!r}") from e
         except BaseException:
             failed.set()
             raise

@@ -22,7 +22,7 @@ from converter.atoms import AtomRef, group_atoms
 from converter import __version__
 from converter.config import RunOptions, check_destination, check_resume_destination
 from converter.journal import Journal, has_journal, index_fingerprint
-from converter.execute import execute
+from converter.execute import execute, os_errors_as_storage_errors
 from converter.mesh import Mesh, parse_mesh
 from converter.plan import Piece, WriteTask, plan_tensor
 from converter.plans import TensorPlacement, get_plan, plan_all, replicated
@@ -128,6 +128,7 @@ class _RankChunkSink:
             return None
 
 
+@os_errors_as_storage_errors("from-universal")
 def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "fsdp",
                    mesh_order: str | None = None, dtype: str | None = None,
                    options: RunOptions | None = None) -> ConversionResult:

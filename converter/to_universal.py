@@ -14,7 +14,7 @@ from converter.atoms import group_atoms
 from converter.config import RunOptions, check_destination, check_resume_destination
 from converter.journal import Journal, index_fingerprint
 from converter.detect import WHOLE, LayoutReport, detect_layout
-from converter.execute import ExecStats, execute
+from converter.execute import ExecStats, execute, os_errors_as_storage_errors
 from converter.plan import Piece, WriteTask, plan_tensor
 from converter.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
@@ -98,6 +98,7 @@ def _copy_objects(reader: CheckpointReader, index: CheckpointIndex, writer: Univ
         writer.add_object(key, data, entry.path, ref.atom, ref.role, json_view(value))
 
 
+@os_errors_as_storage_errors("to-universal")
 def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
                  chunk_bytes: int | None = None) -> ConversionResult:
     """Convert the checkpoint at ``src`` into a universal store at ``dst``.

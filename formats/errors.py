@@ -49,3 +49,7 @@ class PlanError(CkptConvError, ValueError):
 
 class UnsupportedError(CkptConvError, NotImplementedError):
     """A valid input uses a feature ckptconv does not support yet."""
+
+
+class StorageError(CkptConvError, OSError):
+    """Reading or writing failed at the OS level (full disk, file size limit, I/O error)."""
