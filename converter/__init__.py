@@ -1,7 +1,7 @@
 """ckptconv: offline, model-free conversion of PyTorch Distributed Checkpoints.
 
 The Python API lives in :mod:`converter.api`; its functions are also reachable here, e.g.
-``converter.to_universal(src, dst)``.
+``converter.ingest(src, dst)``.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from converter.config import RunOptions, parse_size
 from converter.sources import detect_format, open_checkpoint
-from converter.from_universal import from_universal
+from converter.reshard import from_universal
 from converter.hf import export_hf, import_hf
-from converter.to_universal import ConversionResult, to_universal
+from converter.ingest import ConversionResult, to_universal
 from converter.verify import VerifyReport, verify
 from converter.diff import DiffReport, diff
 

@@ -35,7 +35,7 @@ from converter.key_maps import (CONFIG_FILLERS, KeyMap, get_key_map, heads_for, 
                                 rename_all, rope_permutation)
 from converter.plan import Piece, WriteTask, describe, plan_tensor
 from converter.sources import detect_format, open_checkpoint
-from converter.to_universal import ConversionResult, _ChunkSink
+from converter.ingest import ConversionResult, _ChunkSink
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, full_box
 from formats.dtypes import by_name
 from formats.errors import ConfigError, InvalidCheckpointError, PlanError

@@ -342,7 +342,7 @@ def _unreferenced(root: Path, referenced: set[str], suffix: str) -> list[str]:
 
 
 def _verify_universal(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
-    from formats.universal import TENSORS_DIR, UniversalReader, read_metadata
+    from formats.universal import TENSORS_DIR, UniversalReader
 
     found.checks += [
         "ckptconv.json valid against schemas/universal.schema.json (the completion marker)",
@@ -352,9 +352,8 @@ def _verify_universal(root: Path, found: _Findings, quick: bool, trust_pickle: b
         "atoms name existing keys",
     ]
     try:
-        meta = read_metadata(root)
         reader = UniversalReader(root)
-        index = reader.index()
+        meta, index = reader.meta, reader.index()
     except CkptConvError as e:
         found.problems.append(Problem("metadata", str(e)))
         return []

@@ -23,7 +23,7 @@ dcp.save(sd, checkpoint_id=sys.argv[1])
 _MEASURE = """
 import json, sys, threading, time
 import psutil, torch, numpy, xxhash
-import converter.cli, converter.to_universal, converter.from_universal, formats.dcp, formats.universal
+import converter.cli, converter.ingest, converter.reshard, formats.dcp, formats.universal
 proc = psutil.Process()
 base = proc.memory_info().rss
 peak = [base]

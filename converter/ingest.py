@@ -1,4 +1,4 @@
-"""DCP (or any readable checkpoint) -> universal store: plan the chunk tasks, execute, commit."""
+"""to-universal: DCP (or any readable checkpoint) -> universal store. Plan the chunk tasks, execute, commit."""
 
 from __future__ import annotations
 

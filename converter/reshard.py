@@ -1,4 +1,4 @@
-"""Universal store (or any readable checkpoint) -> DCP laid out for a target mesh.
+"""from-universal: universal store (or any readable checkpoint) -> DCP laid out for a target mesh.
 
 1. place: the placement plan gives every parameter its placements on the mesh (and PP stage);
    optimizer states of a parameter follow it, 0-d tensors and other shapes are replicated;
@@ -27,7 +27,7 @@ from converter.mesh import Mesh, parse_mesh
 from converter.plan import Piece, WriteTask, plan_tensor
 from converter.plans import TensorPlacement, get_plan, plan_all, replicated
 from converter.sources import open_checkpoint
-from converter.to_universal import ConversionResult
+from converter.ingest import ConversionResult
 from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
 from formats.dtypes import by_name
@@ -57,7 +57,7 @@ def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dic
         replicated = {k for k, r in meta.tensors.items() if r.source_replicated}
         return splits, replicated
     from converter.detect import detect_layout
-    from converter.to_universal import source_hints
+    from converter.ingest import source_hints
 
     hints = source_hints(detect_layout(index), index)
     return {k: h.tp_dim for k, h in hints.items()}, {k for k, h in hints.items() if h.replicated}
