@@ -137,3 +137,13 @@ def test_happy_path_and_overwrite(small_ckpt, tmp_path):
     assert proc.returncode == 0, proc.stderr
     proc = run_cli("inspect", "--json", str(dst))
     assert proc.returncode == 0 and '"format": "universal"' in proc.stdout
+
+
+def test_api_names_are_the_functions():
+    """Submodules that share an API name (verify, diff) never shadow the functions."""
+    import converter.diff  # noqa: F401
+    import converter.verify  # noqa: F401
+    import converter
+
+    for name in ("to_universal", "from_universal", "export_hf", "import_hf", "verify", "diff"):
+        assert callable(getattr(converter, name)), name
