@@ -11,11 +11,13 @@ unless the caller trusts the pickle (:func:`load_object_bytes`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 import os
 import pickle
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -48,9 +50,9 @@ _RECORDS: dict[tuple[str, str], type[Record]] = {
 _RECORDS[(_DCP_FS, "_StorageInfo")] = record_class("_StorageInfo")
 
 
-def _size(*args: Any) -> tuple[int, ...]:
-    """Stand-in for ``torch.Size(seq)``."""
-    return tuple(int(v) for v in (args[0] if args else ()))
+def _size(seq: Any = ()) -> tuple:
+    """Stand-in for ``torch.Size(seq)`` (element types are checked when parsed)."""
+    return tuple(seq)
 
 
 def _mem_format(value: Any) -> int:
@@ -147,38 +149,47 @@ class DCPMetadata:
 # Parsing
 
 
-def _shape(value: Any, where: str) -> Shape:
-    if not isinstance(value, (tuple, list)) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-    ):
-        raise CorruptCheckpointError(f"{where}: expected a shape, got {value!r}")
-    return tuple(value)
+_VALID_SHAPES: dict[Shape, Shape] = {}  # shapes repeat across chunks: validate each once
+
+
+def _shape(value: Any, source: str, what: str) -> Shape:
+    """``value`` as a shape tuple; ``what`` (a key) names it in the error message."""
+    try:
+        return _VALID_SHAPES[value]
+    except (KeyError, TypeError):
+        pass
+    if type(value) not in (tuple, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise CorruptCheckpointError(f"{source}: {what!r}: expected a shape, got {value!r}")
+    value = tuple(value)
+    if len(_VALID_SHAPES) < 65536:
+        _VALID_SHAPES[value] = value
+    return value
 
 
 def _kind(obj: Any) -> str:
     return getattr(obj, "_kind", type(obj).__name__)
 
 
-def _expect(obj: Any, kind: str, where: str) -> Record:
-    if _kind(obj) != kind:
-        raise CorruptCheckpointError(f"{where}: expected {kind}, got {_kind(obj)}")
+def _expect(obj: Any, kind: str, source: str, what: str) -> Record:
+    if getattr(obj, "_kind", None) != kind:
+        raise CorruptCheckpointError(f"{source}: {what!r}: expected {kind}, got {_kind(obj)}")
     return obj
 
 
-def _parse_tensor(rec: Record, where: str) -> TensorMeta:
-    props = _expect(rec.get("properties", 0), "TensorProperties", f"{where} properties")
+def _parse_tensor(rec: Record, source: str, key: str) -> TensorMeta:
+    what = key
+    props = _expect(rec.get("properties", 0), "TensorProperties", source, what)
     dtype = props.get("dtype", 0)
     if isinstance(props.state, tuple) and props.state and isinstance(props.state[0], DTypeRef):
         dtype = props.state[0]  # TensorProperties.__getstate__ pickles a tuple
     if not isinstance(dtype, DTypeRef):
-        raise CorruptCheckpointError(f"{where}: tensor has no dtype (got {dtype!r})")
-    size = _shape(rec.get("size", 1), f"{where} size")
+        raise CorruptCheckpointError(f"{source}: key {key!r}: tensor has no dtype ({dtype!r})")
+    size = _shape(rec.get("size", 1), source, what)
     chunks = []
-    for i, c in enumerate(rec.get("chunks", 2) or ()):
-        c = _expect(c, "ChunkStorageMetadata", f"{where} chunk {i}")
-        offsets = _shape(c.get("offsets", 0), f"{where} chunk {i} offsets")
-        sizes = _shape(c.get("sizes", 1), f"{where} chunk {i} sizes")
-        chunks.append(ChunkMeta(offsets, sizes))
+    for c in rec.get("chunks", 2) or ():
+        c = _expect(c, "ChunkStorageMetadata", source, what)
+        chunks.append(ChunkMeta(_shape(c.get("offsets", 0), source, what),
+                                _shape(c.get("sizes", 1), source, what)))
     return TensorMeta(dtype.name, size, tuple(chunks))
 
 
@@ -193,7 +204,7 @@ def _parse_entries(raw: Any, source: str) -> dict[str, TensorMeta | BytesMeta]:
         if kind == "BytesStorageMetadata":
             out[key] = BytesMeta()
         elif kind == "TensorStorageMetadata":
-            out[key] = _parse_tensor(value, f"{source}: key {key!r}")
+            out[key] = _parse_tensor(value, source, key)
         else:
             raise CorruptCheckpointError(f"{source}: key {key!r} has unknown entry type {kind}")
     return out
@@ -206,28 +217,39 @@ def _parse_storage(raw: Any, source: str) -> dict[StorageKey, StorageInfo]:
         )
     out: dict[StorageKey, StorageInfo] = {}
     for index, info in raw.items():
-        index = _expect(index, "MetadataIndex", f"{source}: storage_data key")
+        index = _expect(index, "MetadataIndex", source, "storage_data key")
         fqn = index.get("fqn", 0)
-        if not isinstance(fqn, str):
+        if type(fqn) is not str:
             raise CorruptCheckpointError(f"{source}: storage_data key has no fqn")
         offset = index.get("offset", 1)
-        offset = None if offset is None else _shape(offset, f"{source}: key {fqn!r} offset")
-        info = _expect(info, "_StorageInfo", f"{source}: key {fqn!r} storage")
-        out[(fqn, offset)] = _parse_storage_info(info, f"{source}: key {fqn!r}")
+        if offset is not None:
+            offset = _shape(offset, source, fqn)
+        info = _expect(info, "_StorageInfo", source, fqn)
+        out[(fqn, offset)] = _parse_storage_info(info, source, fqn)
     return out
 
 
-def _parse_storage_info(info: Record, where: str) -> StorageInfo:
-    path, offset, length = info.get("relative_path", 0), info.get("offset", 1), info.get("length", 2)
+def _parse_storage_info(info: Record, source: str, fqn: str) -> StorageInfo:
+    f = info.fields
+    if "relative_path" in f and "offset" in f and "length" in f:  # fast path: a dataclass state
+        path, offset, length = f["relative_path"], f["offset"], f["length"]
+    else:
+        path, offset, length = (info.get(n, i) for i, n in
+                                enumerate(("relative_path", "offset", "length")))
     transforms = info.get("transform_descriptors", 3) or ()
-    if not isinstance(path, str) or not path:
-        raise CorruptCheckpointError(f"{where}: storage entry has no file name")
-    for name, v in (("offset", offset), ("length", length)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise CorruptCheckpointError(f"{where}: storage {name} {v!r} is not a byte count")
-    if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
-        raise CorruptCheckpointError(f"{where}: bad transform_descriptors {transforms!r}")
-    return StorageInfo(path, offset, length, tuple(transforms))
+    if type(path) is not str or not path:
+        raise CorruptCheckpointError(f"{source}: key {fqn!r}: storage entry has no file name")
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        raise CorruptCheckpointError(
+            f"{source}: key {fqn!r}: bad storage offset/length {offset!r}/{length!r}"
+        )
+    if transforms:
+        if type(transforms) not in (list, tuple) or not all(type(t) is str for t in transforms):
+            raise CorruptCheckpointError(
+                f"{source}: key {fqn!r}: bad transform_descriptors {transforms!r}"
+            )
+        transforms = tuple(transforms)
+    return StorageInfo(path, offset, length, transforms or ())
 
 
 def _parse_planner(raw: Any) -> dict[str, tuple[str | int, ...]]:
@@ -257,12 +279,29 @@ def _parse_storage_meta(raw: Any) -> StorageMetaInfo | None:
     )
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while building many small acyclic objects (2-3x faster for large
+    checkpoints: every allocation burst otherwise triggers full collections)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def parse_metadata_bytes(data: bytes, source: str) -> DCPMetadata:
     """Unpickle (allowlisted) and parse the bytes of a ``.metadata`` file named ``source``."""
     if not data:
         raise CorruptCheckpointError(f"{source}: empty metadata file; the save did not finish")
-    root = safe_loads(data, source, _resolve_metadata_global)
-    md = _expect(root, "Metadata", f"{source}: top-level object")
+    with gc_paused():
+        return _parse_root(safe_loads(data, source, _resolve_metadata_global), source)
+
+
+def _parse_root(root: Any, source: str) -> DCPMetadata:
+    md = _expect(root, "Metadata", source, "top-level object")
     version = md.get("version", 4)
     return DCPMetadata(
         entries=_parse_entries(md.get("state_dict_metadata", 0), source),
@@ -372,8 +411,13 @@ def load_object_bytes(data: bytes, source: str, key: str, trust_pickle: bool = F
     except Exception as exc:
         raise CorruptCheckpointError(
             f"{source}: key {key!r} is not a readable torch.save archive "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            f"({type(exc).__name__}: {_first_sentence(exc)})"
         ) from None
+
+
+def _first_sentence(exc: Exception) -> str:
+    text = (str(exc).splitlines() or [""])[0]
+    return text.split(". ")[0][:160]
 
 
 def _unsupported_global(message: str) -> str:

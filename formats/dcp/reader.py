@@ -8,6 +8,8 @@ bytes are read on demand, region by region, with ``os.pread`` (thread safe: no s
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import re
 import threading
@@ -23,9 +25,11 @@ from formats.dcp import archive
 from formats.dcp.metadata import (
     METADATA_NAME,
     BytesMeta,
+    ChunkMeta,
     DCPMetadata,
     StorageInfo,
     TensorMeta,
+    gc_paused,
     load_metadata_file,
     load_object_bytes,
     merge_metadata,
@@ -69,6 +73,7 @@ def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
     return (p / METADATA_NAME).is_file() or bool(rank_metadata_files(p))
 
 
+@functools.lru_cache(maxsize=65536)
 def _rank_of(relative_path: str) -> int | None:
     m = DISTCP_RE.match(os.path.basename(relative_path))
     return int(m.group(1)) if m else None
@@ -131,36 +136,42 @@ def _load(path: Path) -> DCPMetadata:
 
 def _check_cover(key: str, meta: TensorMeta, where: str) -> None:
     """Chunks in bounds, pairwise disjoint, covering the tensor exactly (empty chunks allowed)."""
-    boxes = [Box(c.offsets, c.sizes) for c in meta.chunks]
-    for b in boxes:
-        bad = len(b.offsets) != len(meta.size) or len(b.sizes) != len(meta.size)
-        if bad or any(e > d for e, d in zip(b.ends, meta.size)):
+    shape, covered, nonempty = meta.size, 0, []
+    for c in meta.chunks:
+        if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
+            o + n > d for o, n, d in zip(c.offsets, c.sizes, shape)
+        ):
             raise CorruptCheckpointError(
-                f"{where}: key {key!r} has chunk {list(b.offsets)}+{list(b.sizes)} outside its "
-                f"shape {list(meta.size)}"
+                f"{where}: key {key!r} has chunk {list(c.offsets)}+{list(c.sizes)} outside its "
+                f"shape {list(shape)}"
             )
-    _check_disjoint(key, sorted((b for b in boxes if b.numel), key=lambda b: b.offsets), where)
-    covered, total = sum(b.numel for b in boxes), Box((), meta.size).numel
-    if covered != total:
+        numel = math.prod(c.sizes)
+        covered += numel
+        if numel:
+            nonempty.append(c)
+    _check_disjoint(key, sorted(nonempty, key=lambda c: c.offsets), where)
+    if covered != math.prod(shape):
         raise CorruptCheckpointError(
-            f"{where}: key {key!r} chunks cover {covered} of {total} elements; some chunks are "
-            "missing from the metadata"
+            f"{where}: key {key!r} chunks cover {covered} of {math.prod(shape)} elements; some "
+            "chunks are missing from the metadata"
         )
 
 
-def _check_disjoint(key: str, boxes: list[Box], where: str) -> None:
-    """Sweep along dim 0: only boxes whose dim-0 ranges meet are compared."""
-    active: list[Box] = []
-    for b in boxes:
-        if b.ndim:
-            active = [a for a in active if a.ends[0] > b.offsets[0]]
-        for a in active:
-            if a.intersect(b) is not None:
+def _check_disjoint(key: str, chunks: list[ChunkMeta], where: str) -> None:
+    """Sweep along dim 0 over non-empty chunks sorted by offsets: compare only those whose
+    dim-0 ranges meet."""
+    active: list[tuple[int, Box]] = []
+    for c in chunks:
+        start = c.offsets[0] if c.offsets else 0
+        active = [(end, a) for end, a in active if end > start]
+        box = Box(c.offsets, c.sizes)
+        for _, a in active:
+            if a.intersect(box) is not None:
                 raise CorruptCheckpointError(
                     f"{where}: key {key!r} chunks {list(a.offsets)}+{list(a.sizes)} and "
-                    f"{list(b.offsets)}+{list(b.sizes)} overlap"
+                    f"{list(box.offsets)}+{list(box.sizes)} overlap"
                 )
-        active.append(b)
+        active.append((start + (c.sizes[0] if c.sizes else 1), box))
 
 
 def _check_files(root: Path, refs: Iterable[tuple[str, StorageInfo]]) -> dict[str, int]:
@@ -255,7 +266,8 @@ class DCPReader:
                 f"{self.root} is a file; a DCP checkpoint is a directory holding .metadata"
             )
         self._md, self._md_files = read_checkpoint_metadata(self.root)
-        self._index = self._build_index()
+        with gc_paused():
+            self._index = self._build_index()
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._cache = _Cache(CACHE_ENTRIES, CACHE_BYTES)

@@ -24,33 +24,33 @@ class DTypeRef:
 
 
 class Record:
-    """Stand-in for an allowlisted class: keeps positional args, keyword args and pickled state."""
+    """Stand-in for an allowlisted class: keeps positional args, keyword args and pickled state.
+
+    NEWOBJ builds it with ``object.__new__`` (no Python call) and BUILD calls ``__setstate__``;
+    REDUCE calls ``__init__`` with the pickled args. Class-level defaults are never mutated.
+    """
 
     _kind = "Record"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Record:
-        # NEWOBJ calls __new__ (with the pickled args) and never __init__; REDUCE calls both.
-        self = super().__new__(cls)
-        self.args = args
-        self.kwargs = kwargs
-        self.state = None
-        return self
+    args: tuple = ()
+    kwargs: dict = {}
+    state: Any = None
+    fields: dict = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        self.args, self.kwargs = args, kwargs
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
+        if isinstance(state, dict):
+            self.fields = state
+        elif isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            self.fields = {**(state[0] if isinstance(state[0], dict) else {}), **state[1]}
 
     def get(self, name: str, position: int | None = None, default: Any = None) -> Any:
         """A field from the pickled state (dict or (dict, slots)), kwargs or positional args."""
-        state = self.state
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            merged = dict(state[0] or {})
-            merged.update(state[1])
-            state = merged
-        if isinstance(state, dict) and name in state:
-            return state[name]
+        fields = self.fields
+        if name in fields:
+            return fields[name]
         if name in self.kwargs:
             return self.kwargs[name]
         if position is not None and position < len(self.args):
