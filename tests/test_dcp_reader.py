@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from formats.base import Box, CheckpointReader
 from formats.dcp import DCPReader, is_dcp_checkpoint
