@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from formats.dcp.safe_pickle import DTypeRef, resolve_torch_dtype, safe_loads
+from formats.dcp.safe_pickle import resolve_torch_dtype, safe_loads
 from formats.errors import CorruptCheckpointError, UnsupportedError
 
 Shape = tuple[int, ...]
