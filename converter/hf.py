@@ -29,8 +29,9 @@ import torch
 
 from converter import __version__
 from converter.atoms import group_atoms
-from converter.config import RunOptions, check_destination, parse_size
-from converter.execute import execute
+from converter.config import RunOptions, check_destination, check_resume_destination, parse_size
+from converter.execute import execute, os_errors_as_storage_errors
+from converter.journal import Journal, index_fingerprint
 from converter.key_maps import (CONFIG_FILLERS, KeyMap, get_key_map, heads_for, parse_transform,
                                 rename_all, rope_permutation)
 from converter.plan import Piece, WriteTask, describe, plan_tensor
@@ -239,6 +240,9 @@ class _HFSink:
     def open(self, task: WriteTask) -> _HFSink._One:
         return _HFSink._One(self.writer, task, self.dtypes[task.key])
 
+    def sync(self) -> None:
+        self.writer.sync()
+
     class _One:
         def __init__(self, writer: HFWriter, task: WriteTask, dtype: torch.dtype) -> None:
             self.writer, self.task, self.dtype = writer, task, dtype
@@ -258,6 +262,7 @@ def _shard_summary(plans) -> str:
     return "\n".join(f"# {p.name}: {len(p.tensors)} tensors, {p.size} bytes" for p in plans)
 
 
+@os_errors_as_storage_errors("export-hf")
 def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
               config: str | os.PathLike | Mapping[str, Any] | None = None,
@@ -288,20 +293,33 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         if options.dry_run:
             return ConversionResult(str(dst), len(plan.specs), 0, total, 0.0,
                                     plan=_shard_summary(file_plans) + "\n" + describe(tasks))
-        out = check_destination(src, dst, options.overwrite)
+        header = {"op": "export-hf", "src": str(Path(src).resolve()), "source": index_fingerprint(index),
+                  "map": str(key_map), "dtype": dtype, "max_shard_size": max_bytes,
+                  "piece_bytes": options.effective_piece_bytes, "tool": __version__}
+        if options.resume:
+            out = check_resume_destination(src, dst)
+            journal = Journal.resume(out, header)
+        else:
+            out = check_destination(src, dst, options.overwrite)
+            journal = Journal(out, header)
         writer = HFWriter(out, plan.specs, max_bytes)
         dtypes = {s.name: by_name(s.dtype).torch_dtype for s in plan.specs}
         try:
-            writer.start()
+            writer.start(resume=options.resume)
+            for task in tasks:
+                if journal.is_done(task):
+                    writer.adopt(task.key)
             stats = execute(tasks, view, _HFSink(writer, dtypes), workers=options.workers,
-                            memory_budget=options.memory_budget, progress=options.progress, label="export-hf")
+                            memory_budget=options.memory_budget, progress=options.progress, label="export-hf",
+                            journal=journal)
             if plan.config is not None:
                 same = cfg_raw is not None and plan.config == cfg
                 atomic_write_bytes(out / CONFIG_FILE, cfg_raw if same else _config_bytes(plan.config))
             writer.commit()
         except BaseException:
-            writer.abort()
+            writer.close()
             raise
+        journal.remove()
         return ConversionResult(str(out), len(plan.specs), 0, total, stats.seconds)
     finally:
         reader.close()
@@ -327,6 +345,7 @@ def plan_import(index: CheckpointIndex, kmap: KeyMap, config: Mapping[str, Any] 
     return sources, paths
 
 
+@os_errors_as_storage_errors("import-hf")
 def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               config: str | os.PathLike | Mapping[str, Any] | None = None, prefix: str | None = None,
               options: RunOptions | None = None, chunk_bytes: int | None = None) -> ConversionResult:

@@ -493,13 +493,22 @@ class HFWriter:
     def _tmp(self, plan: FilePlan) -> Path:
         return self.root / f"{plan.name}.tmp"
 
-    def start(self) -> None:
-        """Create every temp file: header written, sized to its final length."""
+    def start(self, resume: bool = False) -> None:
+        """Create every temp file: header written, sized to its final length.
+
+        ``resume`` keeps the bytes of an interrupted run (files it already renamed into place go
+        back to their temp names until the commit).
+        """
+        if resume:
+            for plan in self.plans:
+                if (self.root / plan.name).exists() and not self._tmp(plan).exists():
+                    os.replace(self.root / plan.name, self._tmp(plan))
         for name in [p.name for p in self.plans] + [INDEX_FILE]:
             if (self.root / name).exists():
                 raise DestinationError(f"{self.root / name}: already exists; choose an empty directory")
+        trunc = 0 if resume else os.O_TRUNC
         for plan in self.plans:
-            fd = os.open(self._tmp(plan), os.O_CREAT | os.O_TRUNC | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = os.open(self._tmp(plan), os.O_CREAT | trunc | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
             self._fds[plan.name] = fd
             _pwrite_all(fd, memoryview(plan.header), 0)
             os.ftruncate(fd, plan.size)
@@ -540,6 +549,22 @@ class HFWriter:
             atomic_write_bytes(self.root / INDEX_FILE, index_json(self.plans))
             names.append(INDEX_FILE)
         return names
+
+    def adopt(self, name: str) -> None:
+        """Count tensor ``name`` as written by an interrupted run (resume)."""
+        with self._lock:
+            self._written[name] = self._where[name][2]
+
+    def sync(self) -> None:
+        """fdatasync every temp file (before the journal records finished tensors)."""
+        for fd in list(self._fds.values()):
+            os.fdatasync(fd)
+
+    def close(self) -> None:
+        """Close the temp files and keep them, for ``--resume``."""
+        for name, fd in list(self._fds.items()):
+            os.close(fd)
+            self._fds.pop(name)
 
     def abort(self) -> None:
         """Close and remove the temp files (published files are left alone)."""

@@ -109,3 +109,19 @@ def test_resume_refuses_another_conversion(source, reference, tmp_path):
     other = ckptconv("to-universal", "--chunk-size", "512KiB", "--resume", str(source), str(dst))
     assert other.returncode == 2 and "different conversion" in other.stderr
     assert ckptconv("to-universal", "--resume", "--overwrite", str(source), str(dst)).returncode == 2
+
+
+@pytest.mark.parametrize("kill_after", [TOTAL // 3, pytest.param(1, marks=SLOW), pytest.param(TOTAL // 7, marks=SLOW),
+                                        pytest.param(TOTAL // 2, marks=SLOW), pytest.param(TOTAL, marks=SLOW)])
+def test_export_hf_resumes_bit_identical(reference, tmp_path, kill_after):
+    ref, dst = tmp_path / "ref", tmp_path / "hf"
+    base = ("export-hf", "--memory-budget", "2MiB", "--max-shard-size", "3MB", str(reference[0]))
+    assert ckptconv(*base, str(ref)).returncode == 0
+    killed = ckptconv(*base, str(dst), env={"CKPTCONV_FAULT_KILL_AFTER_BYTES": str(kill_after)})
+    assert killed.returncode == -9
+    assert not (dst / "model.safetensors.index.json").exists()
+    refused = ckptconv(*base, str(dst))
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    done = ckptconv(*base, str(dst), "--resume")
+    assert done.returncode == 0, done.stderr
+    assert tree_bytes(dst) == tree_bytes(ref)
