@@ -213,13 +213,13 @@ class _Window(io.RawIOBase):
 
 
 def check_zip_crcs(stream: io.RawIOBase | io.BytesIO, where: str) -> int:
-    """Read every entry of the zip archive in ``stream`` and check its CRC-32 (bounded reads).
-
-    Raises CorruptCheckpointError naming the entry; returns the bytes of entry data checked.
+    """Check a ``torch.save`` zip archive: the CRC-32 of every entry (bounded reads), and that
+    torch's own zip reader (miniz, stricter than :mod:`zipfile`) opens it and finds every entry's
+    data where the CRC was checked. Raises CorruptCheckpointError; returns entry bytes checked.
     """
     from formats.errors import CorruptCheckpointError
 
-    total = 0
+    total, starts = 0, {}
     try:
         with zipfile.ZipFile(stream) as z:
             for info in z.infolist():
@@ -229,11 +229,39 @@ def check_zip_crcs(stream: io.RawIOBase | io.BytesIO, where: str) -> int:
                             total += len(block)
                 except zipfile.BadZipFile as e:
                     raise CorruptCheckpointError(f"{where}: archive entry {info.filename}: {e}; the bytes are damaged") from None
+                starts[info.filename] = _data_start(stream, info.header_offset)
     except CorruptCheckpointError:
         raise
     except Exception as e:  # zipfile raises many builtin types on damaged archives
         raise CorruptCheckpointError(f"{where}: damaged zip archive ({type(e).__name__}: {e})") from None
+    _check_with_torch(stream, starts, where)
     return total
+
+
+def _data_start(stream: Any, header_offset: int) -> int:
+    """Where an entry's data starts: after its local header, name and extra field."""
+    stream.seek(header_offset)
+    head = stream.read(30)
+    return header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+
+
+def _check_with_torch(stream: Any, starts: dict[str, int], where: str) -> None:
+    """Open the archive with torch's zip reader; its records and data offsets must match."""
+    import torch
+
+    from formats.errors import CorruptCheckpointError
+
+    stream.seek(0)
+    try:
+        reader = torch._C.PyTorchFileReader(stream)
+        offsets = {name: reader.get_record_offset(name) for name in reader.get_all_records()}
+    except Exception as e:  # miniz reports damage as RuntimeError; be broad on hostile bytes
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CorruptCheckpointError(f"{where}: torch cannot open this archive ({first}); the bytes are damaged") from None
+    ours = {name.split("/", 1)[-1]: start for name, start in starts.items()}
+    if ours != offsets:
+        raise CorruptCheckpointError(f"{where}: torch's zip reader and Python's disagree on the archive's entries; "
+                                     "the zip structure is damaged")
 
 
 def _dcp_item_crcs(root: Path, loc: Any, where: str, limit: int) -> int:
@@ -280,13 +308,12 @@ def _verify_dcp(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -
     ]
     tasks: list[_Task] = []
     for key, entry in index.tensors.items():
-        limit = entry.nbytes + _ARCHIVE_SLACK
         for chunk in entry.chunks:
             where = f"{root / chunk.file}: key {key!r} chunk at {list(chunk.box.offsets)}"
 
-            def check(key=key, chunk=chunk, where=where, limit=limit) -> int:
+            def check(key=key, entry=entry, chunk=chunk, where=where) -> int:
                 reader.chunk_archive(key, chunk)
-                return _dcp_item_crcs(root, chunk.locator, where, limit)
+                return _dcp_item_crcs(root, chunk.locator, where, entry.nbytes + _ARCHIVE_SLACK)
 
             tasks.append(_guard(check, "chunk", key, chunk))
     for key, obj in index.objects.items():
