@@ -50,6 +50,8 @@ MAX_OBJECT_BYTES = 1 << 30
 #: Parsed chunk headers kept per reader, and bytes of decompressed items kept with them.
 CACHE_ENTRIES = 8192
 CACHE_BYTES = 256 << 20
+#: Most bytes one compressed byte can stand for in a zstd stream (RLE blocks: 4 bytes per 128 KiB).
+_MAX_ZSTD_RATIO = 1 << 16
 #: Slack allowed over a chunk's data size when decompressing its archive (headers, data.pkl).
 _ARCHIVE_SLACK = 16 << 20
 
@@ -202,6 +204,16 @@ def _check_files(root: Path, refs: Iterable[tuple[str, StorageInfo]]) -> dict[st
     return sizes
 
 
+def _check_item_size(key: str, offsets: Any, nbytes: int, info: StorageInfo, where: str) -> None:
+    """A chunk's data must fit in its item (which holds it uncompressed, or zstd-compressed at
+    most ``_MAX_ZSTD_RATIO`` to 1): damaged sizes would otherwise plan huge conversions."""
+    if nbytes > (info.length * _MAX_ZSTD_RATIO if info.transforms else info.length):
+        raise CorruptCheckpointError(
+            f"{where}: key {key!r} chunk at {list(offsets)} holds {nbytes} bytes of data but its "
+            f"item in {info.relative_path} is {info.length} bytes; the metadata is damaged"
+        )
+
+
 def _storage_of(md: DCPMetadata, key: str, offsets: Any, where: str) -> StorageInfo:
     info = md.storage.get((key, offsets))
     if info is None:
@@ -279,6 +291,7 @@ class DCPReader:
         tensors: dict[str, TensorEntry] = {}
         objects: dict[str, ObjectEntry] = {}
         refs: list[tuple[str, StorageInfo]] = []
+        sized: list[tuple[str, Any, int, StorageInfo]] = []  # chunks bigger than their items
         for key, meta in md.entries.items():
             path = md.planner_data.get(key) or _guess_path(key)
             if isinstance(meta, BytesMeta):
@@ -288,14 +301,19 @@ class DCPReader:
                                            info.length)
                 continue
             _check_cover(key, meta, where)
+            itemsize = getattr(torch, meta.dtype).itemsize
             chunks = []
             for c in sorted(meta.chunks, key=lambda c: c.offsets):
                 info = _storage_of(md, key, c.offsets, where)
+                if math.prod(c.sizes) * itemsize > info.length:  # rare: compressed, or damaged
+                    sized.append((key, c.offsets, math.prod(c.sizes) * itemsize, info))
                 refs.append((key, info))
                 chunks.append(ChunkRef(Box(c.offsets, c.sizes), info.relative_path,
                                        _locator(info), _rank_of(info.relative_path)))
             tensors[key] = TensorEntry(key, meta.dtype, meta.size, tuple(chunks), path)
         files = _check_files(self.root, refs)
+        for key, offsets, nbytes, info in sized:
+            _check_item_size(key, offsets, nbytes, info, where)
         return CheckpointIndex("dcp", str(self.root), tensors, objects, self._info(files, refs))
 
     def _info(self, files: dict[str, int], refs: list[tuple[str, StorageInfo]]) -> dict[str, Any]:
