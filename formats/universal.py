@@ -260,6 +260,10 @@ class UniversalWriter:
         ]
         if missing:
             raise CorruptCheckpointError(f"internal error: chunks of {missing[0]!r} were not all written")
+        for r in self._tensors.values():  # grid order, whichever worker (or rank) finished first
+            ordered = {chunk_id(idx): r.checksums[chunk_id(idx)] for idx, _ in chunk_grid(r.shape, r.chunk_shape)}
+            r.checksums.clear()
+            r.checksums.update(ordered)
         _fsync_tree(self.root)
         meta = UniversalMetadata(
             tool_version=tool_version, source=source, tensors=self._tensors,
