@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning errors into one line and an exit status."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
+        _join_torchrun()
         cli.main(args=argv, prog_name="ckptconv", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("ckptconv: aborted", err=True)
@@ -192,6 +193,23 @@ def main(argv: list[str] | None = None) -> None:
         msg = str(e).splitlines()[0] if str(e) else ""
         click.echo(f"ckptconv: internal error: {type(e).__name__}: {msg} (rerun with --debug for a traceback)", err=True)
         sys.exit(EXIT_INTERNAL)
+    finally:
+        from converter import distributed
+
+        distributed.current().shutdown()
+
+
+def _join_torchrun() -> None:
+    """Under torchrun (WORLD_SIZE > 1) join the job; only rank 0 prints results (errors: every rank)."""
+    from converter import distributed
+
+    if distributed.env_world()[1] <= 1:
+        return
+    dist = distributed.init_from_env()
+    if not dist.leader:
+        import io
+
+        sys.stdout = io.StringIO()
 
 
 def _echo_json(doc: Any) -> None:

@@ -30,8 +30,9 @@ import torch
 from converter import __version__
 from converter.atoms import group_atoms
 from converter.config import RunOptions, check_destination, check_resume_destination, parse_size
-from converter.execute import execute, os_errors_as_storage_errors
-from converter.journal import Journal, index_fingerprint
+from converter import distributed
+from converter.execute import os_errors_as_storage_errors
+from converter.journal import index_fingerprint, task_id
 from converter.key_maps import (CONFIG_FILLERS, KeyMap, get_key_map, heads_for, parse_transform,
                                 rename_all, rope_permutation)
 from converter.plan import Piece, WriteTask, describe, plan_tensor
@@ -281,6 +282,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         raise ConfigError(f"--max-shard-size must be positive (got {max_shard_size!r})")
     dtype = normalize_dtype(dtype)
     cfg, cfg_raw = load_config_arg(config)
+    dist = distributed.current()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
     try:
         index = reader.index()
@@ -298,24 +300,35 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
                   "piece_bytes": options.effective_piece_bytes, "tool": __version__}
         if options.resume:
             out = check_resume_destination(src, dst)
-            journal = Journal.resume(out, header)
+            journal = dist.journal(out, header, resume=True)
         else:
-            out = check_destination(src, dst, options.overwrite)
-            journal = Journal(out, header)
+            out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
+            journal = dist.journal(out, header, resume=False)
         writer = HFWriter(out, plan.specs, max_bytes)
         dtypes = {s.name: by_name(s.dtype).torch_dtype for s in plan.specs}
         try:
-            writer.start(resume=options.resume)
+            # rank 0 creates and sizes every file; the other ranks then open them without truncating
+            dist.leader_first(lambda: writer.start(resume=options.resume), lambda: writer.start(resume=True))
             for task in tasks:
                 if journal.is_done(task):
                     writer.adopt(task.key)
-            stats = execute(tasks, view, _HFSink(writer, dtypes), workers=options.workers,
-                            memory_budget=options.memory_budget, progress=options.progress, label="export-hf",
-                            journal=journal)
-            if plan.config is not None:
-                same = cfg_raw is not None and plan.config == cfg
-                atomic_write_bytes(out / CONFIG_FILE, cfg_raw if same else _config_bytes(plan.config))
-            writer.commit()
+            stats, _ = dist.execute(tasks, view, _HFSink(writer, dtypes), workers=options.workers,
+                                    memory_budget=options.memory_budget, progress=options.progress,
+                                    label="export-hf", journal=journal)
+
+            def publish() -> None:
+                if dist.active:  # every rank wrote its share: count the others' tensors as written
+                    for task in tasks:
+                        writer.adopt(task.key)
+                if plan.config is not None:
+                    same = cfg_raw is not None and plan.config == cfg
+                    atomic_write_bytes(out / CONFIG_FILE, cfg_raw if same else _config_bytes(plan.config))
+                writer.commit()
+                dist.remove_journals(journal, out)
+
+            dist.on_leader(publish)
+            if not dist.leader:
+                writer.close()
         except BaseException:
             writer.close()
             raise
@@ -367,6 +380,7 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     if config is None and kmap.transforms and (Path(src) / CONFIG_FILE).is_file():
         config = Path(src) / CONFIG_FILE
     cfg, _ = load_config_arg(config)
+    dist = distributed.current()
     reader = open_checkpoint(src)
     try:
         index = reader.index()
@@ -382,20 +396,28 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
                 grid = chunk_grid(e.shape, chunk_shape_for(e.shape, by_name(e.dtype).itemsize, chunk_bytes))
                 tasks += plan_tensor(e, list(grid), chunk_bytes)
             return ConversionResult(str(dst), len(sources), 0, sum(t.nbytes for t in tasks), 0.0, plan=describe(tasks))
-        out = check_destination(src, dst, options.overwrite)
+        out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
         refs, atoms = group_atoms(paths)
         writer = UniversalWriter(out, chunk_bytes)
         tasks: list[WriteTask] = []
         for key, entry in vindex.tensors.items():
             writer.add_tensor(entry, refs[key].atom, refs[key].role)
             tasks += plan_tensor(entry, writer.chunks(key), piece_bytes=chunk_bytes)
-        stats = execute(tasks, view, _ChunkSink(writer), workers=options.workers,
-                        memory_budget=options.memory_budget, progress=options.progress, label="import-hf")
+        stats, written = dist.execute(tasks, view, _ChunkSink(writer), workers=options.workers,
+                                      memory_budget=options.memory_budget, progress=options.progress,
+                                      label="import-hf", gather_info=dist.active)
         files = [f for f in index.info.get("files", {}) if f.endswith(".safetensors")]
         layout = f"hf {len(files)} file{'s' if len(files) != 1 else ''}"
         source = SourceInfo(format="hf", path=str(Path(src).resolve()), world_size=None, layout=layout)
-        created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        writer.commit(source, __version__, atoms, created)
+
+        def publish() -> None:
+            if dist.active:  # adopt the chunks the other ranks wrote
+                for task in tasks:
+                    writer.restore_chunk(task.key, task.target, written[task_id(task)])
+            created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+            writer.commit(source, __version__, atoms, created)
+
+        dist.on_leader(publish)
         return ConversionResult(str(out), len(sources), 0, stats.bytes_written, stats.seconds)
     finally:
         reader.close()

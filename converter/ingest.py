@@ -12,9 +12,10 @@ import torch
 from converter import __version__
 from converter.atoms import group_atoms
 from converter.config import RunOptions, check_destination, check_resume_destination
-from converter.journal import Journal, index_fingerprint
+from converter import distributed
+from converter.journal import Journal, index_fingerprint, task_id
 from converter.detect import WHOLE, LayoutReport, detect_layout
-from converter.execute import ExecStats, execute, os_errors_as_storage_errors
+from converter.execute import os_errors_as_storage_errors
 from converter.plan import Piece, WriteTask, plan_tensor
 from converter.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
@@ -109,6 +110,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
     from converter import knobs
 
     options = options or RunOptions()
+    dist = distributed.current()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
     try:
         index = reader.index()
@@ -123,10 +125,10 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
             out = check_resume_destination(src, dst)
             if (out / METADATA_FILE).is_file():
                 return ConversionResult(str(out), len(index.tensors), len(index.objects), 0, 0.0)
-            journal = Journal.resume(out, header)
+            journal = dist.journal(out, header, resume=True)
         else:
-            out = check_destination(src, dst, options.overwrite)
-            journal = Journal(out, header)
+            out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
+            journal = dist.journal(out, header, resume=False)
         writer = UniversalWriter(out, chunk_bytes)
         layout = detect_layout(index)
         hints = source_hints(layout, index)
@@ -139,12 +141,21 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         for task in tasks:
             if journal.is_done(task):
                 writer.restore_chunk(task.key, task.target, journal.info(task))
-        _copy_objects(reader, index, writer, refs, options.trust_pickle)
-        stats: ExecStats = execute(tasks, reader, _ChunkSink(writer), workers=options.workers,
-                                   memory_budget=options.memory_budget, progress=options.progress,
-                                   label="to-universal", journal=journal)
-        created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        writer.commit(_source_info(index, layout, str(src)), __version__, atoms, created)
+        if dist.leader:
+            _copy_objects(reader, index, writer, refs, options.trust_pickle)
+        stats, written = dist.execute(tasks, reader, _ChunkSink(writer), workers=options.workers,
+                                      memory_budget=options.memory_budget, progress=options.progress,
+                                      label="to-universal", journal=journal, gather_info=dist.active)
+
+        def publish() -> None:
+            if dist.active:  # adopt the chunks the other ranks wrote
+                for task in tasks:
+                    writer.restore_chunk(task.key, task.target, written[task_id(task)])
+            created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+            writer.commit(_source_info(index, layout, str(src)), __version__, atoms, created)
+            dist.remove_journals(journal, out)
+
+        dist.on_leader(publish)
         journal.remove()
         return ConversionResult(str(out), len(index.tensors), len(index.objects), stats.bytes_written, stats.seconds)
     finally:

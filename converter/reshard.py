@@ -22,7 +22,8 @@ from converter.atoms import AtomRef, group_atoms
 from converter import __version__
 from converter.config import RunOptions, check_destination, check_resume_destination
 from converter.journal import Journal, has_journal, index_fingerprint
-from converter.execute import execute, os_errors_as_storage_errors
+from converter import distributed
+from converter.execute import os_errors_as_storage_errors
 from converter.mesh import Mesh, parse_mesh
 from converter.plan import Piece, WriteTask, plan_tensor
 from converter.plans import TensorPlacement, get_plan, plan_all, replicated
@@ -139,6 +140,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         dtype = by_name(dtype).name
         if not by_name(dtype).torch_dtype.is_floating_point:
             raise ConfigError(f"--dtype {dtype}: only floating-point dtypes can be cast to")
+    dist = distributed.current()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
     try:
         index = reader.index()
@@ -157,23 +159,35 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             if (out / ".metadata").is_file() and not has_journal(out):
                 return ConversionResult(str(out), len(index.tensors), len(index.objects), 0, 0.0,
                                         warnings=layout.warnings)
-            journal = Journal.resume(out, header)
+            journal = dist.journal(out, header, resume=True)
         else:
-            out = check_destination(src, dst, options.overwrite)
-            journal = Journal(out, header)
+            out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
+            journal = dist.journal(out, header, resume=False)
         objects = [ObjectSpec(k, reader.read_object_bytes(k), 0) for k in index.objects]
         planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: tuple(o.path) for k, o in index.objects.items()}
         writer = DCPWriter(out, layout.chunks, objects, planner_data, target_mesh.world_size)
         try:
-            writer.prepare(resume=options.resume)
+            # rank 0 creates and sizes every file; the other ranks then open them without truncating
+            dist.leader_first(lambda: writer.prepare(resume=options.resume), lambda: writer.prepare(resume=True))
             for task in tasks:
                 if journal.is_done(task):
                     writer.adopt_chunk(task.target)
-            writer.write_objects()
-            stats = execute(tasks, reader, _RankChunkSink(writer), workers=options.workers,
-                            memory_budget=options.memory_budget, progress=options.progress,
-                            label="from-universal", journal=journal)
-            writer.commit()
+            if dist.leader:
+                writer.write_objects()
+            stats, _ = dist.execute(tasks, reader, _RankChunkSink(writer), workers=options.workers,
+                                    memory_budget=options.memory_budget, progress=options.progress,
+                                    label="from-universal", journal=journal)
+
+            def publish() -> None:
+                if dist.active:  # every rank wrote its share: count the others' chunks as written
+                    for task in tasks:
+                        writer.adopt_chunk(task.target)
+                writer.commit()
+                dist.remove_journals(journal, out)
+
+            dist.on_leader(publish)
+            if not dist.leader:
+                writer.close()
         except BaseException:
             writer.close()
             raise

@@ -1,0 +1,284 @@
+"""Scale-out: one conversion split across the ranks of a ``torchrun`` job (gloo, CPU only).
+
+Run any conversion under ``torchrun --nnodes N --nproc-per-node M -m converter <command> ...``.
+Every rank plans identically (plans are pure), takes its share of the write tasks
+(:func:`share`: balanced by bytes, deterministic), writes only those, and rank 0 publishes the
+metadata after every rank reported success. Steps that must happen once (preparing the
+destination, sizing files, committing) run on rank 0 and every rank learns their outcome; a failure
+on any rank makes every rank raise, so nothing is published and the command exits non-zero on all
+ranks. Each rank keeps its own resume journal (rank 0's at the usual place, rank ``r``'s in
+``<dst>/.ckptconv-rank-<r>/``); the journal header names the world size, so ``--resume`` needs
+the same world size (another one is refused as "a different conversion").
+
+Outside torchrun (or with ``WORLD_SIZE=1``) :func:`current` is a one-rank context whose every
+method runs locally: the conversions behave exactly as before. Python API users under torchrun
+call :func:`init_from_env` themselves before converting.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import heapq
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from converter.execute import ExecStats, PieceWriter, TaskSink, execute
+from converter.journal import JOURNAL_NAME, Journal, task_id
+from converter.plan import WriteTask
+from formats import errors
+
+T = TypeVar("T")
+
+#: Per-task cost added to its bytes when balancing (a file to create, a metadata record).
+TASK_OVERHEAD_BYTES = 4096
+#: Seconds a collective waits for a peer before the run fails.
+TIMEOUT_SECONDS = float(os.environ.get("CKPTCONV_DIST_TIMEOUT", "1800") or 1800)
+RANK_DIR = ".ckptconv-rank-{}"
+
+
+def assign(tasks: Sequence[WriteTask], world: int) -> list[int]:
+    """Pure: the owning rank of each task. Largest first (ties by task id) to the least-loaded
+    rank (ties by rank number): every rank computes the same answer from the same plan."""
+    order = sorted(range(len(tasks)), key=lambda i: (-tasks[i].nbytes, task_id(tasks[i])))
+    loads = [(0, r) for r in range(world)]
+    owners = [0] * len(tasks)
+    for i in order:
+        load, rank = heapq.heappop(loads)
+        owners[i] = rank
+        heapq.heappush(loads, (load + tasks[i].nbytes + TASK_OVERHEAD_BYTES, rank))
+    return owners
+
+
+def share(tasks: Sequence[WriteTask], rank: int, world: int) -> list[WriteTask]:
+    """Pure: the tasks rank ``rank`` of ``world`` writes, in plan order."""
+    if world <= 1:
+        return list(tasks)
+    return [t for t, owner in zip(tasks, assign(tasks, world)) if owner == rank]
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the conversion job: rank ``rank`` of ``world``."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (``[obj]`` on one rank)."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as td
+
+        out: list[Any] = [None] * self.world
+        td.all_gather_object(out, obj)
+        return out
+
+    def agree(self, error: BaseException | None) -> None:
+        """Every rank learns whether any rank failed; then all raise (the failed one its own error)."""
+        if not self.active:
+            if error is not None:
+                raise error
+            return
+        reports = self.gather(None if error is None else (type(error).__name__, _first_line(error)))
+        if error is not None:
+            raise error
+        failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+        if failed:
+            rank, (name, message) = failed[0]
+            cls = getattr(errors, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, errors.CkptConvError)):
+                cls, message = errors.CkptConvError, f"internal error: {name}: {message}"
+            raise cls(f"rank {rank} of {self.world} failed, nothing was published: {message}")
+
+    def collective(self, fn: Callable[[], T], *, leader_only: bool = False) -> T | None:
+        """Run ``fn`` (on every rank, or rank 0 only), then agree on the outcome."""
+        result, error = None, None
+        if self.leader or not leader_only:
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised by agree on every rank
+                error = e
+        self.agree(error)
+        return result
+
+    def on_leader(self, fn: Callable[[], T], others: T | None = None) -> T | None:
+        """Rank 0 runs ``fn``; every rank waits and learns the outcome; others get ``others``."""
+        result = self.collective(fn, leader_only=True)
+        return result if self.leader else others
+
+    def leader_first(self, leader: Callable[[], Any], others: Callable[[], Any]) -> None:
+        """Rank 0 runs ``leader`` (e.g. create and size files), then the others run ``others``
+        (e.g. open them without truncating); each step agreed."""
+        self.on_leader(leader)
+        self.collective(lambda: None if self.leader else others())
+
+    # -- journals ----------------------------------------------------------------------------
+
+    def journal(self, out: Path, header: dict[str, Any], resume: bool) -> Journal:
+        """This rank's resume journal (opened on every rank, outcome agreed).
+
+        Resuming needs the world size of the interrupted run (each rank's share depends on it).
+        """
+        if resume:
+            self.on_leader(lambda: self._check_world(Path(out)))
+
+        def open_journal() -> Journal:
+            where = Path(out)
+            hdr = header
+            if self.active:
+                hdr = {**header, "world": self.world, "rank": self.rank}
+                if not self.leader:
+                    where = where / RANK_DIR.format(self.rank)
+                    if not resume:
+                        where.mkdir(exist_ok=True)
+            return Journal.resume(where, hdr) if resume else Journal(where, hdr)
+
+        return self.collective(open_journal)  # type: ignore[return-value]
+
+    def _check_world(self, out: Path) -> None:
+        try:
+            with open(out / JOURNAL_NAME) as f:
+                was = json.loads(f.readline())["header"].get("world", 1)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return  # no readable journal: Journal.resume says what is wrong
+        if was != self.world:
+            raise errors.DestinationError(
+                f"{out}: the interrupted conversion there ran on {was} rank(s), this run has {self.world}; "
+                f"resume it with the same world size (torchrun --nnodes/--nproc-per-node), or --overwrite to start over"
+            )
+
+    def remove_journals(self, journal: Journal | None, out: Path) -> None:
+        """After the commit: drop this rank's journal (rank 0 also sweeps every rank's folder)."""
+        if journal is not None:
+            journal.remove()
+        if self.active and self.leader:
+            for p in Path(out).glob(RANK_DIR.format("*")):
+                shutil.rmtree(p, ignore_errors=True)
+
+    # -- execution ---------------------------------------------------------------------------
+
+    def execute(self, tasks: Sequence[WriteTask], reader: Any, sink: TaskSink, *, journal: Journal | None = None,
+                gather_info: bool = False, **kw: Any) -> tuple[ExecStats, dict[str, Any]]:
+        """Run this rank's share of ``tasks``; agree on success; sum the stats over ranks.
+
+        With ``gather_info`` the second value maps every task id of the whole plan (written now or
+        by an interrupted run) to what its writer's ``close`` returned (e.g. a checksum).
+        """
+        mine = share(tasks, self.rank, self.world)
+        recording = _RecordingSink(sink)
+        stats, error = ExecStats(), None
+        try:
+            stats = execute(mine, reader, recording, journal=journal, **kw)
+            sink.sync()
+        except BaseException as e:  # noqa: BLE001 - re-raised by agree on every rank
+            error = e
+        self.agree(error)
+        info: dict[str, Any] = {}
+        if gather_info:
+            if journal is not None:
+                info.update(journal.done)
+            info.update(recording.info)
+        parts = self.gather((stats.tasks, stats.bytes_written, stats.bytes_read, stats.seconds,
+                             stats.peak_reserved, info))
+        total = ExecStats(
+            tasks=sum(p[0] for p in parts), bytes_written=sum(p[1] for p in parts),
+            bytes_read=sum(p[2] for p in parts), seconds=max(p[3] for p in parts),
+            peak_reserved=max(p[4] for p in parts),
+        )
+        merged: dict[str, Any] = {}
+        for p in parts:
+            merged.update(p[5])
+        return total, merged
+
+    def shutdown(self) -> None:
+        """Leave the process group (a final barrier first)."""
+        global _CURRENT
+        if self.active:
+            import torch.distributed as td
+
+            if td.is_initialized():
+                td.destroy_process_group()
+        _CURRENT = Dist()
+
+
+class _RecordingSink:
+    """Passes tasks to ``sink`` and remembers what each task's writer ``close`` returned."""
+
+    def __init__(self, sink: TaskSink) -> None:
+        self.sink = sink
+        self.info: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def open(self, task: WriteTask) -> PieceWriter:
+        return _RecordingWriter(self, task, self.sink.open(task))
+
+    def sync(self) -> None:
+        self.sink.sync()
+
+
+class _RecordingWriter:
+    def __init__(self, owner: _RecordingSink, task: WriteTask, inner: PieceWriter) -> None:
+        self.owner, self.task, self.inner = owner, task, inner
+
+    def write(self, piece: Any, data: Any) -> None:
+        self.inner.write(piece, data)
+
+    def close(self) -> Any:
+        info = self.inner.close()
+        with self.owner._lock:
+            self.owner.info[task_id(self.task)] = info
+        return info
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e)
+    return text.splitlines()[0] if text else ""
+
+
+_CURRENT = Dist()
+
+
+def current() -> Dist:
+    """The distributed context of this process (one rank unless :func:`init_from_env` joined a job)."""
+    return _CURRENT
+
+
+def env_world() -> tuple[int, int]:
+    """(rank, world size) torchrun put in the environment; (0, 1) outside torchrun."""
+    try:
+        return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        raise errors.ConfigError("RANK / WORLD_SIZE must be integers (set by torchrun)") from None
+
+
+def init_from_env() -> Dist:
+    """Join the torchrun job described by the environment (gloo); a no-op for one process."""
+    global _CURRENT
+    rank, world = env_world()
+    if world <= 1:
+        return _CURRENT
+    import torch.distributed as td
+
+    if not td.is_initialized():
+        td.init_process_group("gloo", timeout=_dt.timedelta(seconds=TIMEOUT_SECONDS))
+    _CURRENT = Dist(td.get_rank(), td.get_world_size())
+    return _CURRENT
+
+
+__all__ = ["Dist", "assign", "share", "current", "init_from_env", "env_world", "JOURNAL_NAME"]
