@@ -207,11 +207,12 @@ def compare_slab(a: torch.Tensor, b: torch.Tensor, offsets: Sequence[int], atol:
         x, y = a.to(torch.float64), b.to(torch.float64)
     if diff_bits is None:
         s.mismatched = int((~same).sum())
-    absdiff = torch.nan_to_num((x - y).abs(), nan=math.inf).masked_fill(same, 0.0)
+    absdiff = torch.nan_to_num((x - y).abs(), nan=math.inf, posinf=math.inf).masked_fill(same, 0.0)
     scale = y.abs()
     rel = torch.where(absdiff == 0, torch.zeros_like(absdiff), absdiff / scale)
-    rel = torch.nan_to_num(rel, nan=math.inf)
-    close = same | (absdiff <= atol + rtol * scale)
+    rel = torch.nan_to_num(rel, nan=math.inf, posinf=math.inf)
+    finite = torch.isfinite(x) & torch.isfinite(y)  # infinities are close only when equal
+    close = same | (finite & (absdiff <= atol + rtol * scale))
     s.not_close = int((~close).sum())
     s.max_abs, s.max_rel = float(absdiff.max()), float(rel.max())
     bad = ~close if s.not_close else (diff_bits if diff_bits is not None else ~same)
