@@ -307,3 +307,43 @@ def test_dry_run_shows_warnings(store, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert any(ln.startswith("warning: plan") and "matched no rule" in ln for ln in proc.stdout.splitlines())
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- --dtype
+
+
+def test_dtype_casts_parameters_only(store, source_ref, tmp_path):
+    out = tmp_path / "bf16"
+    proc = run_cli("from-universal", store, out, "--mesh", "dp2", "--dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stderr
+    got = torch_reference(out)
+    assert set(got) == set(source_ref)
+    for key, want in source_ref.items():
+        if key.startswith("model.") and isinstance(want, torch.Tensor):
+            want = want.to(torch.bfloat16)  # round to nearest even, as torch casts
+        assert_same_value(got[key], want, key)  # optimizer states keep their dtype
+
+
+def _chunk_bytes_per_file(ckpt: Path) -> dict[str, int]:
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    out: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        entry = md.state_dict_metadata[index.fqn]
+        if isinstance(entry, TensorStorageMetadata):
+            chunk = next(c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset))
+            n = torch.Size(chunk.sizes).numel() * torch.empty((), dtype=entry.properties.dtype).element_size()
+            out[info.relative_path] = out.get(info.relative_path, 0) + n
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason="reshard counts bytes in the SOURCE dtype (WriteTask.nbytes): with --dtype the "
+                   "dry-run per-rank bytes and the reported bytes written are those of the uncast tensors")
+def test_dtype_cast_reports_target_bytes(store, tmp_path):
+    out = tmp_path / "bf16"
+    result = api.from_universal(store, out, "dp2", dtype="bfloat16", options=RunOptions(workers=2))
+    per_file = _chunk_bytes_per_file(out)
+    plan = api.from_universal(store, tmp_path / "dry", "dp2", dtype="bfloat16",
+                              options=RunOptions(workers=2, dry_run=True)).plan
+    planned = {ln.split(": ")[1].split()[0]: int(ln.split()[-2]) for ln in plan.splitlines() if ln.startswith("rank ")}
+    assert planned == per_file
+    assert result.bytes == sum(per_file.values())
