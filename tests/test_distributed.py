@@ -225,7 +225,7 @@ def test_entry_point_resumes_a_sigkilled_job(ref, tmp_path):
     """``torchrun -m converter``: a SIGKILLed job publishes nothing; --resume finishes it; only rank 0 prints."""
     uni = tmp_path / "uni"
     args = ["-m", "converter", *_to_uni(ref, uni)]
-    killed = torchrun(2, *args, env={"CKPTCONV_FAULT_KILL_AFTER_BYTES": str(300_000)})
+    killed = torchrun(2, *args, env={"CKPTCONV_FAULT_KILL_AFTER_BYTES": str(60_000)})
     assert killed.returncode != 0
     assert not (uni / "ckptconv.json").exists()
     done = torchrun(2, "-m", "converter", *_to_uni(ref, uni, "--resume"))
