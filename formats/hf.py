@@ -386,8 +386,14 @@ def split_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list
     shards: list[list[TensorSpec]] = []
     current: list[TensorSpec] = []
     size = 0
+    first_empty: list[TensorSpec] | None = None  # hub groups every empty tensor with the first one
     for spec in specs:
         n = spec.nbytes
+        if n == 0 and first_empty is not None:
+            first_empty.append(spec)  # (they share storage id (cpu, data_ptr 0, 0) in huggingface_hub)
+            continue
+        if n == 0:
+            first_empty = current
         if n > max_shard_bytes:
             shards.append([spec])
             continue
