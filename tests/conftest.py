@@ -40,6 +40,12 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 import ckpt_factory  # noqa: E402
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+# CI runs property tests with a fixed seed so a landing is reproducible; locally they explore.
+_hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    _hypothesis_settings.load_profile("ci")
 
 COMPLETE = "_complete.json"
 
