@@ -28,20 +28,11 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from formats.base import Box
 from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
@@ -370,8 +361,17 @@ class DCPWriter:
 
     # -- metadata ------------------------------------------------------------------------------
 
-    def metadata(self) -> Metadata:
+    def metadata(self) -> Any:
         """The ``Metadata`` that ``commit`` pickles into ``.metadata``."""
+        from torch.distributed.checkpoint.filesystem import _StorageInfo  # imported late: it costs seconds
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
         sd_md: dict = {k: BytesStorageMetadata() for k in self._object_loc}
         index: dict[tuple, MetadataIndex] = {}
         for key, specs in self._tensors.items():
@@ -427,8 +427,10 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _make_metadata(sd_md: dict, planner_data: dict, storage: dict, root: Path) -> Metadata:
+def _make_metadata(sd_md: dict, planner_data: dict, storage: dict, root: Path) -> Any:
     """``Metadata`` with the fields this torch has (storage_meta/version appeared in 2.4/2.9)."""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
     names = {f.name for f in dataclasses.fields(Metadata)}
     kwargs = {"state_dict_metadata": sd_md, "planner_data": planner_data, "storage_data": storage}
     if "storage_meta" in names:
