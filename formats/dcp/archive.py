@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from formats.dcp.safe_pickle import resolve_torch_dtype, safe_loads
@@ -60,7 +61,19 @@ class SliceReader:
                 f"of {self.length})"
             )
         buf = bytearray(size)
-        view, done = memoryview(buf), 0
+        self._fill(memoryview(buf), offset)
+        return buf
+
+    def read_array(self, offset: int, size: int) -> np.ndarray:
+        """Like ``__call__`` into an uninitialised numpy buffer (no zero-fill pass: bulk reads)."""
+        if offset < 0 or offset + size > self.length:
+            return self(offset, size)  # raises the bounds error
+        buf = np.empty(size, dtype=np.uint8)
+        self._fill(memoryview(buf), offset)
+        return buf
+
+    def _fill(self, view: memoryview, offset: int) -> None:
+        size, done = len(view), 0
         while done < size:
             n = os.preadv(self.fd, [view[done:]], self.base + offset + done)
             if n <= 0:
@@ -68,7 +81,6 @@ class SliceReader:
                     f"{self.where}: file ends inside the item (truncated file); re-copy it"
                 )
             done += n
-        return buf
 
 
 class BufferReader:
@@ -359,8 +371,9 @@ def read_region(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) -
     first = at.storage_offset + sum(o * st for o, st in zip(offsets, at.stride))
     span = 1 + sum((s - 1) * st for s, st in zip(sizes, at.stride))
     isz = at.itemsize
-    buf = read(at.data_start + first * isz, span * isz)
-    flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
+    bulk = getattr(read, "read_array", None)
+    buf = bulk(at.data_start + first * isz, span * isz) if bulk else read(at.data_start + first * isz, span * isz)
+    flat = (torch.from_numpy(buf) if bulk else torch.frombuffer(buf, dtype=torch.uint8)).view(dtype)
     view = flat.as_strided(sizes, at.stride, 0)
     if view.is_contiguous() and view.numel() == span:
         return view
