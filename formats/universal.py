@@ -31,14 +31,15 @@ import torch
 import xxhash
 
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
-from formats.dtypes import by_name, from_storage_array
+from formats.dtypes import BY_NAME, by_name, from_storage_array
 from formats.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DestinationError,
     IncompleteCheckpointError,
     InvalidCheckpointError,
 )
-from formats.fsutil import atomic_write_bytes, fsync_dir, read_exact_into
+from formats.fsutil import atomic_write_bytes, fsync_dir, read_exact_into, safe_join
 from formats.universal_meta import (
     METADATA_FILE,
     ObjectRecord,
@@ -309,12 +310,59 @@ def read_metadata(root: str | os.PathLike) -> UniversalMetadata:
     return UniversalMetadata.from_json(doc, str(meta_path))
 
 
+def _inside(root: Path, relative: str, top: str, key: str, where: Path) -> Path:
+    """``root / relative``, which must lie under ``root / top`` (no '..', absolute paths, or
+    symlinks out of the store)."""
+    try:
+        path = safe_join(root, relative)
+    except DestinationError:
+        path = None
+    if path is None or not relative.startswith(top + "/"):
+        raise CorruptCheckpointError(f"{where}: key {key!r} names {relative!r}, outside {top}/ of the store; "
+                                     "the metadata is damaged: reconvert it")
+    return path
+
+
+def _check_record(root: Path, key: str, r: TensorRecord, where: Path) -> None:
+    """A tensor record must be consistent before anything is planned from it: known dtype, chunk
+    shape of the tensor's rank, an array path inside ``tensors/``, one checksum per chunk of the
+    grid, and a first chunk file of the full chunk size (so damaged shapes cannot plan or
+    allocate more than the store holds)."""
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: key {key!r}: {what}; the store is damaged: reconvert it")
+
+    if r.dtype not in BY_NAME or BY_NAME[r.dtype].storage != r.storage_dtype:
+        raise bad(f"dtype {r.dtype!r} stored as {r.storage_dtype!r} is not a known encoding")
+    if len(r.chunk_shape) != len(r.shape):
+        raise bad(f"chunk shape {list(r.chunk_shape)} does not match shape {list(r.shape)}")
+    array = _inside(root, r.array, TENSORS_DIR, key, where)
+    counts = [math.ceil(s / c) for s, c in zip(r.shape, r.chunk_shape)]
+    if len(r.checksums) != math.prod(counts):
+        raise bad(f"{len(r.checksums)} chunk checksums for a grid of {math.prod(counts)} chunks")
+    if not math.prod(counts):
+        return
+    first = _chunk_file(r.array, tuple(0 for _ in r.shape))
+    full = math.prod(r.chunk_shape) * BY_NAME[r.dtype].itemsize
+    try:
+        size = array.joinpath("c", *("0" for _ in r.shape)).stat().st_size
+    except FileNotFoundError:
+        raise bad(f"chunk file {first} is missing") from None
+    if size != full:
+        raise bad(f"chunk file {first} has {size} bytes, a chunk needs {full}")
+
+
 class UniversalReader:
     """The universal store's :class:`formats.base.CheckpointReader`."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
         self.meta = read_metadata(self.root)
+        where = self.root / METADATA_FILE
+        for key, record in self.meta.tensors.items():
+            _check_record(self.root, key, record, where)
+        for key, obj in self.meta.objects.items():
+            _inside(self.root, obj.file, OBJECTS_DIR, key, where)
         self._index: CheckpointIndex | None = None
 
     def index(self) -> CheckpointIndex:

@@ -355,9 +355,9 @@ def test_unreferenced_files_are_warnings(ckpts, tmp_path):
     assert report.ok and any("__9_0.distcp" in w for w in report.warnings)
 
 
-def test_universal_missing_resized_and_unlisted_chunks(ckpts, tmp_path):
+def test_universal_missing_and_resized_chunks(ckpts, tmp_path):
     root = copy(ckpts["uni"], tmp_path / "u")
-    files = universal_files(root)["chunks"]
+    files = [f for f in universal_files(root)["chunks"] if any(f[2])]  # not a tensor's first chunk
     (path, key, offsets), (path2, key2, offsets2) = files[0], files[-1]
     path.unlink()
     with open(path2, "ab") as f:
@@ -366,6 +366,12 @@ def test_universal_missing_resized_and_unlisted_chunks(ckpts, tmp_path):
     assert {(p.key, p.chunk) for p in report.problems} == {(key, offsets), (key2, offsets2)}
     assert any("missing" in p.message for p in report.problems)
     assert any("bytes, expected" in p.message for p in report.problems)
+    # a tensor's first chunk sizes the whole grid: the store is refused on open, naming it
+    first = next(f for f in universal_files(root)["chunks"] if not any(f[2]) and f[1] != key)
+    first[0].unlink()
+    report = verify(root)
+    assert [p.check for p in report.problems] == ["metadata"]
+    assert repr(first[1]) in report.problems[0].message and "missing" in report.problems[0].message
 
 
 def test_universal_incomplete_checksums_and_atoms(ckpts, tmp_path):
