@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from dataclasses import dataclass, field, replace
@@ -105,27 +106,39 @@ def _target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None)
     return entry.dtype
 
 
+def target_nbytes(task: WriteTask) -> int:
+    """Bytes ``task`` writes: its box in the TARGET chunk's dtype (``--dtype`` casts parameters;
+    ``task.nbytes`` counts the source dtype, which is what the reads and the memory budget need)."""
+    return task.box.numel * by_name(task.target.dtype).itemsize
+
+
 class _RankChunkSink:
-    """Execute sink streaming each task's pieces into its rank file's archive."""
+    """Execute sink streaming each task's pieces into its rank file's archive; counts the bytes
+    of the chunks it closed (``written``, in the target dtype)."""
 
     def __init__(self, writer: DCPWriter) -> None:
         self.writer = writer
+        self.written = 0
+        self._lock = threading.Lock()
 
     def open(self, task: WriteTask) -> "_RankChunkSink._One":
-        return _RankChunkSink._One(self.writer.open_chunk(task.target), by_name(task.target.dtype).torch_dtype)
+        return _RankChunkSink._One(self, self.writer.open_chunk(task.target), task)
 
     def sync(self) -> None:
         self.writer.sync()
 
     class _One:
-        def __init__(self, sink, dtype: torch.dtype) -> None:
-            self.sink, self.dtype = sink, dtype
+        def __init__(self, owner: "_RankChunkSink", sink, task: WriteTask) -> None:
+            self.owner, self.sink, self.task = owner, sink, task
+            self.dtype = by_name(task.target.dtype).torch_dtype
 
         def write(self, piece: Piece, data: torch.Tensor) -> None:
             self.sink.write(data if data.dtype == self.dtype else data.to(self.dtype))
 
         def close(self) -> None:
             self.sink.close()
+            with self.owner._lock:
+                self.owner.written += target_nbytes(self.task)
             return None
 
 
@@ -149,8 +162,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype)
         tasks = _plan(index, layout, options)
         if options.dry_run:
-            return ConversionResult(str(dst), len(index.tensors), len(index.objects), sum(t.nbytes for t in tasks),
-                                    0.0, plan=describe_ranks(layout, tasks))
+            return ConversionResult(str(dst), len(index.tensors), len(index.objects),
+                                    sum(target_nbytes(t) for t in tasks), 0.0, plan=describe_ranks(layout, tasks))
         header = {"op": "from-universal", "src": str(Path(src).resolve()), "source": index_fingerprint(index),
                   "mesh": str(target_mesh), "plan": plan, "dtype": dtype,
                   "piece_bytes": options.effective_piece_bytes, "tool": __version__}
@@ -174,9 +187,11 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                     writer.adopt_chunk(task.target)
             if dist.leader:
                 writer.write_objects()
-            stats, _ = dist.execute(tasks, reader, _RankChunkSink(writer), workers=options.workers,
+            sink = _RankChunkSink(writer)
+            stats, _ = dist.execute(tasks, reader, sink, workers=options.workers,
                                     memory_budget=options.memory_budget, progress=options.progress,
                                     label="from-universal", journal=journal)
+            written = sum(dist.gather(sink.written))  # target-dtype bytes, every rank's share
 
             def publish() -> None:
                 if dist.active:  # every rank wrote its share: count the others' chunks as written
@@ -192,7 +207,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             writer.close()
             raise
         journal.remove()
-        return ConversionResult(str(out), len(index.tensors), len(index.objects), stats.bytes_written, stats.seconds,
+        return ConversionResult(str(out), len(index.tensors), len(index.objects), written, stats.seconds,
                                 warnings=layout.warnings)
     finally:
         reader.close()
@@ -213,7 +228,7 @@ def describe_ranks(layout: TargetLayout, tasks: list[WriteTask]) -> str:
     per_rank: dict[int, list[int]] = {r: [0, 0] for r in range(layout.mesh.world_size)}
     for t in tasks:
         per_rank[t.target.rank][0] += 1
-        per_rank[t.target.rank][1] += t.nbytes
+        per_rank[t.target.rank][1] += target_nbytes(t)
     lines = [f"# target mesh {layout.mesh} ({layout.mesh.world_size} ranks)"]
     for rank, (n, nbytes) in per_rank.items():
         coords = ",".join(f"{d.name}={c}" for d, c in zip(layout.mesh.dims, layout.mesh.coords(rank)))

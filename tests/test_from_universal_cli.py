@@ -336,9 +336,9 @@ def _chunk_bytes_per_file(ckpt: Path) -> dict[str, int]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="reshard counts bytes in the SOURCE dtype (WriteTask.nbytes): with --dtype the "
-                   "dry-run per-rank bytes and the reported bytes written are those of the uncast tensors")
 def test_dtype_cast_reports_target_bytes(store, tmp_path):
+    """With --dtype the dry-run per-rank bytes and the bytes written are those of the cast tensors
+    (they were counted in the source dtype)."""
     out = tmp_path / "bf16"
     result = api.from_universal(store, out, "dp2", dtype="bfloat16", options=RunOptions(workers=2))
     per_file = _chunk_bytes_per_file(out)
