@@ -251,7 +251,13 @@ class HFReader:
         files, wmap, meta = self._files()
         headers: dict[str, StHeader] = {}
         for f in files:
-            headers[f] = read_header(safe_join(self.root, f), f)
+            try:
+                path = safe_join(self.root, f)
+            except DestinationError:
+                raise InvalidCheckpointError(
+                    f"{self.root / INDEX_FILE}: names file {f!r}, outside the checkpoint directory; fix the index"
+                ) from None
+            headers[f] = read_header(path, f)
         if wmap is None:
             wmap = {name: files[0] for name in headers[files[0]].tensors}
             sharded = False
