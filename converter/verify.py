@@ -42,6 +42,8 @@ from formats.fsutil import read_exact_into, safe_join
 
 #: Bytes read at once when streaming a chunk file (per worker).
 SLAB_BYTES = 16 << 20
+#: DCP items up to this size are read whole (one pread) to check their archives.
+WHOLE_ITEM_BYTES = 4 << 20
 #: Problems listed in the text report before "... and N more".
 SHOW_PROBLEMS = 50
 HF_NOTE = ("safetensors files carry no checksums: verify checks their structure and reads every byte, "
@@ -270,8 +272,12 @@ def _dcp_item_crcs(root: Path, loc: Any, where: str, limit: int) -> int:
 
     path = safe_join(root, loc.relative_path)
     with open(path, "rb") as f:
-        if not loc.transforms:
+        if not loc.transforms and loc.length > WHOLE_ITEM_BYTES:
             return check_zip_crcs(_Window(f, loc.offset, loc.length), where)
+        if not loc.transforms:  # small: one read instead of many tiny ones
+            data = bytearray(loc.length)
+            got = read_exact_into(f.fileno(), memoryview(data), loc.offset)
+            return check_zip_crcs(io.BytesIO(memoryview(data)[:got]), where)
         archive.check_transforms(loc.transforms, where)
         f.seek(loc.offset)
         data = archive.decode_item(f.read(loc.length), loc.transforms, where, limit)

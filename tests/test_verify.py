@@ -10,6 +10,7 @@ HF data byte passes verify and is found by ``diff`` against the source.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import pickle
@@ -163,6 +164,13 @@ def test_every_flipped_dcp_data_byte_is_caught(ckpts, tmp_path, name, flips=FLIP
         assert [(p.key, p.chunk) for p in report.problems] == [(key, offsets)], (pos, report.problems)
         assert "CRC-32" in report.problems[0].message and path.name in report.problems[0].message
     assert verify(root).ok
+
+
+def test_streamed_archive_checks(ckpts, tmp_path, monkeypatch):
+    """Items bigger than WHOLE_ITEM_BYTES are checked through a window on the file (bounded reads)."""
+    monkeypatch.setattr(importlib.import_module("converter.verify"), "WHOLE_ITEM_BYTES", 0)
+    assert_sound(verify(ckpts["dp3"]))
+    test_every_flipped_dcp_data_byte_is_caught(ckpts, tmp_path, "dp3", flips=10, seed=9)
 
 
 @pytest.mark.slow
