@@ -397,6 +397,7 @@ def _verify_universal(root: Path, found: _Findings, quick: bool, trust_pickle: b
     for key, record in meta.tensors.items():
         found.problems += _check_array_json(root, key, record)
     found.problems += _check_atoms(meta)
+    found.warnings += _strays(root, meta, index)
     if quick:
         return []
     found.checks += [
@@ -414,6 +415,22 @@ def _verify_universal(root: Path, found: _Findings, quick: bool, trust_pickle: b
                                   lambda key=key: len(reader.read_object_bytes(key))))
     found.counts["files"] = len(tasks) + 3 + len(meta.tensors)
     return tasks
+
+
+def _strays(root: Path, meta: Any, index: Any) -> list[str]:
+    """Files the store's metadata does not account for (left over from an interrupted write?)."""
+    from formats.universal import METADATA_FILE, TENSORS_DIR
+
+    known = {METADATA_FILE, "zarr.json", f"{TENSORS_DIR}/zarr.json"}
+    known |= {f"{r.array}/zarr.json" for r in meta.tensors.values()}
+    known |= {c.file for e in index.tensors.values() for c in e.chunks}
+    known |= {o.file for o in meta.objects.values()}
+    strays = sorted(rel for rel in (os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root)
+                                    for n in names) if Path(rel).as_posix() not in known)
+    if not strays:
+        return []
+    shown = ", ".join(strays[:10]) + (f" and {len(strays) - 10} more" if len(strays) > 10 else "")
+    return [f"{len(strays)} file(s) not part of the store (left over from an interrupted write?): {shown}"]
 
 
 def _read_json(path: Path) -> Any:

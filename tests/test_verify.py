@@ -361,6 +361,13 @@ def test_unreferenced_files_are_warnings(ckpts, tmp_path):
     (root / "__9_0.distcp").write_bytes(b"stale")
     report = verify(root)
     assert report.ok and any("__9_0.distcp" in w for w in report.warnings)
+    assert not verify(ckpts["uni"]).warnings
+    uni = copy(ckpts["uni"], tmp_path / "u")
+    (uni / "tensors" / "model.w" / "c" / ".0.tmp").write_bytes(b"x")
+    (uni / ".ckptconv-journal.jsonl").write_text("{}")
+    report = verify(uni)
+    assert report.ok and len(report.warnings) == 1 and ".0.tmp" in report.warnings[0]
+    assert "2 file(s)" in report.warnings[0]
 
 
 def test_universal_missing_and_resized_chunks(ckpts, tmp_path):
