@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ import torch
 from converter.plan import split_pieces
 from converter.sources import open_checkpoint
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry
-from formats.errors import CkptConvError, ConfigError
+from formats.errors import ConfigError
 
 #: Elements compared at once per worker (float64 temporaries: a few times 8 bytes each).
 SLAB_ELEMENTS = 1 << 20

@@ -37,7 +37,7 @@ import xxhash
 
 from converter.sources import detect_format
 from formats.base import ChunkRef
-from formats.errors import CkptConvError, DestinationError, UnsafePickleError
+from formats.errors import CkptConvError, UnsafePickleError
 from formats.fsutil import read_exact_into, safe_join
 
 #: Bytes read at once when streaming a chunk file (per worker).
