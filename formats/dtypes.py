@@ -108,7 +108,7 @@ def to_storage_array(t: torch.Tensor) -> np.ndarray:
 def from_storage_array(a: np.ndarray, name: str) -> torch.Tensor:
     """The torch tensor whose bits are ``a`` (zero-copy), with the recorded torch dtype."""
     d = by_name(name)
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    t = torch.from_numpy(np.ascontiguousarray(a)).reshape(a.shape)  # ascontiguousarray makes 0-d 1-d
     if d.encoded:
         t = t.view(d.torch_dtype)
     return t
