@@ -24,6 +24,7 @@ _MEASURE = """
 import json, sys, threading, time
 import psutil, torch, numpy, xxhash
 import converter.cli, converter.ingest, converter.reshard, formats.dcp, formats.universal
+import torch.distributed.checkpoint  # imported late by the DCP writer: library code, not buffers
 proc = psutil.Process()
 base = proc.memory_info().rss
 peak = [base]
