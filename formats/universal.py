@@ -310,6 +310,10 @@ def read_metadata(root: str | os.PathLike) -> UniversalMetadata:
     return UniversalMetadata.from_json(doc, str(meta_path))
 
 
+#: OS errors that mean a file of the store is not where its metadata says (a damaged layout).
+_LAYOUT_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
 def _inside(root: Path, relative: str, top: str, key: str, where: Path) -> Path:
     """``root / relative``, which must lie under ``root / top`` (no '..', absolute paths, or
     symlinks out of the store)."""
@@ -346,8 +350,8 @@ def _check_record(root: Path, key: str, r: TensorRecord, where: Path) -> None:
     full = math.prod(r.chunk_shape) * BY_NAME[r.dtype].itemsize
     try:
         size = array.joinpath("c", *("0" for _ in r.shape)).stat().st_size
-    except FileNotFoundError:
-        raise bad(f"chunk file {first} is missing") from None
+    except _LAYOUT_ERRORS as e:
+        raise bad(f"chunk file {first} is missing ({e.strerror})") from None
     if size != full:
         raise bad(f"chunk file {first} has {size} bytes, a chunk needs {full}")
 
@@ -410,15 +414,15 @@ class UniversalReader:
         nbytes = (r1 - r0) * row
         try:
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+            try:
+                arr = np.empty(nbytes // storage.itemsize, dtype=storage)
+                got = read_exact_into(fd, memoryview(arr).cast("B"), r0 * row)
+            finally:
+                os.close(fd)
+        except _LAYOUT_ERRORS as e:
             raise CorruptCheckpointError(
-                f"{path}: chunk file missing for key {record.array!r}; the store is damaged: reconvert it"
+                f"{path}: chunk file missing for key {record.array!r} ({e.strerror}); the store is damaged: reconvert it"
             ) from None
-        arr = np.empty(nbytes // storage.itemsize, dtype=storage)
-        try:
-            got = read_exact_into(fd, memoryview(arr).cast("B"), r0 * row)
-        finally:
-            os.close(fd)
         if got != nbytes:
             raise CorruptCheckpointError(f"{path}: chunk file truncated ({got} of {nbytes} bytes); reconvert the store")
         if not cshape:
@@ -439,8 +443,8 @@ class UniversalReader:
         path = self.root / rec.file
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}: object file missing for key {key!r}; reconvert the store") from None
+        except _LAYOUT_ERRORS as e:
+            raise CorruptCheckpointError(f"{path}: object file missing for key {key!r} ({e.strerror}); reconvert the store") from None
         if xxhash.xxh3_64_hexdigest(data) != rec.checksum:
             raise CorruptCheckpointError(f"{path}: checksum mismatch for object {key!r}; the store is damaged: reconvert it")
         return data
