@@ -438,8 +438,8 @@ def _read_json(path: Path) -> Any:
 
     try:
         return json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: missing; the store is damaged: reconvert it") from None
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+        raise CorruptCheckpointError(f"{path}: missing ({e.strerror}); the store is damaged: reconvert it") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{path}: not JSON ({e}); the store is damaged: reconvert it") from None
 
@@ -504,8 +504,12 @@ def _check_uchunk(root: Path, key: str, record: Any, chunk: ChunkRef) -> int:
     where = f"{path}: key {key!r} chunk {chunk_id(chunk.locator[1])}"
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{where}: chunk file is missing; the store is damaged: reconvert it") from None
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise CorruptCheckpointError(f"{where}: chunk file is missing ({e.strerror}); the store is damaged: "
+                                     "reconvert it") from None
+    if not os.path.isfile(path):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{where}: not a file; the store is damaged: reconvert it")
     try:
         size = os.fstat(fd).st_size
         if size != full:

@@ -459,3 +459,16 @@ def test_mutators_change_something(cases):
     for case in cases.values():
         assert verify(case.src).ok
         read_everything(case.src)
+
+
+@pytest.mark.parametrize("array", ["tensors/zarr.json", "tensors", "objects/000000.pt", "tensors/model.w/c"])
+def test_regression_array_path_names_a_file(cases, array):
+    """Found by the long run: an array path naming a file made a chunk path go through it
+    (NotADirectoryError escaped)."""
+
+    def point(src: Path) -> None:
+        doc = json.loads((src / "ckptconv.json").read_text())
+        doc["tensors"]["model.bf"]["array"] = array
+        (src / "ckptconv.json").write_text(json.dumps(doc))
+
+    run_case("regression", cases["universal"], point)
