@@ -275,9 +275,7 @@ def _dcp_item_crcs(root: Path, loc: Any, where: str, limit: int) -> int:
         if not loc.transforms and loc.length > WHOLE_ITEM_BYTES:
             return check_zip_crcs(_Window(f, loc.offset, loc.length), where)
         if not loc.transforms:  # small: one read instead of many tiny ones
-            data = bytearray(loc.length)
-            got = read_exact_into(f.fileno(), memoryview(data), loc.offset)
-            return check_zip_crcs(io.BytesIO(memoryview(data)[:got]), where)
+            return check_zip_crcs(io.BytesIO(os.pread(f.fileno(), loc.length, loc.offset)), where)
         archive.check_transforms(loc.transforms, where)
         f.seek(loc.offset)
         data = archive.decode_item(f.read(loc.length), loc.transforms, where, limit)
