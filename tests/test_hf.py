@@ -427,7 +427,7 @@ def test_missing_and_malformed_index(tmp_path):
     doc = json.loads(good)
     doc["weight_map"]["a.weight"] = "../outside.safetensors"
     index.write_text(json.dumps(doc))
-    with pytest.raises(DestinationError, match="outside"):
+    with pytest.raises(InvalidCheckpointError, match="outside the checkpoint directory"):
         HFReader(d)
     doc = json.loads(good)
     victim = next(iter(doc["weight_map"]))
