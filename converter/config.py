@@ -93,4 +93,11 @@ def check_resume_destination(src: str | os.PathLike, dst: str | os.PathLike) -> 
         raise DestinationError(f"{dst}: destination overlaps the source {src}; choose a directory outside it")
     if not d.is_dir():
         raise DestinationError(f"{dst}: nothing to resume (no such directory); run without --resume")
+    for dirpath, dirnames, filenames in os.walk(d):
+        for name in dirnames + filenames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                raise DestinationError(
+                    f"{os.path.join(dirpath, name)}: a symlink inside the partial destination; ckptconv never "
+                    "writes through links: remove it, or start over with --overwrite"
+                )
     return d

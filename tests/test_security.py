@@ -290,8 +290,6 @@ def _interrupted(kind: str, src: Path, uni: Path, dst: Path, monkeypatch) -> Non
             _convert(kind, src, uni, dst, RunOptions())
 
 
-@pytest.mark.xfail(strict=True, reason="--resume keeps the partial destination and writes through symlinks "
-                                       "planted in it (converter/config.check_resume_destination should refuse them)")
 @pytest.mark.parametrize("kind", ["to-universal", "export-hf"])
 def test_resume_does_not_follow_symlinks(small, tmp_path, monkeypatch, kind):
     src, uni = small
