@@ -419,7 +419,7 @@ def plan_all(
 
 def _names(fqns: Sequence[str]) -> str:
     more = f", ... {len(fqns) - _MAX_NAMES} more" if len(fqns) > _MAX_NAMES else ""
-    return ", ".join(fqns[:_MAX_NAMES]) + more
+    return ", ".join(f if f.isprintable() else repr(f) for f in fqns[:_MAX_NAMES]) + more  # one line
 
 
 # ---------------------------------------------------------------- plan files
