@@ -152,6 +152,7 @@ class Step:
     keep: bool = False  # output used by later steps of the same round
     group: str = ""
     input_bytes: int = 0
+    output_bytes: int = 0
     runs: list[Run] = field(default_factory=list)
 
 
@@ -165,7 +166,7 @@ def export_hf_available() -> bool:
     return r.returncode == 0
 
 
-def make_steps(src: Path, work: Path, only: set[str] | None, with_torch: bool) -> list[Step]:
+def make_steps(src: Path, work: Path, only: set[str] | None, with_torch: bool, with_online: bool) -> list[Step]:
     """The benchmark rows, in run order (later rows may read earlier rows' kept outputs)."""
     uni, pt = work / "uni", work / "full.pt"
     fmt = [PY, "-m", "torch.distributed.checkpoint.format_utils"]
@@ -192,6 +193,9 @@ def make_steps(src: Path, work: Path, only: set[str] | None, with_torch: bool) -
                  group="torch"),
             Step("torch torch_save_to_dcp", [*fmt, "torch_to_dcp", str(pt), str(work / "tdcp")], pt,
                  work / "tdcp", group="torch"),
+        ]
+    if with_online:
+        steps += [
             Step("torch online reshard: dcp.load in a dp3 world",
                  [PY, str(BENCH / "make_checkpoint.py"), "load", "--src", str(src), "--world", "3"], src,
                  group="torch"),
@@ -207,6 +211,12 @@ def _remove(path: Path | None) -> None:
     shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
+def _size(path: Path | None) -> int:
+    if path is None or not path.exists():
+        return 0
+    return dir_bytes(path) if path.is_dir() else path.stat().st_size
+
+
 def run_rounds(steps: list[Step], repeats: int, cold: bool) -> None:
     """Run every step ``repeats`` times, round-robin, cleaning outputs as it goes."""
     for rnd in range(repeats):
@@ -215,9 +225,10 @@ def run_rounds(steps: list[Step], repeats: int, cold: bool) -> None:
                 print(f"  skip {step.name}: {step.reads} missing", file=sys.stderr)
                 continue
             _remove(step.writes)
-            step.input_bytes = dir_bytes(step.reads) if step.reads.is_dir() else step.reads.stat().st_size
+            step.input_bytes = _size(step.reads)
             run = measure(step.cmd, step.reads, sync=step.writes is not None, cold=cold)
             step.runs.append(run)
+            step.output_bytes = _size(step.writes)
             status = "" if run.rc == 0 else f"  FAILED rc={run.rc}: {run.tail[-300:]}"
             print(f"  round {rnd + 1}/{repeats}  {step.name:<48} {run.wall_s:7.2f} s  "
                   f"tree {run.tree_peak_rss / MIB:7.0f} MiB  load {run.load_before[0]:.1f}{status}",
@@ -235,6 +246,7 @@ def summarize(step: Step, nbytes: int, raw_copy_s: float | None) -> dict:
     """Medians over a step's successful runs."""
     ok = [r for r in step.runs if r.rc == 0]
     row = {"name": step.name, "group": step.group, "cmd": " ".join(step.cmd), "input_bytes": nbytes,
+           "output_bytes": step.output_bytes,
            "runs": [asdict(r) for r in step.runs], "ok_runs": len(ok)}
     if not ok:
         return row
@@ -259,7 +271,8 @@ def torch_sum_row(rows: list[dict], nbytes: int, raw_copy_s: float | None) -> di
         return None
     wall = sum(r["wall_s"] for r in parts)
     cpu = sum(r.get("cpu_s", 0.0) for r in parts)
-    return {"cpu_s": cpu, "name": "torch manual path (sum of both)", "group": "torch", "input_bytes": nbytes, "wall_s": wall,
+    return {"cpu_s": cpu, "name": "torch manual path (sum of both)", "group": "torch", "input_bytes": nbytes,
+            "output_bytes": parts[1].get("output_bytes", 0), "wall_s": wall,
             "gb_per_s": nbytes / wall / 1e9, "x_raw_copy": wall / raw_copy_s if raw_copy_s else None,
             "tree_peak_rss": max(r["tree_peak_rss"] for r in parts),
             "main_max_rss": max(r["main_max_rss"] for r in parts), "ok_runs": min(r["ok_runs"] for r in parts)}
@@ -289,8 +302,10 @@ def bench_size(size: int, args: argparse.Namespace) -> dict:
     work = OUT / f"work-{size_label(size)}"
     _remove(work)
     work.mkdir(parents=True)
-    with_torch = size <= parse_size(args.torch_max_size)
-    steps = make_steps(src, work, set(args.only.split(",")) if args.only else None, with_torch)
+    free = psutil.virtual_memory().available
+    with_torch = size <= parse_size(args.torch_max_size) and free > 1.5 * info["bytes"]
+    with_online = size <= parse_size(args.online_max_size) and free > 3 * info["bytes"]
+    steps = make_steps(src, work, set(args.only.split(",")) if args.only else None, with_torch, with_online)
     try:
         run_rounds(steps, args.repeats, not args.warm)
     finally:
@@ -303,7 +318,7 @@ def bench_size(size: int, args: argparse.Namespace) -> dict:
     if extra:
         rows.append(extra)
     return {"size": size_label(size), "checkpoint": info, "checkpoint_ready_s": round(made_s, 1),
-            "torch_paths": with_torch, "rows": rows}
+            "torch_manual_path": with_torch, "torch_online_reshard": with_online, "rows": rows}
 
 
 def machine() -> dict:
@@ -339,17 +354,18 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def table(results: list[dict]) -> str:
     """The markdown table of every size's rows."""
-    lines = ["| size | step | input GB | wall s (median) | runs | GB/s | x raw copy | CPU s | peak RSS tree MiB "
-             "| peak RSS main MiB |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| size | step | in GB | out GB | wall s (median) | runs | GB/s (in) | x raw copy | CPU s "
+             "| peak RSS tree MiB | peak RSS main MiB |", "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for res in results:
         for r in res["rows"]:
             if "wall_s" not in r:
-                lines.append(f"| {res['size']} | {r['name']} | | FAILED | | | | | | |")
+                lines.append(f"| {res['size']} | {r['name']} | | | FAILED | | | | | | |")
                 continue
             runs = ", ".join(f"{w:.2f}" for w in r.get("wall_s_all", []))
             gb = "" if r["group"] == "fixed" else f"{r['input_bytes'] / 1e9:.2f}"
+            out = f"{r['output_bytes'] / 1e9:.2f}" if r.get("output_bytes") else ""
             lines.append(
-                f"| {res['size']} | {r['name']} | {gb} | {r['wall_s']:.2f} | {runs} "
+                f"| {res['size']} | {r['name']} | {gb} | {out} | {r['wall_s']:.2f} | {runs} "
                 f"| {_fmt(r.get('gb_per_s'), '.2f')} | {_fmt(r.get('x_raw_copy'), '.2f')} "
                 f"| {_fmt(r.get('cpu_s'), '.1f')} "
                 f"| {r['tree_peak_rss'] / MIB:.0f} | {r['main_max_rss'] / MIB:.0f} |")
@@ -402,13 +418,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default=None, help="several sizes, e.g. 2GB,8GB (overrides --size)")
     p.add_argument("--repeats", type=int, default=3, help="rounds; the table shows medians (default 3)")
     p.add_argument("--only", default=None, help="comma-separated step names or groups (raw,ckptconv,torch,fixed)")
-    p.add_argument("--torch-max-size", default="4GB",
-                   help="run torch's paths only on checkpoints up to this size (they hold it all in RAM)")
+    p.add_argument("--torch-max-size", default="10GB",
+                   help="run torch's manual path only up to this size (it holds the whole checkpoint in RAM)")
+    p.add_argument("--online-max-size", default="4GB",
+                   help="run the online reshard only up to this size (3 ranks: ~2.5x the checkpoint in RAM)")
     p.add_argument("--warm", action="store_true", help="keep inputs in the page cache (pre-read) instead of evicting them")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<sizes>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>T<time>-<sizes>.json)")
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in (args.sizes or args.size).split(",")]
-    started = dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    t_start = dt.datetime.now().astimezone()
+    started = t_start.isoformat(timespec="seconds")
     load0, mach = os.getloadavg(), machine()
     results = [bench_size(s, args) for s in sizes]
     doc = {"started": started, "finished": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -418,7 +437,8 @@ def main(argv: list[str] | None = None) -> None:
            "results": results, "targets": targets(results)}
     doc["table"] = table(results)
     RESULTS.mkdir(exist_ok=True)
-    name = args.out or RESULTS / f"{dt.date.today()}-{'_'.join(size_label(s) for s in sizes)}.json"
+    stamp = t_start.strftime("%Y-%m-%dT%H%M")
+    name = args.out or RESULTS / f"{stamp}-{'_'.join(size_label(s) for s in sizes)}.json"
     Path(name).write_text(json.dumps(doc, indent=1) + "\n")
     print(doc["table"])
     print()
