@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from cli_runner import run_cli as run_in_process
 
 
 def run_subprocess(*args: str) -> subprocess.CompletedProcess:
@@ -19,19 +20,7 @@ def run_subprocess(*args: str) -> subprocess.CompletedProcess:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """Run ``ckptconv ARGS`` in this process through the real entry point (exit status, streams)."""
-    import contextlib
-    import io
-
-    from converter.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(args, *run_in_process(*args))
 
 
 def snapshot(path: Path) -> dict:

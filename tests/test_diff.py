@@ -6,9 +6,7 @@ The oracle computes every statistic with torch on whole tensors read by torch it
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
 import json
 import math
 import warnings
@@ -27,6 +25,7 @@ from schemas import validation_errors
 from tests.oracle import torch_reference
 
 diff_module = importlib.import_module("converter.diff")  # the module (converter.diff is the function)
+from cli_runner import run_cli
 
 
 def quiet_save(sd: dict, path: Path) -> Path:
@@ -222,19 +221,6 @@ def test_key_filter(ckpts):
 
 # ------------------------------------------------------------------------------------------------
 # CLI
-
-
-def run_cli(*args: str) -> tuple[int, str, str]:
-    from converter.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_cli(ckpts, tmp_path):

@@ -9,7 +9,6 @@ HF data byte passes verify and is found by ``diff`` against the source.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import io
 import json
@@ -32,6 +31,7 @@ from schemas import validation_errors
 from tests.oracle import bits_equal, torch_reference
 
 FLIPS = 60
+from cli_runner import run_cli
 
 
 class Opaque:
@@ -461,19 +461,6 @@ def test_not_a_checkpoint_is_an_error(tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 # CLI
-
-
-def run_cli(*args: str) -> tuple[int, str, str]:
-    from converter.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_cli_exit_codes_and_json(ckpts, tmp_path):
