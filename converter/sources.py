@@ -3,31 +3,50 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from formats.base import CheckpointReader
-from formats.errors import CheckpointNotFoundError, InvalidCheckpointError
+from formats.errors import CheckpointNotFoundError, IncompleteCheckpointError, InvalidCheckpointError
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """"dcp", "universal" or "hf"; a clear error for anything else."""
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointNotFoundError(f"{p}: no such file or directory; check the path")
-    if not p.is_dir():
-        raise InvalidCheckpointError(f"{p}: is a file; pass the checkpoint directory (the one holding .metadata)")
+    """"dcp", "universal" or "hf" for a local directory or a URL; a clear error for anything else."""
+    from formats.storage import open_storage
+
+    st = open_storage(path)
+    p = st.root
+    if st.is_local:
+        if not p.exists():
+            raise CheckpointNotFoundError(f"{p}: no such file or directory; check the path")
+        if not p.is_dir():
+            raise InvalidCheckpointError(f"{p}: is a file; pass the checkpoint directory (the one holding .metadata)")
+        names = os.listdir(p)
+    else:
+        names = st.list()
+        if not names:
+            if st.exists():
+                raise InvalidCheckpointError(f"{p}: is an object; pass the checkpoint's prefix (the one holding .metadata)")
+            raise CheckpointNotFoundError(f"{p}: nothing under this URL; check the bucket and prefix")
+    return _format_of(st, names)
+
+
+def _format_of(st, names: list[str]) -> str:  # noqa: ANN001 - a formats.storage.Storage
+    from formats.dcp.metadata import METADATA_NAME, rank_metadata_files
     from formats.universal import is_universal_store
 
-    if is_universal_store(p):
+    p = st.root
+    if is_universal_store(st):
         return "universal"
-    from formats.dcp import is_dcp_checkpoint
-
-    if is_dcp_checkpoint(p):
+    if METADATA_NAME in names or rank_metadata_files(names):
         return "dcp"
-    if any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists():
+    if any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names:
         return "hf"
-    if not any(p.iterdir()):
+    if not names:
         raise InvalidCheckpointError(f"{p}: directory is empty; pass a DCP checkpoint directory (with .metadata)")
+    if any(n.endswith(".distcp") for n in names):
+        raise IncompleteCheckpointError(
+            f"{p}: has .distcp files but no .metadata: the save did not finish (DCP writes .metadata last); "
+            "re-run the save or use another checkpoint"
+        )
     raise InvalidCheckpointError(
         f"{p}: not a checkpoint ckptconv knows (no .metadata, ckptconv.json or *.safetensors); "
         "pass a DCP directory, a universal store or a Hugging Face directory"

@@ -44,6 +44,7 @@ from formats.errors import (
     UnsupportedError,
 )
 from formats.fsutil import atomic_write_bytes, fsync_dir, read_exact_into, safe_join
+from formats.storage import RandomFile, Storage, check_relative, close_file, open_storage, read_into
 
 #: Largest header safetensors accepts (bytes).
 MAX_HEADER_BYTES = 100_000_000
@@ -145,15 +146,22 @@ def parse_header(raw: bytes, file_size: int, where: str, file: str = "") -> StHe
     return StHeader(file, file_size, data_start, metadata, tensors)
 
 
-def read_header(path: Path, file: str = "") -> StHeader:
-    """Read and validate the header of the safetensors file at ``path``."""
+def read_header(path: Path, file: str = "", storage: Storage | None = None) -> StHeader:
+    """Read and validate the header of the safetensors file at ``path`` (or, with ``storage``,
+    the file named ``file`` in it: local or URL, two ranged reads)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd: int | RandomFile
+        if storage is not None and not storage.is_local:
+            fd = storage.open_random(file)
+            size = fd.size
+        else:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            size = os.fstat(fd).st_size
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such safetensors file; check the path or the index") from None
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
+        head = bytearray(8)
+        head = head[: read_into(fd, memoryview(head), 0)]
         if len(head) < 8:
             raise CorruptCheckpointError(f"{path}: {size} bytes is too short for a safetensors file; re-export it")
         (n,) = struct.unpack("<Q", head)
@@ -165,10 +173,10 @@ def read_header(path: Path, file: str = "") -> StHeader:
         if 8 + n > size:
             raise CorruptCheckpointError(f"{path}: header of {n} bytes runs past the end of the {size} byte file; re-export it")
         raw = bytearray(n)
-        if read_exact_into(fd, memoryview(raw), 8) != n:
+        if read_into(fd, memoryview(raw), 8) != n:
             raise CorruptCheckpointError(f"{path}: file shrank while reading its header")
     finally:
-        os.close(fd)
+        close_file(fd)
     return parse_header(bytes(raw), size, str(path), file or path.name)
 
 
@@ -176,13 +184,15 @@ def read_header(path: Path, file: str = "") -> StHeader:
 # the index
 
 
-def read_index(path: Path) -> tuple[dict[str, str], dict[str, Any]]:
-    """``(weight_map, metadata)`` of a ``model.safetensors.index.json``, validated."""
-    size = path.stat().st_size
+def read_index(path: Path, storage: Storage | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+    """``(weight_map, metadata)`` of a ``model.safetensors.index.json``, validated (with
+    ``storage``: the index file in it, local or URL)."""
+    remote = storage is not None and not storage.is_local
+    size = storage.size(INDEX_FILE) if remote else path.stat().st_size
     if size > MAX_INDEX_BYTES:
         raise InvalidCheckpointError(f"{path}: {size} bytes is over the {MAX_INDEX_BYTES} byte limit for an index")
     try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
+        doc = json.loads((storage.read_bytes(INDEX_FILE) if remote else path.read_bytes()).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise InvalidCheckpointError(f"{path}: malformed index JSON ({e}); re-export the checkpoint") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
@@ -203,8 +213,11 @@ def natural_key(name: str) -> tuple:
 
 
 def is_hf_checkpoint(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a directory holding safetensors files or an HF index."""
-    p = Path(path)
+    """True when ``path`` (local or URL) is a directory holding safetensors files or an HF index."""
+    st = open_storage(path)
+    if not st.is_local:
+        return any(n == INDEX_FILE or n.endswith(".safetensors") for n in st.list())
+    p = st.root
     return p.is_dir() and ((p / INDEX_FILE).is_file() or any(p.glob("*.safetensors")))
 
 
@@ -221,10 +234,12 @@ class HFReader:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.root = Path(path)
-        if not self.root.exists():
+        self._storage = open_storage(path)
+        self.root = self._storage.root
+        self._names = None if self._storage.is_local else self._storage.list()
+        if not (self.root.exists() if self._storage.is_local else self._names or self._storage.exists()):
             raise CheckpointNotFoundError(f"{self.root}: no such directory; check the path")
-        if not self.root.is_dir():
+        if not (self.root.is_dir() if self._storage.is_local else self._names):
             raise InvalidCheckpointError(f"{self.root}: is a file; pass the Hugging Face model directory")
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -233,10 +248,11 @@ class HFReader:
 
     def _files(self) -> tuple[list[str], dict[str, str] | None, dict[str, Any]]:
         index_path = self.root / INDEX_FILE
-        if index_path.is_file():
-            wmap, meta = read_index(index_path)
+        if index_path.is_file() if self._names is None else INDEX_FILE in self._names:
+            wmap, meta = read_index(index_path, self._storage)
             return list(dict.fromkeys(wmap.values())), wmap, meta
-        names = sorted(p.name for p in self.root.glob("*.safetensors"))
+        names = sorted(p.name for p in self.root.glob("*.safetensors")) if self._names is None else sorted(
+            n for n in self._names if n.endswith(".safetensors"))
         if not names:
             raise InvalidCheckpointError(f"{self.root}: no *.safetensors files and no {INDEX_FILE}; "
                                          "pass a Hugging Face model directory")
@@ -252,12 +268,12 @@ class HFReader:
         headers: dict[str, StHeader] = {}
         for f in files:
             try:
-                path = safe_join(self.root, f)
+                path = safe_join(self.root, f) if self._storage.is_local else self.root / check_relative(self.root, f)
             except DestinationError:
                 raise InvalidCheckpointError(
                     f"{self.root / INDEX_FILE}: names file {f!r}, outside the checkpoint directory; fix the index"
                 ) from None
-            headers[f] = read_header(path, f)
+            headers[f] = read_header(path, f, self._storage)
         if wmap is None:
             wmap = {name: files[0] for name in headers[files[0]].tensors}
             sharded = False
@@ -287,16 +303,19 @@ class HFReader:
             "sharded": sharded,
         }
         if sharded:
-            info["files"][INDEX_FILE] = (self.root / INDEX_FILE).stat().st_size
+            info["files"][INDEX_FILE] = self._storage.size(INDEX_FILE)
         return CheckpointIndex("hf", str(self.root), tensors, {}, info)
 
     def index(self) -> CheckpointIndex:
         """The checkpoint's index (built and validated on open)."""
         return self._index
 
-    def _fd(self, file: str) -> int:
+    def _fd(self, file: str) -> int | RandomFile:
+        """An fd (local) or a ranged-read file (URL), opened once per file."""
         with self._lock:
             fd = self._fds.get(file)
+            if fd is None and not self._storage.is_local:
+                fd = self._fds[file] = self._storage.open_random(file)
             if fd is None:
                 path = safe_join(self.root, file)
                 try:
@@ -319,7 +338,7 @@ class HFReader:
         r0, r1 = (region.offsets[0], region.ends[0]) if e.shape else (0, 1)
         nbytes = (r1 - r0) * row
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        got = read_exact_into(self._fd(file), memoryview(buf.numpy()), e.begin + r0 * row)
+        got = read_into(self._fd(file), memoryview(buf.numpy()), e.begin + r0 * row)
         if got != nbytes:
             raise CorruptCheckpointError(f"{self.root / file}: truncated while reading {key!r}; re-export it")
         t = buf.view(d.torch_dtype).reshape((r1 - r0, *e.shape[1:]) if e.shape else ())
@@ -338,7 +357,7 @@ class HFReader:
         with self._lock:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
-            os.close(fd)
+            close_file(fd)
 
     def __enter__(self) -> HFReader:
         return self

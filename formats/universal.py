@@ -40,6 +40,7 @@ from formats.errors import (
     InvalidCheckpointError,
 )
 from formats.fsutil import atomic_write_bytes, fsync_dir, read_exact_into, safe_join
+from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
 from formats.universal_meta import (
     METADATA_FILE,
     ObjectRecord,
@@ -159,6 +160,7 @@ class UniversalWriter:
         self._names: set[str] = set()
         self._lock = threading.Lock()
         self._unsynced: list[Path] = []
+        self._synced_dirs: set[str] = set()  # directories holding only chunk files already synced
         (self.root / TENSORS_DIR).mkdir(parents=True, exist_ok=True)
         (self.root / OBJECTS_DIR).mkdir(exist_ok=True)
         for d in (self.root, self.root / TENSORS_DIR):
@@ -241,6 +243,8 @@ class UniversalWriter:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        with self._lock:
+            self._synced_dirs.update(str(p.parent) for p in paths)
 
     def add_object(self, key: str, data: bytes, path: tuple, atom: str, role: str, json_view: Any) -> None:
         """Store a non-tensor entry's exact bytes with a JSON view."""
@@ -265,7 +269,8 @@ class UniversalWriter:
             ordered = {chunk_id(idx): r.checksums[chunk_id(idx)] for idx, _ in chunk_grid(r.shape, r.chunk_shape)}
             r.checksums.clear()
             r.checksums.update(ordered)
-        _fsync_tree(self.root)
+        self.sync()  # chunk files not yet synced (the journal synced the others)
+        _fsync_tree(self.root, skip_files=self._synced_dirs)
         meta = UniversalMetadata(
             tool_version=tool_version, source=source, tensors=self._tensors,
             objects=self._objects, atoms=atoms, created=created,
@@ -273,8 +278,13 @@ class UniversalWriter:
         atomic_write_bytes(self.root / METADATA_FILE, meta.dumps())
 
 
-def _fsync_tree(root: Path) -> None:
+def _fsync_tree(root: Path, skip_files: set[str] = frozenset()) -> None:
+    """fsync every file and directory under ``root``; files directly in a ``skip_files``
+    directory are not synced (only directories are, for their renames)."""
     for dirpath, _, files in os.walk(root):
+        if dirpath in skip_files:
+            fsync_dir(dirpath)
+            continue
         for name in files:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
             try:
@@ -284,27 +294,33 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(dirpath)
 
 
-def is_universal_store(path: str | os.PathLike) -> bool:
-    """True when ``path`` looks like a universal store (complete or not)."""
-    p = Path(path)
-    return (p / METADATA_FILE).is_file() or ((p / TENSORS_DIR).is_dir() and (p / "zarr.json").is_file())
+def is_universal_store(path: str | os.PathLike | Storage) -> bool:
+    """True when ``path`` (local or URL) looks like a universal store (complete or not)."""
+    st = open_storage(path)
+    if st.is_local:
+        p = st.root
+        return (p / METADATA_FILE).is_file() or ((p / TENSORS_DIR).is_dir() and (p / "zarr.json").is_file())
+    names = st.list()
+    return METADATA_FILE in names or (TENSORS_DIR in names and "zarr.json" in names)
 
 
-def read_metadata(root: str | os.PathLike) -> UniversalMetadata:
-    """The validated root metadata; refuses an incomplete store."""
-    root = Path(root)
-    if not root.exists():
+def read_metadata(root: str | os.PathLike | Storage) -> UniversalMetadata:
+    """The validated root metadata (local or URL); refuses an incomplete store."""
+    st = open_storage(root)
+    root = st.root
+    names = st.list() if not st.is_local else None
+    if not (root.exists() if st.is_local else names):
         raise CheckpointNotFoundError(f"{root}: no such universal store")
     meta_path = root / METADATA_FILE
-    if not meta_path.is_file():
-        if (root / TENSORS_DIR).is_dir():
+    if not (meta_path.is_file() if st.is_local else METADATA_FILE in names):
+        if (root / TENSORS_DIR).is_dir() if st.is_local else TENSORS_DIR in names:
             raise IncompleteCheckpointError(
                 f"{root}: incomplete universal store (no {METADATA_FILE}; the conversion that wrote it "
                 "did not finish): rerun to-universal with --overwrite"
             )
         raise InvalidCheckpointError(f"{root}: not a ckptconv universal store (no {METADATA_FILE})")
     try:
-        doc = json.loads(meta_path.read_bytes())
+        doc = json.loads(st.read_bytes(METADATA_FILE))
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{meta_path}: unreadable JSON ({e}); the store is damaged: reconvert it") from None
     return UniversalMetadata.from_json(doc, str(meta_path))
@@ -316,9 +332,9 @@ _LAYOUT_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 
 def _inside(root: Path, relative: str, top: str, key: str, where: Path) -> Path:
     """``root / relative``, which must lie under ``root / top`` (no '..', absolute paths, or
-    symlinks out of the store)."""
+    symlinks out of the store); ``root`` may be a URL."""
     try:
-        path = safe_join(root, relative)
+        path = safe_join(root, relative) if not is_url(root) else root / check_relative(root, relative)
     except DestinationError:
         path = None
     if path is None or not relative.startswith(top + "/"):
@@ -327,7 +343,7 @@ def _inside(root: Path, relative: str, top: str, key: str, where: Path) -> Path:
     return path
 
 
-def _check_record(root: Path, key: str, r: TensorRecord, where: Path) -> None:
+def _check_record(root: Path, key: str, r: TensorRecord, where: Path, st: Storage | None = None) -> None:
     """A tensor record must be consistent before anything is planned from it: known dtype, chunk
     shape of the tensor's rank, an array path inside ``tensors/``, one checksum per chunk of the
     grid, and a first chunk file of the full chunk size (so damaged shapes cannot plan or
@@ -349,9 +365,12 @@ def _check_record(root: Path, key: str, r: TensorRecord, where: Path) -> None:
     first = _chunk_file(r.array, tuple(0 for _ in r.shape))
     full = math.prod(r.chunk_shape) * BY_NAME[r.dtype].itemsize
     try:
-        size = array.joinpath("c", *("0" for _ in r.shape)).stat().st_size
+        if st is None or st.is_local:
+            size = array.joinpath("c", *("0" for _ in r.shape)).stat().st_size
+        else:
+            size = st.size(first)
     except _LAYOUT_ERRORS as e:
-        raise bad(f"chunk file {first} is missing ({e.strerror})") from None
+        raise bad(f"chunk file {first} is missing ({e.strerror or 'not found'})") from None
     if size != full:
         raise bad(f"chunk file {first} has {size} bytes, a chunk needs {full}")
 
@@ -360,11 +379,12 @@ class UniversalReader:
     """The universal store's :class:`formats.base.CheckpointReader`."""
 
     def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root)
-        self.meta = read_metadata(self.root)
+        self._storage = open_storage(root)
+        self.root = self._storage.root
+        self.meta = read_metadata(self._storage)
         where = self.root / METADATA_FILE
         for key, record in self.meta.tensors.items():
-            _check_record(self.root, key, record, where)
+            _check_record(self.root, key, record, where, self._storage)
         for key, obj in self.meta.objects.items():
             _inside(self.root, obj.file, OBJECTS_DIR, key, where)
         self._index: CheckpointIndex | None = None
@@ -402,10 +422,23 @@ class UniversalReader:
         data = self._read_chunk_part(record, chunk, region)
         return from_storage_array(data, record.dtype)
 
-    def _read_chunk_part(self, record: TensorRecord, chunk: ChunkRef, region: Box) -> np.ndarray:
+    def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
+        """Fill ``out`` (writable bytes, exactly the region's size) with ``region`` in C order;
+        a region of whole chunk rows is read straight into ``out`` (one pread, no copy)."""
+        record = self.meta.tensors[key]
+        data = self._read_chunk_part(record, chunk, region, into=out)
+        if data is not None:
+            np.copyto(np.frombuffer(out, dtype=data.dtype).reshape(data.shape), data)
+
+    def _read_chunk_part(self, record: TensorRecord, chunk: ChunkRef, region: Box,
+                         into: memoryview | None = None) -> np.ndarray | None:
+        """The region's stored array; with ``into`` (the region's bytes), rows that hold exactly
+        the region are read into it and None is returned."""
         storage = np.dtype(record.storage_dtype)
         cshape = record.chunk_shape
         local = region.relative_to(chunk.box)
+        whole_rows = not cshape or (all(o == 0 for o in local.offsets[1:]) and local.sizes[1:] == cshape[1:])
+        direct = into is not None and whole_rows
         path = self.root / chunk.file
         row = math.prod(cshape[1:]) * storage.itemsize if cshape else storage.itemsize
         # rows [r0, r1) of the chunk hold the region; read just them
@@ -413,18 +446,20 @@ class UniversalReader:
         r1 = r0 + local.sizes[0] if cshape else 1
         nbytes = (r1 - r0) * row
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY) if self._storage.is_local else self._storage.open_random(chunk.file)
             try:
-                arr = np.empty(nbytes // storage.itemsize, dtype=storage)
-                got = read_exact_into(fd, memoryview(arr).cast("B"), r0 * row)
+                arr = np.frombuffer(into, dtype=storage) if direct else np.empty(nbytes // storage.itemsize, dtype=storage)
+                got = read_into(fd, memoryview(arr).cast("B"), r0 * row)
             finally:
-                os.close(fd)
+                close_file(fd)
         except _LAYOUT_ERRORS as e:
             raise CorruptCheckpointError(
-                f"{path}: chunk file missing for key {record.array!r} ({e.strerror}); the store is damaged: reconvert it"
+                f"{path}: chunk file missing for key {record.array!r} ({e.strerror or 'not found'}); the store is damaged: reconvert it"
             ) from None
         if got != nbytes:
             raise CorruptCheckpointError(f"{path}: chunk file truncated ({got} of {nbytes} bytes); reconvert the store")
+        if direct:
+            return None
         if not cshape:
             return arr.reshape(())
         arr = arr.reshape((r1 - r0, *cshape[1:]))
@@ -442,9 +477,10 @@ class UniversalReader:
         rec = self.meta.objects[key]
         path = self.root / rec.file
         try:
-            data = path.read_bytes()
+            data = path.read_bytes() if self._storage.is_local else self._storage.read_bytes(rec.file)
         except _LAYOUT_ERRORS as e:
-            raise CorruptCheckpointError(f"{path}: object file missing for key {key!r} ({e.strerror}); reconvert the store") from None
+            raise CorruptCheckpointError(f"{path}: object file missing for key {key!r} ({e.strerror or 'not found'}); "
+                                         "reconvert the store") from None
         if xxhash.xxh3_64_hexdigest(data) != rec.checksum:
             raise CorruptCheckpointError(f"{path}: checksum mismatch for object {key!r}; the store is damaged: reconvert it")
         return data

@@ -13,6 +13,7 @@ function that reads bytes of the item; see :class:`SliceReader` and :class:`Buff
 from __future__ import annotations
 
 import io
+import math
 import os
 import struct
 import zipfile
@@ -51,7 +52,8 @@ class ReadAt(Protocol):
 class SliceReader:
     """``ReadAt`` over ``[base, base + length)`` of an open file descriptor (``os.pread``)."""
 
-    def __init__(self, fd: int, base: int, length: int, where: str) -> None:
+    def __init__(self, fd: Any, base: int, length: int, where: str) -> None:
+        """``fd``: an OS file descriptor, or a ``formats.storage.RandomFile`` (remote reads)."""
         self.fd, self.base, self.length, self.where = fd, base, length, where
 
     def __call__(self, offset: int, size: int) -> bytearray:
@@ -72,10 +74,18 @@ class SliceReader:
         self._fill(memoryview(buf), offset)
         return buf
 
+    def read_into(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the item's bytes from ``offset`` (straight into the caller's buffer)."""
+        if offset < 0 or offset + len(view) > self.length:
+            self(offset, len(view))  # raises the bounds error
+        self._fill(view, offset)
+
     def _fill(self, view: memoryview, offset: int) -> None:
         size, done = len(view), 0
+        local = isinstance(self.fd, int)
         while done < size:
-            n = os.preadv(self.fd, [view[done:]], self.base + offset + done)
+            pos = self.base + offset + done
+            n = os.preadv(self.fd, [view[done:]], pos) if local else self.fd.readinto(view[done:], pos)
             if n <= 0:
                 raise CorruptCheckpointError(
                     f"{self.where}: file ends inside the item (truncated file); re-copy it"
@@ -378,6 +388,40 @@ def read_region(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) -
     if view.is_contiguous() and view.numel() == span:
         return view
     return view.clone(memory_format=torch.contiguous_format)
+
+
+def _is_c_contiguous(sizes: Shape, stride: Shape) -> bool:
+    """True when a view of ``sizes`` with ``stride`` (elements) is one dense C-order run."""
+    expected = 1
+    for s, st in zip(reversed(sizes), reversed(stride)):
+        if s != 1 and st != expected:
+            return False
+        expected *= s
+    return True
+
+
+def read_region_into(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape, out: memoryview) -> None:
+    """Fill ``out`` (writable bytes, exactly the box's size) with the box (``offsets``, ``sizes``,
+    chunk-local) in C order: read straight into ``out`` when the box is one dense run of the
+    storage, else through :func:`read_region`."""
+    if any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, at.size)) or len(sizes) != len(at.size):
+        raise ValueError(f"region {offsets}+{sizes} is not inside the chunk {at.size}")
+    isz = at.itemsize
+    numel = math.prod(sizes)
+    if len(out) != numel * isz:
+        raise ValueError(f"buffer of {len(out)} bytes for a region of {numel * isz}")
+    if not numel:
+        return
+    if _is_c_contiguous(sizes, at.stride):
+        first = at.storage_offset + sum(o * st for o, st in zip(offsets, at.stride))
+        fill = getattr(read, "read_into", None)
+        if fill is not None:
+            fill(at.data_start + first * isz, out)
+        else:
+            out[:] = memoryview(read(at.data_start + first * isz, numel * isz)).cast("B")
+        return
+    t = read_region(at, read, offsets, sizes)
+    out[:] = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def verify_crc(at: ArchiveTensor, read: ReadAt, where: str) -> None:

@@ -328,10 +328,13 @@ def load_metadata_file(path: str | os.PathLike) -> DCPMetadata:
 # Per-rank metadata (dcp.save(..., use_collectives=False))
 
 
-def rank_metadata_files(root: str | os.PathLike) -> dict[int, str]:
-    """``{rank: file name}`` of the ``__<rank>.metadata`` files directly under ``root``."""
+def rank_metadata_files(root: str | os.PathLike | list[str]) -> dict[int, str]:
+    """``{rank: file name}`` of the ``__<rank>.metadata`` files directly under ``root`` (a local
+    path or URL, or the list of names already read from it)."""
+    from formats.storage import listdir
+
     out = {}
-    for name in os.listdir(root):
+    for name in root if isinstance(root, list) else listdir(root):
         m = RANK_METADATA_RE.match(name)
         if m:
             out[int(m.group(1))] = name

@@ -23,6 +23,7 @@ import torch
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
 from formats.dcp import archive
 from formats.dcp.metadata import (
+    MAX_METADATA_BYTES,
     METADATA_NAME,
     BytesMeta,
     ChunkMeta,
@@ -33,6 +34,7 @@ from formats.dcp.metadata import (
     load_metadata_file,
     load_object_bytes,
     merge_metadata,
+    parse_metadata_bytes,
     rank_metadata_files,
 )
 from formats.errors import (
@@ -44,6 +46,7 @@ from formats.errors import (
     PlanError,
 )
 from formats.fsutil import safe_join
+from formats.storage import RandomFile, Storage, open_storage
 
 #: Largest non-tensor entry accepted (bytes, after decompression).
 MAX_OBJECT_BYTES = 1 << 30
@@ -67,12 +70,14 @@ class Locator(NamedTuple):
     transforms: tuple[str, ...]
 
 
-def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a directory holding ``.metadata`` or ``__<rank>.metadata`` files."""
-    p = Path(path)
-    if not p.is_dir():
+def is_dcp_checkpoint(path: str | os.PathLike | Storage) -> bool:
+    """True when ``path`` (local or URL) is a directory holding ``.metadata`` or
+    ``__<rank>.metadata`` files."""
+    st = open_storage(path)
+    if st.is_local and not st.is_dir():
         return False
-    return (p / METADATA_NAME).is_file() or bool(rank_metadata_files(p))
+    names = st.list()
+    return METADATA_NAME in names or bool(rank_metadata_files(names))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -95,8 +100,9 @@ def _guess_path(key: str) -> tuple[str | int, ...]:
 # Opening: find and merge metadata
 
 
-def _not_a_checkpoint(root: Path) -> InvalidCheckpointError:
-    names = os.listdir(root)
+def _not_a_checkpoint(root: Path | Storage) -> InvalidCheckpointError:
+    st = open_storage(root)
+    root, names = st.root, st.list()
     if any(n.endswith(".distcp") for n in names):
         return IncompleteCheckpointError(
             f"{root} has .distcp files but no .metadata: the save did not finish (DCP writes "
@@ -106,15 +112,18 @@ def _not_a_checkpoint(root: Path) -> InvalidCheckpointError:
     return InvalidCheckpointError(f"not a DCP checkpoint: no .metadata in {root}; {what}")
 
 
-def read_checkpoint_metadata(root: Path) -> tuple[DCPMetadata, list[str]]:
-    """The checkpoint's metadata and the metadata file names it came from."""
-    if (root / METADATA_NAME).exists():
-        return _load(root / METADATA_NAME), [METADATA_NAME]
-    per_rank = rank_metadata_files(root)
+def read_checkpoint_metadata(root: Path | Storage) -> tuple[DCPMetadata, list[str]]:
+    """The checkpoint's metadata and the metadata file names it came from (local or URL)."""
+    st = open_storage(root)
+    names = st.list()
+    root = st.root
+    if METADATA_NAME in names:
+        return _load(st, METADATA_NAME), [METADATA_NAME]
+    per_rank = rank_metadata_files(names)
     if not per_rank:
-        raise _not_a_checkpoint(root)
+        raise _not_a_checkpoint(st)
     missing = sorted(set(range(max(per_rank) + 1)) - set(per_rank))
-    writers = {r for r in map(_rank_of, os.listdir(root)) if r is not None}
+    writers = {r for r in map(_rank_of, names) if r is not None}
     missing += sorted(writers - set(per_rank) - set(missing))
     if missing:
         raise IncompleteCheckpointError(
@@ -122,14 +131,20 @@ def read_checkpoint_metadata(root: Path) -> tuple[DCPMetadata, list[str]]:
             f"{sorted(per_rank)}); the save did not finish on every rank"
         )
     names = [per_rank[r] for r in sorted(per_rank)]
-    return merge_metadata([_load(root / n) for n in names]), names
+    return merge_metadata([_load(st, n) for n in names]), names
 
 
-def _load(path: Path) -> DCPMetadata:
-    try:
-        return load_metadata_file(path)
-    except OSError as exc:
-        raise InvalidCheckpointError(f"{path}: cannot read metadata ({exc.strerror})") from None
+def _load(st: Storage, name: str) -> DCPMetadata:
+    path = st.root / name
+    if st.is_local:
+        try:
+            return load_metadata_file(path)
+        except OSError as exc:
+            raise InvalidCheckpointError(f"{path}: cannot read metadata ({exc.strerror})") from None
+    size = st.size(name)
+    if size > MAX_METADATA_BYTES:
+        raise CorruptCheckpointError(f"{path}: metadata is {size} bytes, over the {MAX_METADATA_BYTES} byte limit")
+    return parse_metadata_bytes(st.read_bytes(name), str(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +191,7 @@ def _check_disjoint(key: str, chunks: list[ChunkMeta], where: str) -> None:
         active.append((start + (c.sizes[0] if c.sizes else 1), box))
 
 
-def _check_files(root: Path, refs: Iterable[tuple[str, StorageInfo]]) -> dict[str, int]:
+def _check_files(st: Storage, refs: Iterable[tuple[str, StorageInfo]]) -> dict[str, int]:
     """``{relative_path: size}``; every referenced file exists and holds its items."""
     need: dict[str, tuple[int, str]] = {}
     for key, info in refs:
@@ -184,18 +199,18 @@ def _check_files(root: Path, refs: Iterable[tuple[str, StorageInfo]]) -> dict[st
         if end > need.get(info.relative_path, (-1, ""))[0]:
             need[info.relative_path] = (end, key)
     sizes = {}
+    root = st.root
     for rel, (end, key) in sorted(need.items()):
         try:
-            path = safe_join(root, rel)
+            sizes[rel] = st.size(rel)
         except DestinationError:
             raise CorruptCheckpointError(
                 f"{root}: key {key!r} points at {rel!r}, outside the checkpoint directory"
             ) from None
-        if not path.is_file():
+        except CheckpointNotFoundError:
             raise CheckpointNotFoundError(
                 f"{root}: file {rel} is missing (needed by key {key!r}); copy the whole checkpoint"
-            )
-        sizes[rel] = path.stat().st_size
+            ) from None
         if sizes[rel] < end:
             raise CorruptCheckpointError(
                 f"{root / rel}: file is truncated ({sizes[rel]} bytes; key {key!r} needs {end}); "
@@ -269,15 +284,18 @@ class DCPReader:
     """
 
     def __init__(self, path: str | os.PathLike, trust_pickle: bool = False) -> None:
-        self.root = Path(path)
+        self._storage = open_storage(path)
+        self.root = self._storage.root
         self.trust_pickle = trust_pickle
-        if not self.root.exists():
+        if self._storage.is_local and not self.root.exists():
             raise CheckpointNotFoundError(f"{self.root}: no such checkpoint directory")
-        if not self.root.is_dir():
+        if not self._storage.is_dir():
+            if not self._storage.is_local and not self._storage.exists():
+                raise CheckpointNotFoundError(f"{self.root}: no such checkpoint (nothing under this URL)")
             raise InvalidCheckpointError(
                 f"{self.root} is a file; a DCP checkpoint is a directory holding .metadata"
             )
-        self._md, self._md_files = read_checkpoint_metadata(self.root)
+        self._md, self._md_files = read_checkpoint_metadata(self._storage)
         with gc_paused():
             self._index = self._build_index()
         self._fds: dict[str, int] = {}
@@ -311,16 +329,16 @@ class DCPReader:
                 chunks.append(ChunkRef(Box(c.offsets, c.sizes), info.relative_path,
                                        _locator(info), _rank_of(info.relative_path)))
             tensors[key] = TensorEntry(key, meta.dtype, meta.size, tuple(chunks), path)
-        files = _check_files(self.root, refs)
+        files = _check_files(self._storage, refs)
         for key, offsets, nbytes, info in sized:
             _check_item_size(key, offsets, nbytes, info, where)
         return CheckpointIndex("dcp", str(self.root), tensors, objects, self._info(files, refs))
 
     def _info(self, files: dict[str, int], refs: list[tuple[str, StorageInfo]]) -> dict[str, Any]:
         md = self._md
-        names = os.listdir(self.root)
+        names = self._storage.list()
         ranks = {r for r in map(_rank_of, names) if r is not None}
-        ranks |= {r for r in rank_metadata_files(self.root)}
+        ranks |= {r for r in rank_metadata_files(names)}
         sm = md.storage_meta
         return {
             "version": md.version,
@@ -342,9 +360,12 @@ class DCPReader:
 
     # -- raw access --------------------------------------------------------------------------
 
-    def _fd(self, relative_path: str) -> int:
+    def _fd(self, relative_path: str) -> int | RandomFile:
+        """An fd (local) or a ranged-read file (URL) for ``relative_path``, opened once."""
         with self._lock:
             fd = self._fds.get(relative_path)
+            if fd is None and not self._storage.is_local:
+                fd = self._fds[relative_path] = self._storage.open_random(relative_path)
             if fd is None:
                 path = safe_join(self.root, relative_path)
                 try:
@@ -395,6 +416,17 @@ class DCPReader:
         local = region.relative_to(chunk.box)
         return archive.read_region(parsed, read, local.offsets, local.sizes)
 
+    def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
+        """Fill ``out`` (writable bytes, exactly the region's size) with ``region`` in C order,
+        reading straight into it when the region is one dense run of the stored chunk."""
+        if not chunk.box.contains(region) or region.ndim != chunk.box.ndim:
+            raise PlanError(
+                f"key {key!r}: region {region.to_json()} is not inside chunk {chunk.box.to_json()}"
+            )
+        parsed, read = self._chunk(key, chunk)
+        local = region.relative_to(chunk.box)
+        archive.read_region_into(parsed, read, local.offsets, local.sizes, out)
+
     def chunk_archive(self, key: str, chunk: ChunkRef) -> archive.ArchiveTensor:
         """The parsed archive of a chunk (dtype, stride, where its storage bytes start)."""
         return self._chunk(key, chunk)[0]
@@ -430,7 +462,10 @@ class DCPReader:
         with self._lock:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
-            os.close(fd)
+            if isinstance(fd, int):
+                os.close(fd)
+            else:
+                fd.close()
         self._cache.clear()
 
     def __enter__(self) -> DCPReader:
