@@ -168,11 +168,34 @@ def demo_cmd(workdir: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the CLI, turning errors into one line and an exit status."""
+    """Entry point: run the CLI, turning errors into one line and an exit status.
+
+    As the process entry point (``argv`` None) a successful command ends the process at once
+    (``os._exit`` after flushing stdout and stderr): every output is already durable, and
+    interpreter teardown (torch's finalizers) costs seconds. Called with ``argv`` (tests,
+    embedding), it returns normally.
+    """
+    rv = _run(argv)
+    if argv is None:
+        _exit_now(rv if isinstance(rv, int) else 0)
+
+
+def _exit_now(code: int) -> None:
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe must not turn success into a traceback
+            pass
+    os._exit(code)
+
+
+def _run(argv: list[str] | None) -> object:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         _join_torchrun()
-        cli.main(args=argv, prog_name="ckptconv", standalone_mode=False)
+        return cli.main(args=argv, prog_name="ckptconv", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("ckptconv: aborted", err=True)
         sys.exit(130)

@@ -8,6 +8,7 @@ one source read), whatever the checkpoint's size.
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -16,10 +17,11 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 from converter.plan import Piece, WriteTask
-from formats.base import CheckpointReader
+from formats.base import Box, CheckpointReader
 from formats.dtypes import by_name
 from formats.errors import CkptConvError, StorageError
 
@@ -154,8 +156,77 @@ def os_errors_as_storage_errors(what: str):
     return wrap
 
 
+_local = threading.local()
+
+
+def pooled_buffer(slot: str, nbytes: int) -> np.ndarray:
+    """A reusable per-thread uint8 buffer of exactly ``nbytes`` (contents undefined).
+
+    Each worker thread keeps one buffer per ``slot``, grown to the largest size asked for, so
+    pieces reuse warm pages instead of faulting in (and zero-filling) a fresh mapping each time;
+    the buffers go with the thread (an executor's pool ends with its run). Workers hold at most
+    one piece and one scratch buffer each, which is what the budget reserves per task.
+    """
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    buf = bufs.get(slot)
+    if buf is None or buf.nbytes < nbytes:
+        bufs[slot] = None  # free the smaller one before allocating
+        buf = bufs[slot] = np.empty(max(nbytes, 1), dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def _dense_offset(rel: Box, sizes: tuple[int, ...]) -> int | None:
+    """The C-order element offset of ``rel`` inside a box of ``sizes`` when ``rel`` is one dense
+    run of it (leading dims of size 1, one partial dim, whole trailing dims); else None."""
+    k = len(sizes) - 1
+    while k >= 0 and rel.offsets[k] == 0 and rel.sizes[k] == sizes[k]:
+        k -= 1
+    if any(s != 1 for s in rel.sizes[:max(k, 0)]):
+        return None
+    offset, stride = 0, 1
+    for o, n in zip(reversed(rel.offsets), reversed(sizes)):
+        offset += o * stride
+        stride *= n
+    return offset
+
+
+def _byte_shape(sizes: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    return (*sizes[:-1], sizes[-1] * itemsize) if sizes else (itemsize,)
+
+
 def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece) -> torch.Tensor:
-    """The piece's data, read from its source regions (no extra copy when one region covers it)."""
+    """The piece's data, read from its source regions.
+
+    Readers with ``read_region_into`` read every region straight into a pooled per-thread
+    buffer at its place in the piece (regions that are not one dense run of the piece go through
+    a pooled scratch buffer); the result is a view of that buffer, valid until this thread fills
+    its next piece. Other readers return new tensors (no extra copy when one region covers it).
+    """
+    into = getattr(reader, "read_region_into", None)
+    if into is None:
+        return _fill_piece_tensors(reader, task, piece)
+    d = by_name(task.dtype)
+    isz = d.itemsize
+    buf = pooled_buffer("piece", piece.box.numel * isz)
+    view = memoryview(buf)
+    sizes = piece.box.sizes
+    for c in piece.copies:
+        rel = c.region.relative_to(piece.box)
+        n = c.region.numel * isz
+        start = _dense_offset(rel, sizes)
+        if start is not None:
+            into(task.key, c.src, c.region, view[start * isz: start * isz + n])
+            continue
+        tmp = pooled_buffer("scratch", n)
+        into(task.key, c.src, c.region, memoryview(tmp))
+        sel = (*rel.slices()[:-1], slice(rel.offsets[-1] * isz, rel.ends[-1] * isz))
+        buf.reshape(_byte_shape(sizes, isz))[sel] = tmp.reshape(_byte_shape(rel.sizes, isz))
+    return torch.from_numpy(buf).view(d.torch_dtype).reshape(sizes)
+
+
+def _fill_piece_tensors(reader: CheckpointReader, task: WriteTask, piece: Piece) -> torch.Tensor:
     if len(piece.copies) == 1 and piece.copies[0].region == piece.box:
         c = piece.copies[0]
         return reader.read_region(task.key, c.src, c.region)
@@ -165,17 +236,38 @@ def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece) -> torch
     return buf
 
 
+#: Seconds between plain progress lines when stderr is not a terminal.
+PROGRESS_LINE_SECONDS = 5.0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 class _Progress:
-    """Bytes done, rate and ETA on stderr (rich), only when asked or stderr is a terminal."""
+    """Bytes done, rate and ETA on stderr.
+
+    On a terminal: a rich progress bar (unless ``enabled`` is False). Otherwise, unless
+    ``enabled`` is False: a plain line such as ``converting: 1.2/2.0 GB, 410 MB/s, ETA 2 s``
+    every :data:`PROGRESS_LINE_SECONDS` (the first one after that long, so short runs print
+    nothing).
+    """
 
     def __init__(self, total: int, label: str, enabled: bool | None) -> None:
         self._bar = None
-        if enabled is None:
-            enabled = sys.stderr.isatty()
-        if enabled and total:
+        self._lines = False
+        self._label, self._total, self._done = label, total, 0
+        self._lock = threading.Lock()
+        self._start = self._last = time.monotonic()
+        if enabled is False or not total:
+            return
+        if sys.stderr.isatty():
+            from rich.console import Console
             from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                                        TimeRemainingColumn, TransferSpeedColumn)
-            from rich.console import Console
 
             self._bar = Progress(
                 TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -183,12 +275,30 @@ class _Progress:
             )
             self._task = self._bar.add_task(label, total=total)
             self._bar.start()
-        self._lock = threading.Lock()
+        else:
+            self._lines = True
 
     def advance(self, n: int) -> None:
         if self._bar is not None:
             with self._lock:
                 self._bar.advance(self._task, n)
+        elif self._lines:
+            with self._lock:
+                self._done += n
+                now = time.monotonic()
+                if now - self._last < PROGRESS_LINE_SECONDS:
+                    return
+                self._last = now
+                self._line(now)
+
+    def _line(self, now: float) -> None:
+        rate = self._done / max(now - self._start, 1e-9)
+        eta = (self._total - self._done) / rate if rate else float("inf")
+        total = _fmt_bytes(self._total)
+        unit = total.split()[-1]
+        scale = {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[unit]
+        print(f"{self._label}: {self._done / scale:.1f}/{total}, {_fmt_bytes(rate)}/s, ETA {eta:.0f} s",
+              file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         if self._bar is not None:
@@ -220,6 +330,9 @@ def execute(
     lock = threading.Lock()
     fault = _FaultInjector()
     start = time.perf_counter()
+    gc_was_enabled = gc.isenabled()
+    gc.freeze()  # the index and plan are long-lived: keep the collector off them
+    gc.disable()  # the copy loop makes no cycles worth a collection pass
 
     def run(task: WriteTask) -> None:
         if failed.is_set():
@@ -268,6 +381,9 @@ def execute(
             journal.flush(sink.sync, force=True)
     finally:
         bar.stop()
+        if gc_was_enabled:
+            gc.enable()
+        gc.unfreeze()
     stats.seconds = time.perf_counter() - start
     stats.bytes_read = stats.bytes_written
     stats.peak_reserved = budget.peak
