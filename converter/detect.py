@@ -33,7 +33,7 @@ from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
 WHOLE = "whole"  # one chunk holding the whole tensor (replicated, single process, 0-d)
 FSDP = "fsdp"  # split on dim 0 only, rank order == offset order (or TP-replicated in a 2-D run)
 TP_COLWISE = "tp_colwise"  # split on dim 0 by TP (TP-major block order), possibly x FSDP
-TP_ROWWISE = "tp_rowwise"  # split on dim 1 by TP (and dim 0 by FSDP)
+TP_ROWWISE = "tp_rowwise"  # split on one dim >= 1 by TP (dim 1: row-wise Linear), and dim 0 by FSDP
 CHUNKED = "chunked"  # storage chunks without rank information (universal store, HF)
 IRREGULAR = "irregular"  # boxes that match none of the above (or do not tile the tensor)
 
@@ -97,6 +97,8 @@ def tiles(entry: TensorEntry) -> bool:
         return False
     if sum(b.numel for b in boxes) != entry.numel:
         return False
+    if entry.numel == 0:  # an empty tensor (a dim of size 0) has nothing to cover
+        return True
     axes = [sorted({(b.offsets[d], b.sizes[d]) for b in boxes}) for d in range(len(shape))]
     grid = 1
     for ivs in axes:
@@ -199,13 +201,19 @@ def _stage_mesh(ranks: tuple[int, ...], entries: list[TensorEntry]) -> _Mesh:
     for t in entries:
         dims = split_dims(t)
         shards = max(shards, dims.get(0, 1))
-        if 1 in dims and set(dims) <= {0, 1}:
-            tp = max(tp, dims[1])
+        if (d := _tp_inner_dim(dims)) is not None:
+            tp = max(tp, dims[d])
         elif set(dims) == {0} and len(t.chunks) == len(ranks):
             seq = [local[c.rank] for c in _order(t.chunks)]
             tp = max(tp, tp_major_factor(seq) or 1)
     dp = max(1, len(ranks) // tp) if tp > 1 else shards
     return _Mesh(ranks, tp, dp, shards)
+
+
+def _tp_inner_dim(dims: Mapping[int, int]) -> int | None:
+    """The one dim >= 1 a tensor is split on (TP ``Shard(d)``, possibly x FSDP on dim 0), or None."""
+    inner = [d for d in dims if d != 0]
+    return inner[0] if len(inner) == 1 else None
 
 
 def _classify(entry: TensorEntry, mesh: _Mesh | None) -> tuple[str, int | None]:
@@ -222,8 +230,9 @@ def _classify(entry: TensorEntry, mesh: _Mesh | None) -> tuple[str, int | None]:
         if mesh.tp > 1 and n == mesh.dp * mesh.tp:
             return TP_COLWISE, 0
         return FSDP, None
-    if 1 in dims and set(dims) <= {0, 1} and mesh.tp > 1 and dims[1] == mesh.tp:
-        return TP_ROWWISE, 1
+    d = _tp_inner_dim(dims)
+    if d is not None and mesh.tp > 1 and dims[d] == mesh.tp:
+        return TP_ROWWISE, d
     return IRREGULAR, None
 
 
@@ -286,7 +295,7 @@ def _stage_summary(mesh: _Mesh, layouts: Mapping[str, TensorLayout]) -> tuple[st
     n = len(mesh.ranks)
     if mesh.tp > 1:
         col, row = _count(layouts, TP_COLWISE), _count(layouts, TP_ROWWISE)
-        rep = _count(layouts, FSDP)
+        rep = _count(layouts, FSDP) if mesh.dp > 1 else _count(layouts, WHOLE)
         detail = f"TP dim 0: {col} tensors, TP dim 1: {row}, TP-replicated: {rep}"
         if mesh.dp > 1:
             return "2-D", f"TP x FSDP (dp{mesh.dp} x tp{mesh.tp}); {detail}", {"dp": mesh.dp, "tp": mesh.tp}

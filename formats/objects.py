@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
+import re
+import zipfile
 from typing import Any
 
 import torch
@@ -20,6 +23,11 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
             raise CorruptCheckpointError(f"{where}: cannot unpickle ({e})") from None
         first = str(e).strip().splitlines()
         hint = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
+        if _is_damaged(data, str(e)):
+            raise CorruptCheckpointError(
+                f"{where}: damaged non-tensor entry (malformed pickle: {hint.strip()[:160]}); "
+                "the checkpoint file is corrupt, restore it from a good copy"
+            ) from None
         raise UnsafePickleError(
             f"{where}: non-tensor entry needs classes outside the safe allowlist ({hint.strip()[:160]}); "
             "pass --trust-pickle only if you trust this checkpoint"
@@ -27,6 +35,38 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
     except Exception as e:  # damaged pickles make torch's unpickler raise many builtin types
         first = str(e).splitlines()[0][:160] if str(e) else ""
         raise CorruptCheckpointError(f"{where}: corrupt non-tensor entry ({type(e).__name__}: {first})") from None
+
+
+_VALID_OPCODES = {ord(op.code) for op in pickletools.opcodes}
+_UNSAFE_HINTS = ("GLOBAL", "global", "allowlist", "Can only", "persistent", "DTensor", "NJT")
+
+
+def _is_damaged(data: bytes, message: str) -> bool:
+    """True when an UnpicklingError comes from malformed bytes, not from a disallowed class."""
+    if any(h in message for h in _UNSAFE_HINTS):
+        return False
+    m = re.search(r"Unsupported operand (\d+)", message)
+    if m and int(m.group(1)) not in _VALID_OPCODES:
+        return True
+    if "String is too long" in message:
+        return True
+    return not _pickle_parses(data)
+
+
+def _pickle_parses(data: bytes) -> bool:
+    """Whether the pickle of a torch.save payload (zip ``*/data.pkl`` or legacy) is well formed."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            name = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+            payload = z.read(name) if name else data
+    except (zipfile.BadZipFile, KeyError, OSError, ValueError, EOFError):
+        payload = data
+    try:
+        for _ in pickletools.genops(payload):
+            pass
+    except Exception:  # noqa: BLE001 - any parse failure means malformed bytes
+        return False
+    return True
 
 
 def json_view(value: Any) -> Any:
