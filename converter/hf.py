@@ -29,6 +29,7 @@ import torch
 
 from converter import __version__
 from converter.atoms import group_atoms
+from converter.remote import remote_destination
 from converter.config import RunOptions, check_destination, check_resume_destination, parse_size
 from converter import distributed
 from converter.execute import os_errors_as_storage_errors
@@ -263,6 +264,7 @@ def _shard_summary(plans) -> str:
     return "\n".join(f"# {p.name}: {len(p.tensors)} tensors, {p.size} bytes" for p in plans)
 
 
+@remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
 @os_errors_as_storage_errors("export-hf")
 def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
@@ -346,18 +348,38 @@ def _config_bytes(cfg: Mapping[str, Any]) -> bytes:
 # import
 
 
+#: HF name of a tied output projection -> the HF name of the embedding it is tied to. Hugging Face
+#: saves a tied ``lm_head.weight`` only once, as the embedding (safetensors refuses shared storage).
+TIED_HF = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def tied_copies(index: CheckpointIndex, config: Mapping[str, Any] | None) -> dict[str, str]:
+    """HF names the checkpoint left out because ``config.json`` says ``tie_word_embeddings`` ->
+    the HF name whose tensor they are (pure); empty when not tied or already present."""
+    if not config or config.get("tie_word_embeddings") is not True:
+        return {}
+    return {out: emb for out, emb in TIED_HF.items() if out not in index.tensors and emb in index.tensors}
+
+
 def plan_import(index: CheckpointIndex, kmap: KeyMap, config: Mapping[str, Any] | None,
                 prefix: str | None) -> tuple[dict[str, Source], dict[str, tuple]]:
-    """Pure: (universal key -> Source, universal key -> object path) for an HF index."""
-    names = rename_all(list(index.tensors), kmap.importer(), kmap.name, "import")
+    """Pure: (universal key -> Source, universal key -> object path) for an HF index.
+
+    A tied output projection the checkpoint omits (see :func:`tied_copies`) is recreated from
+    the embedding it is tied to, so that the model's state dict (which holds both) loads.
+    """
+    tied = tied_copies(index, config)
+    names = rename_all([*index.tensors, *tied], kmap.importer(), kmap.name, "import")
     sources, paths = {}, {}
     for hf, native in names.items():
         key = f"{prefix}.{native}" if prefix else native
-        sources[key] = Source(hf, _perm_for(kmap, native, index.tensors[hf].shape, config, to_hf=False))
+        src = tied.get(hf, hf)
+        sources[key] = Source(src, _perm_for(kmap, native, index.tensors[src].shape, config, to_hf=False))
         paths[key] = (prefix, native) if prefix else (native,)
     return sources, paths
 
 
+@remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
 @os_errors_as_storage_errors("import-hf")
 def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               config: str | os.PathLike | Mapping[str, Any] | None = None, prefix: str | None = None,
@@ -377,14 +399,22 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     kmap = get_key_map(key_map)
     if detect_format(src) != "hf":
         raise ConfigError(f"{src}: import-hf reads a Hugging Face directory (*.safetensors); use to-universal for other checkpoints")
-    if config is None and kmap.transforms and (Path(src) / CONFIG_FILE).is_file():
-        config = Path(src) / CONFIG_FILE
-    cfg, _ = load_config_arg(config)
+    if config is None and (Path(src) / CONFIG_FILE).is_file():  # head counts, tie_word_embeddings
+        try:
+            cfg, _ = load_config_arg(Path(src) / CONFIG_FILE)
+        except ConfigError:
+            if kmap.transforms:  # the map needs it: say what is wrong with it
+                raise
+            cfg = None  # only read for tie_word_embeddings: an unreadable one changes nothing
+    else:
+        cfg, _ = load_config_arg(config)
     dist = distributed.current()
     reader = open_checkpoint(src)
     try:
         index = reader.index()
         sources, paths = plan_import(index, kmap, cfg, prefix)
+        notes = tuple(f"{out} recreated from {emb}: config.json says tie_word_embeddings and the checkpoint "
+                      "stores the tied weight once" for out, emb in tied_copies(index, cfg).items())
         view = MappedReader(reader, sources, paths)
         vindex = view.index()
         chunk_bytes = chunk_bytes or min(knobs.UNIVERSAL_CHUNK_BYTES, options.effective_piece_bytes)
@@ -418,6 +448,6 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
             writer.commit(source, __version__, atoms, created)
 
         dist.on_leader(publish)
-        return ConversionResult(str(out), len(sources), 0, stats.bytes_written, stats.seconds)
+        return ConversionResult(str(out), len(sources), 0, stats.bytes_written, stats.seconds, warnings=notes)
     finally:
         reader.close()
