@@ -326,7 +326,7 @@ class DCPWriter:
                 os.fsync(fd)
             self._close_fds()
             fsync_dir(self.root)
-            atomic_write_bytes(self.root / METADATA_NAME, pickle.dumps(self.metadata()))
+            atomic_write_bytes(self.root / METADATA_NAME, self.metadata_bytes())
             self._state = "committed"
 
     def abort(self) -> None:
@@ -360,6 +360,32 @@ class DCPWriter:
             os.close(fd)
 
     # -- metadata ------------------------------------------------------------------------------
+
+    def metadata_bytes(self) -> bytes:
+        """The ``.metadata`` pickle: unpickles to what :meth:`metadata` returns, but is built
+        without importing ``torch.distributed.checkpoint`` (seconds of CPU); see
+        :mod:`formats.dcp.metadata_pickle`."""
+        from formats.dcp import metadata_pickle as mp
+
+        sd_md: dict = {k: mp.bytes_storage_metadata() for k in self._object_loc}
+        index: dict[tuple, Any] = {}
+        for key, specs in self._tensors.items():
+            specs = sorted(specs, key=lambda s: s.rank)  # dcp.save gathers plans in rank order
+            sd_md[key] = mp.tensor_storage_metadata(
+                by_name(specs[0].dtype).torch_dtype, specs[0].global_shape,
+                [(s.box.offsets, s.box.sizes) for s in specs],
+            )
+            index.update({_chunk_id(s): mp.MetadataIndex(key, s.box.offsets, i) for i, s in enumerate(specs)})
+        items = [(mp.MetadataIndex(o.key), self._object_loc[o.key]) for o in self._objects]
+        items += [(index[_chunk_id(s)], self._chunk_loc[_chunk_id(s)]) for s in self._chunks]
+        ranks = {name: r for r, name in self._files.items()}
+        items.sort(key=lambda it: (ranks[it[1].relative_path], it[1].offset))  # file order, like dcp.save
+        storage = {mi: mp.storage_info(loc.relative_path, loc.offset, loc.length) for mi, loc in items}
+        ordered = {k: sd_md[k] for k in self._planner_data}
+        with_meta, with_version = mp.torch_fields()
+        md = mp.metadata(ordered, dict(self._planner_data), storage, self.root, str(uuid.uuid4()),
+                         DCP_VERSION if with_version else None, with_meta)
+        return mp.dumps(md)
 
     def metadata(self) -> Any:
         """The ``Metadata`` that ``commit`` pickles into ``.metadata``."""
