@@ -43,19 +43,23 @@ def run_options(f):
         click.option("--trust-pickle", is_flag=True, help="Allow non-tensor entries that need arbitrary classes (runs their pickle code)."),
         click.option("--dry-run", is_flag=True, help="Print the plan, write nothing."),
         click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when stderr is a terminal)."),
+        click.option("--spool-dir", default=None, help="Local directory to stage a URL destination before upload "
+                     "(default: $CKPTCONV_SPOOL_DIR or the temp dir; needs room for the whole output)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
 
 
-def make_options(workers, memory_budget, overwrite, resume, trust_pickle, dry_run, progress) -> RunOptions:
+def make_options(workers, memory_budget, overwrite, resume, trust_pickle, dry_run, progress,
+                 spool_dir=None) -> RunOptions:
     from converter import knobs
 
     return RunOptions(
         workers=workers or knobs.WORKERS,
         memory_budget=memory_budget or knobs.MEMORY_BUDGET,
         overwrite=overwrite, resume=resume, trust_pickle=trust_pickle, dry_run=dry_run, progress=progress,
+        spool_dir=spool_dir,
     )
 
 

@@ -38,6 +38,7 @@ class RunOptions:
     trust_pickle: bool = False
     dry_run: bool = False
     resume: bool = False
+    spool_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.resume and self.overwrite:

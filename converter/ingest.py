@@ -11,6 +11,7 @@ import torch
 
 from converter import __version__
 from converter.atoms import group_atoms
+from converter.remote import remote_destination
 from converter.config import RunOptions, check_destination, check_resume_destination
 from converter import distributed
 from converter.journal import Journal, index_fingerprint, task_id
@@ -99,6 +100,7 @@ def _copy_objects(reader: CheckpointReader, index: CheckpointIndex, writer: Univ
         writer.add_object(key, data, entry.path, ref.atom, ref.role, json_view(value))
 
 
+@remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
 @os_errors_as_storage_errors("to-universal")
 def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
                  chunk_bytes: int | None = None) -> ConversionResult:

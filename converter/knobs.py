@@ -24,3 +24,7 @@ MAX_OBJECT_BYTES = 1 * GIB
 FAULT_KILL_AFTER_BYTES = int(os.environ.get("CKPTCONV_FAULT_KILL_AFTER_BYTES", "0") or 0)
 #: Seconds between journal batches (data fsync + journal append) of a conversion.
 JOURNAL_FLUSH_SECONDS = float(os.environ.get("CKPTCONV_JOURNAL_FLUSH_SECONDS", "2.0") or 2.0)
+#: Where a conversion to a URL destination spools its output before uploading (a fresh
+#: ``ckptconv-spool-*`` directory is made under it; None = the system temp dir). It needs room
+#: for the whole output. Env ``CKPTCONV_SPOOL_DIR``; the ``--spool-dir`` option overrides it.
+SPOOL_DIR = os.environ.get("CKPTCONV_SPOOL_DIR") or None

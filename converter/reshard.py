@@ -21,6 +21,7 @@ import torch
 
 from converter.atoms import AtomRef, group_atoms
 from converter import __version__
+from converter.remote import remote_destination
 from converter.config import RunOptions, check_destination, check_resume_destination
 from converter.journal import Journal, has_journal, index_fingerprint
 from converter import distributed
@@ -142,6 +143,7 @@ class _RankChunkSink:
             return None
 
 
+@remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
 @os_errors_as_storage_errors("from-universal")
 def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "fsdp",
                    mesh_order: str | None = None, dtype: str | None = None,

@@ -143,7 +143,11 @@ def verify(path: str | os.PathLike, *, quick: bool = False, trust_pickle: bool =
     fmt = detect_format(path)
     run = {"dcp": _verify_dcp, "universal": _verify_universal, "hf": _verify_hf}[fmt]
     found = _Findings()
-    tasks = run(Path(path), found, quick, trust_pickle)
+    from formats.storage import is_remote
+
+    if is_remote(path):
+        run = _verify_remote
+    tasks = run(path if is_remote(path) else Path(path), found, quick, trust_pickle)
     found.bytes_checked += _run_tasks(tasks, found.problems, workers or knobs.WORKERS)
     return VerifyReport(
         path=str(path), format=fmt, checks=tuple(found.checks), problems=tuple(found.problems),
@@ -595,6 +599,51 @@ def _verify_hf(root: Path, found: _Findings, quick: bool, trust_pickle: bool) ->
     found.checks += ["every tensor's bytes read (unreadable or vanished data is found; flipped bytes are not)"]
     return [_guard(lambda key=key, e=e: _read_all(reader, key, e), "read", key, e.chunks[0])
             for key, e in index.tensors.items()]
+
+
+def _verify_remote(url: str, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
+    """A checkpoint behind a URL, through its reader (ranged reads, nothing downloaded whole):
+    opening validates the metadata, every referenced file and its size; then every universal
+    chunk's xxh3_64, every DCP chunk's zip CRC-32, every HF tensor read, every object loaded."""
+    from converter.sources import open_checkpoint
+
+    found.checks += ["metadata valid; every referenced file present and long enough (the reader's open checks)"]
+    try:
+        reader = open_checkpoint(url, trust_pickle=trust_pickle)
+        index = reader.index()
+    except CkptConvError as e:
+        found.problems.append(Problem("metadata", str(e)))
+        return []
+    found.counts.update(tensors=len(index.tensors), objects=len(index.objects),
+                        chunks=sum(len(t.chunks) for t in index.tensors.values()))
+    if quick:
+        return []
+    found.checks += ["every chunk's checksum (universal: xxh3_64, DCP: zip CRC-32) or full read (HF)",
+                     "every object loads (weights-only unless --trust-pickle)"]
+    tasks: list[_Task] = []
+    for key, entry in index.tensors.items():
+        for chunk in entry.chunks:
+            tasks.append(_guard(lambda key=key, entry=entry, chunk=chunk: _remote_chunk(reader, key, entry, chunk),
+                                "checksum", key, chunk))
+    for key, obj in index.objects.items():
+        tasks.append(_object_task(reader, key, obj.file, found, trust_pickle,
+                                  lambda key=key: len(reader.read_object_bytes(key))))
+    return tasks
+
+
+def _remote_chunk(reader: Any, key: str, entry: Any, chunk: ChunkRef) -> int:
+    from formats.errors import CorruptCheckpointError
+
+    if hasattr(reader, "chunk_checksum"):
+        expected, actual = reader.chunk_checksum(key, chunk)
+        if expected != actual:
+            raise CorruptCheckpointError(f"{reader.root}/{chunk.file}: key {key!r} checksum mismatch "
+                                         f"({actual} != {expected}); the store is damaged: reconvert it")
+        return chunk.box.numel * entry.nbytes // max(1, math.prod(entry.shape) or 1)
+    if hasattr(reader, "verify_chunk_crc"):
+        reader.verify_chunk_crc(key, chunk)
+        return chunk.box.numel * entry.nbytes // max(1, math.prod(entry.shape) or 1)
+    return _read_all(reader, key, entry)
 
 
 def _read_all(reader: Any, key: str, entry: Any) -> int:

@@ -1,0 +1,158 @@
+"""Object storage: conversions from and to s3:// URLs against a real S3 server on loopback (moto).
+
+The oracle is torch reading the local source (``dcp_to_torch_save``) and our own local outputs:
+an S3 output must equal, bit for bit, what torch reads from the local checkpoint (DCP) or the file
+bytes the same conversion writes locally (HF safetensors).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_runner import run_cli
+from tests.oracle import assert_same_value, torch_reference
+
+SECRET = "Zq9-ckptconv-not-a-real-secret"
+
+
+def _fs():
+    from fsspec.core import url_to_fs
+
+    fs, _ = url_to_fs("s3://x")
+    fs.invalidate_cache()
+    return fs
+
+
+def _put(local: Path, url: str) -> None:
+    fs = _fs()
+    for p in sorted(local.rglob("*")):
+        if p.is_file() and p.name not in ("_fixture.json", "_complete.json"):
+            fs.put_file(str(p), url[len("s3://"):] + "/" + p.relative_to(local).as_posix())
+
+
+def _get(url: str, local: Path) -> Path:
+    fs = _fs()
+    base = url[len("s3://"):]
+    for key in fs.find(base):
+        dest = local / key[len(base) + 1:]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(key, str(dest))
+    return local
+
+
+def _ok(*args: str) -> str:
+    code, out, err = run_cli(*args)
+    assert code == 0, (args, out, err)
+    assert "testing" not in out + err  # the session's secret key never shows
+    return out
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "converter", *args], capture_output=True, text=True,
+                          env=full, timeout=300)
+
+
+@pytest.fixture
+def s3_source(s3_bucket, dcp_checkpoint):
+    src = dcp_checkpoint("fsdp4")
+    _put(src, f"{s3_bucket}/src")
+    return src, f"{s3_bucket}/src"
+
+
+def test_s3_to_s3_round_trip_bit_exact(s3_source, s3_bucket, tmp_path):
+    local_src, src = s3_source
+    uni, out = f"{s3_bucket}/uni", f"{s3_bucket}/out"
+    _ok("to-universal", src, uni)
+    _ok("from-universal", uni, "--mesh", "dp2", out)
+    names = _fs().ls(out[len("s3://"):], detail=False)
+    assert any(n.endswith("/.metadata") for n in names)
+    got = torch_reference(_get(out, tmp_path / "out"))
+    assert_same_value(got, torch_reference(local_src))
+    # inspect and verify read the remote store and the remote DCP source in place
+    assert "fsdp" in _ok("inspect", src).lower() or _ok("inspect", src)
+    _ok("inspect", uni)
+    _ok("verify", uni)
+    _ok("verify", out)
+
+
+def test_export_and_import_hf_through_s3(s3_source, s3_bucket, tmp_path):
+    local_src, src = s3_source
+    _ok("to-universal", str(local_src), str(tmp_path / "uni"))
+    _ok("export-hf", str(tmp_path / "uni"), str(tmp_path / "hf"), "--max-shard-size", "200KB")
+    _ok("export-hf", str(tmp_path / "uni"), f"{s3_bucket}/hf", "--max-shard-size", "200KB")
+    remote = _get(f"{s3_bucket}/hf", tmp_path / "hf_remote")
+    local_files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert sorted(p.name for p in remote.iterdir()) == local_files
+    for name in local_files:
+        assert (remote / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+    _ok("import-hf", f"{s3_bucket}/hf", f"{s3_bucket}/uni2")
+    _ok("verify", f"{s3_bucket}/uni2")
+    _ok("export-hf", f"{s3_bucket}/uni2", str(tmp_path / "hf2"), "--max-shard-size", "200KB")
+    for name in local_files:
+        if name.endswith(".safetensors"):
+            assert (tmp_path / "hf2" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+
+
+def test_remote_destination_rules(s3_source, s3_bucket):
+    local_src, src = s3_source
+    dst = f"{s3_bucket}/uni"
+    _ok("to-universal", str(local_src), dst)
+    code, out, err = run_cli("to-universal", str(local_src), dst)
+    assert code == 2 and "not empty" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli("to-universal", str(local_src), dst, "--resume")
+    assert code == 2 and "--resume" in err and "Traceback" not in err
+    _ok("to-universal", str(local_src), dst, "--overwrite")
+    _ok("verify", dst)
+    code, out, err = run_cli("to-universal", src, f"{src}/inner")
+    assert code == 2 and "overlaps the source" in err
+
+
+def test_missing_bucket_key_and_credentials_one_line(s3_bucket):
+    for url in ("s3://no-such-bucket-ckptconv/x", f"{s3_bucket}/nothing-here"):
+        code, out, err = run_cli("inspect", url)
+        assert code == 2, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and url in err
+    # no credentials at all (a fresh process: s3fs caches its clients per process)
+    env = {k: "" for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent",
+               AWS_EC2_METADATA_DISABLED="true")
+    res = _cli("inspect", f"{s3_bucket}/x", env=env)
+    assert res.returncode == 2, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "AWS_ACCESS_KEY_ID" in res.stderr
+
+
+def test_interrupted_remote_conversion_leaves_no_marker(s3_source, s3_bucket):
+    local_src, _ = s3_source
+    dst = f"{s3_bucket}/killed"
+    res = _cli("to-universal", str(local_src), dst, env={"CKPTCONV_FAULT_KILL_AFTER_BYTES": "1000",
+                                                         "AWS_SECRET_ACCESS_KEY": SECRET})
+    assert res.returncode == -9
+    assert SECRET not in res.stdout + res.stderr
+    fs = _fs()
+    assert not fs.exists(dst[len("s3://"):] + "/ckptconv.json")
+    code, out, err = run_cli("inspect", dst)
+    assert code == 2
+
+
+def test_secret_never_printed(s3_source, s3_bucket):
+    local_src, _ = s3_source
+    res = _cli("to-universal", str(local_src), f"{s3_bucket}/u", "--progress", env={"AWS_SECRET_ACCESS_KEY": SECRET})
+    assert res.returncode == 0, res.stderr
+    res = _cli("inspect", f"{s3_bucket}/missing", "--debug", env={"AWS_SECRET_ACCESS_KEY": SECRET})
+    assert SECRET not in res.stdout + res.stderr
+
+
+def test_distcp_without_metadata_is_incomplete(dcp_checkpoint_copy, s3_bucket):
+    ckpt = dcp_checkpoint_copy("single")
+    (ckpt / ".metadata").unlink()
+    for target in (str(ckpt), f"{s3_bucket}/partial"):
+        if target.startswith("s3://"):
+            _put(ckpt, target)
+        code, out, err = run_cli("inspect", target)
+        assert code == 2 and "did not finish" in err and ".metadata" in err, err
