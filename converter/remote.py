@@ -79,7 +79,9 @@ def _files(out: Path) -> tuple[list[str], list[str]]:
     for dirpath, _, names in os.walk(out):
         for name in names:
             rel = Path(dirpath, name).relative_to(out).as_posix()
-            if name.startswith(_SKIP_PREFIXES) or ".tmp" in name:
+            # writers' temp files (".x.tmp", ".x.tmp-<pid>", "model-...safetensors.tmp") never go up;
+            # after a successful run there are none
+            if name.startswith(_SKIP_PREFIXES) or (name.startswith(".") and ".tmp" in name) or name.endswith(".safetensors.tmp"):
                 continue
             (markers if rel in MARKERS else data).append(rel)
     singles = [d for d in data if d.endswith(".safetensors") and "/" not in d]
