@@ -94,7 +94,7 @@ class Rule:
     tp_divisible: bool = False
 
     def matches(self, fqn: str) -> bool:
-        return re.fullmatch(self.pattern, fqn) is not None
+        return re.fullmatch(self.pattern, fqn, re.DOTALL) is not None  # "." also matches a newline in a key
 
 
 @dataclass(frozen=True)
