@@ -39,7 +39,7 @@ from formats.errors import (
     IncompleteCheckpointError,
     InvalidCheckpointError,
 )
-from formats.fsutil import atomic_write_bytes, fsync_dir, read_exact_into, safe_join
+from formats.fsutil import atomic_write_bytes, fsync_dir, start_writeback, read_exact_into, safe_join
 from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
 from formats.universal_meta import (
     METADATA_FILE,
@@ -218,6 +218,7 @@ class UniversalWriter:
             f.write(payload)
             if len(payload) < full:
                 f.truncate(full)
+            start_writeback(f.fileno())
         os.replace(tmp, path)
         with self._lock:
             record.checksums[chunk_id(index)] = checksum

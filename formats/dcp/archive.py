@@ -308,6 +308,22 @@ def _find_data_pkl(entries: dict[str, Entry], where: str) -> tuple[str, Entry]:
     return found[0].name[: -len("data.pkl")], found[0]
 
 
+_DATA_PKL_CACHE: dict[bytes, Any] = {}
+_DATA_PKL_CACHE_ENTRIES = 4096
+
+
+def _load_data_pkl(data: bytes, where: str) -> Any:
+    """The (immutable) description ``data.pkl`` unpickles to, memoized by its bytes: the chunks
+    of same-shaped tensors share one ``data.pkl``, and the restricted unpickler is slow."""
+    desc = _DATA_PKL_CACHE.get(data)
+    if desc is None:
+        desc = safe_loads(data, f"{where} (data.pkl)", _resolve_data_pkl, _persistent(where), scan=True)
+        if len(_DATA_PKL_CACHE) >= _DATA_PKL_CACHE_ENTRIES:
+            _DATA_PKL_CACHE.clear()
+        _DATA_PKL_CACHE[data] = desc
+    return desc
+
+
 def parse_tensor_archive(read: ReadAt, where: str, dtype: str, size: Shape) -> ArchiveTensor:
     """Parse the chunk archive read by ``read`` and check it holds a ``dtype`` tensor of ``size``.
 
@@ -324,8 +340,7 @@ def parse_tensor_archive(read: ReadAt, where: str, dtype: str, size: Shape) -> A
     if pkl.size > MAX_DATA_PKL_BYTES:
         raise CorruptCheckpointError(f"{where}: data.pkl is {pkl.size} bytes; not a tensor chunk")
     _check_byteorder(f, entries, prefix, where)
-    desc = safe_loads(bytes(f.pread(pkl.start, pkl.size)), f"{where} (data.pkl)",
-                      _resolve_data_pkl, _persistent(where), scan=True)
+    desc = _load_data_pkl(bytes(f.pread(pkl.start, pkl.size)), where)
     if not isinstance(desc, _TensorDesc) or not isinstance(desc.storage, _StorageRef):
         raise CorruptCheckpointError(f"{where}: chunk archive does not hold a plain tensor")
     return _describe(desc, entries, prefix, where, dtype, size)

@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _data_crc32 = zlib.crc32
 
 from formats.dtypes import by_name
+from formats.fsutil import start_writeback
 from formats.errors import IncompleteCheckpointError, InvalidCheckpointError, UnsupportedError
 
 Shape = tuple[int, ...]
@@ -376,6 +377,7 @@ class TensorArchiveWriter:
         if len(self._head) < 8:
             self._head += data[: 8 - len(self._head)].tobytes()
         _pwrite_all(self._fd, data, self._base + self._layout.data_offset + self._written)
+        start_writeback(self._fd, self._base + self._layout.data_offset + self._written, data.nbytes)
         self._crc = _data_crc32(data, self._crc)
         self._written += data.nbytes
 
