@@ -24,6 +24,7 @@ from converter.plan import Piece, WriteTask
 from formats.base import Box, CheckpointReader
 from formats.dtypes import by_name
 from formats.errors import CkptConvError, StorageError
+from formats.fsutil import pooled_buffer
 
 if TYPE_CHECKING:
     from converter.journal import Journal
@@ -154,27 +155,6 @@ def os_errors_as_storage_errors(what: str):
         return run
 
     return wrap
-
-
-_local = threading.local()
-
-
-def pooled_buffer(slot: str, nbytes: int) -> np.ndarray:
-    """A reusable per-thread uint8 buffer of exactly ``nbytes`` (contents undefined).
-
-    Each worker thread keeps one buffer per ``slot``, grown to the largest size asked for, so
-    pieces reuse warm pages instead of faulting in (and zero-filling) a fresh mapping each time;
-    the buffers go with the thread (an executor's pool ends with its run). Workers hold at most
-    one piece and one scratch buffer each, which is what the budget reserves per task.
-    """
-    bufs = getattr(_local, "bufs", None)
-    if bufs is None:
-        bufs = _local.bufs = {}
-    buf = bufs.get(slot)
-    if buf is None or buf.nbytes < nbytes:
-        bufs[slot] = None  # free the smaller one before allocating
-        buf = bufs[slot] = np.empty(max(nbytes, 1), dtype=np.uint8)
-    return buf[:nbytes]
 
 
 def _dense_offset(rel: Box, sizes: tuple[int, ...]) -> int | None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+
+import numpy as np
 
 from formats.errors import DestinationError
 
@@ -85,5 +88,34 @@ def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
             _libc_sync_file_range = fn
         except (OSError, AttributeError):
             _libc_sync_file_range = False
-    if _libc_sync_file_range:
-        _libc_sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+    if not _libc_sync_file_range:
+        return
+    if nbytes:  # whole pages only: a page under writeback blocks the next write into it
+        end = (offset + nbytes) & ~(_PAGE - 1)
+        offset = (offset + _PAGE - 1) & ~(_PAGE - 1)
+        if end <= offset:
+            return
+        nbytes = end - offset
+    _libc_sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+_PAGE = 4096
+_local = threading.local()
+
+
+def pooled_buffer(slot: str, nbytes: int) -> np.ndarray:
+    """A reusable per-thread uint8 buffer of exactly ``nbytes`` (contents undefined).
+
+    Each thread keeps one buffer per ``slot``, grown to the largest size asked for, so repeated
+    reads reuse warm pages instead of faulting in (and zero-filling) a fresh mapping each time.
+    The buffers live as long as the thread (an executor's worker pool ends with its run). The
+    result is only valid until the same thread asks for the same slot again.
+    """
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    buf = bufs.get(slot)
+    if buf is None or buf.nbytes < nbytes:
+        bufs[slot] = None  # free the smaller one before allocating
+        buf = bufs[slot] = np.empty(max(nbytes, 1), dtype=np.uint8)
+    return buf[:nbytes]

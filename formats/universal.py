@@ -39,7 +39,7 @@ from formats.errors import (
     IncompleteCheckpointError,
     InvalidCheckpointError,
 )
-from formats.fsutil import atomic_write_bytes, fsync_dir, start_writeback, read_exact_into, safe_join
+from formats.fsutil import atomic_write_bytes, fsync_dir, pooled_buffer, start_writeback, read_exact_into, safe_join
 from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
 from formats.universal_meta import (
     METADATA_FILE,
@@ -449,7 +449,12 @@ class UniversalReader:
         try:
             fd = os.open(path, os.O_RDONLY) if self._storage.is_local else self._storage.open_random(chunk.file)
             try:
-                arr = np.frombuffer(into, dtype=storage) if direct else np.empty(nbytes // storage.itemsize, dtype=storage)
+                if direct:
+                    arr = np.frombuffer(into, dtype=storage)
+                elif into is not None:  # rows copied out into ``into`` right away: a pooled buffer
+                    arr = pooled_buffer("universal-rows", nbytes).view(storage)
+                else:
+                    arr = np.empty(nbytes // storage.itemsize, dtype=storage)
                 got = read_into(fd, memoryview(arr).cast("B"), r0 * row)
             finally:
                 close_file(fd)
