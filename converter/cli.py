@@ -42,7 +42,7 @@ def run_options(f):
         click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same destination."),
         click.option("--trust-pickle", is_flag=True, help="Allow non-tensor entries that need arbitrary classes (runs their pickle code)."),
         click.option("--dry-run", is_flag=True, help="Print the plan, write nothing."),
-        click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when stderr is a terminal)."),
+        click.option("--progress/--no-progress", default=None, help="Progress on stderr: a bar on a terminal, else a line every 5 s (default on; --no-progress: none)."),
         click.option("--spool-dir", default=None, help="Local directory to stage a URL destination before upload "
                      "(default: $CKPTCONV_SPOOL_DIR or the temp dir; needs room for the whole output)."),
     ]

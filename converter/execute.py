@@ -277,7 +277,8 @@ class _Progress:
         total = _fmt_bytes(self._total)
         unit = total.split()[-1]
         scale = {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[unit]
-        print(f"{self._label}: {self._done / scale:.1f}/{total}, {_fmt_bytes(rate)}/s, ETA {eta:.0f} s",
+        print(f"{self._label}: {self._done / scale:.1f}/{total}, {_fmt_bytes(rate).replace('.0 ', ' ')}/s, "
+              f"ETA {eta:.0f} s",
               file=sys.stderr, flush=True)
 
     def stop(self) -> None:

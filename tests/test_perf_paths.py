@@ -99,3 +99,17 @@ def test_fill_piece_in_place_matches_read_region(tmp_path):
     for key, tg in targets.items():
         for piece_bytes in (1 << 20, 16):
             _check_pieces(reader, key, tg, piece_bytes)
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(monkeypatch, capsys):
+    from converter import execute
+
+    monkeypatch.setattr(execute, "PROGRESS_LINE_SECONDS", 0.0)
+    bar = execute._Progress(2_000_000_000, "converting", None)
+    bar.advance(1_200_000_000)
+    bar.stop()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("converting: 1.2/2.0 GB, ") and "B/s, ETA " in err[0]
+    quiet = execute._Progress(2_000_000_000, "converting", False)
+    quiet.advance(1_200_000_000)
+    assert capsys.readouterr().err == ""
