@@ -29,7 +29,7 @@ import torch
 
 from converter import __version__
 from converter.atoms import group_atoms
-from converter.remote import remote_destination
+from converter.remote import remote_destination, spool_hook
 from converter.config import RunOptions, check_destination, check_resume_destination, parse_size
 from converter import distributed
 from converter.execute import os_errors_as_storage_errors
@@ -428,7 +428,7 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
             return ConversionResult(str(dst), len(sources), 0, sum(t.nbytes for t in tasks), 0.0, plan=describe(tasks))
         out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
         refs, atoms = group_atoms(paths)
-        writer = UniversalWriter(out, chunk_bytes)
+        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out))  # URL dst: upload as final
         tasks: list[WriteTask] = []
         for key, entry in vindex.tensors.items():
             writer.add_tensor(entry, refs[key].atom, refs[key].role)

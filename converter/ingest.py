@@ -11,7 +11,7 @@ import torch
 
 from converter import __version__
 from converter.atoms import group_atoms
-from converter.remote import remote_destination
+from converter.remote import remote_destination, spool_hook
 from converter.config import RunOptions, check_destination, check_resume_destination
 from converter import distributed
 from converter.journal import Journal, index_fingerprint, task_id
@@ -131,7 +131,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         else:
             out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
             journal = dist.journal(out, header, resume=False)
-        writer = UniversalWriter(out, chunk_bytes)
+        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out))  # URL dst: upload as final
         layout = detect_layout(index)
         hints = source_hints(layout, index)
         tasks: list[WriteTask] = []

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -152,9 +152,13 @@ def _padded_bytes(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[memoryview,
 class UniversalWriter:
     """Writes a universal store: arrays created up front, chunks written whole, metadata last."""
 
-    def __init__(self, root: str | os.PathLike, chunk_bytes: int) -> None:
+    def __init__(self, root: str | os.PathLike, chunk_bytes: int,
+                 on_file_final: Callable[[str], None] | None = None) -> None:
         self.root = Path(root)
         self.chunk_bytes = chunk_bytes
+        # spool mode (a URL destination, converter/remote.py): each chunk / object file is handed to
+        # ``on_file_final(relpath)`` once final (it uploads and deletes it); no local fsyncs
+        self._on_final = on_file_final
         self._tensors: dict[str, TensorRecord] = {}
         self._objects: dict[str, ObjectRecord] = {}
         self._names: set[str] = set()
@@ -223,13 +227,15 @@ class UniversalWriter:
         with self._lock:
             record.checksums[chunk_id(index)] = checksum
             self._unsynced.append(path)
+        if self._on_final is not None:  # spool mode: the chunk file is final
+            self._on_final(_chunk_file(record.array, index))
         return checksum
 
     def restore_chunk(self, key: str, index: tuple[int, ...], checksum: str) -> None:
         """Adopt a chunk written by an interrupted run (resume): its file must be there."""
         record = self._tensors[key]
         path = self.root / _chunk_file(record.array, index)
-        if not path.is_file():
+        if self._on_final is None and not path.is_file():  # spool mode: uploaded, maybe by another rank
             raise CorruptCheckpointError(f"{path}: chunk of {key!r} recorded as written is missing; rerun with --overwrite")
         with self._lock:
             record.checksums[chunk_id(index)] = checksum
@@ -238,6 +244,8 @@ class UniversalWriter:
         """fsync every chunk file written since the last sync."""
         with self._lock:
             paths, self._unsynced = self._unsynced, []
+        if self._on_final is not None:  # spool mode: the files leave this disk, no local durability
+            return
         for path in paths:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -257,6 +265,8 @@ class UniversalWriter:
             file=file, path=tuple(path), nbytes=len(data),
             checksum=xxhash.xxh3_64_hexdigest(data), atom=atom, role=role, json=json_view,
         )
+        if self._on_final is not None:  # spool mode: the object file is final
+            self._on_final(file)
 
     def commit(self, source: SourceInfo, tool_version: str, atoms: dict[str, dict[str, str]], created: str) -> None:
         """fsync every written file, then publish ``ckptconv.json`` atomically (the marker)."""
@@ -271,7 +281,8 @@ class UniversalWriter:
             r.checksums.clear()
             r.checksums.update(ordered)
         self.sync()  # chunk files not yet synced (the journal synced the others)
-        _fsync_tree(self.root, skip_files=self._synced_dirs)
+        if self._on_final is None:  # spool mode: nothing local needs to be durable
+            _fsync_tree(self.root, skip_files=self._synced_dirs)
         meta = UniversalMetadata(
             tool_version=tool_version, source=source, tensors=self._tensors,
             objects=self._objects, atoms=atoms, created=created,
