@@ -11,6 +11,7 @@ Works for any :class:`formats.base.CheckpointReader` (DCP, universal store, Hugg
 from __future__ import annotations
 
 import fnmatch
+import io
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -103,6 +104,13 @@ def _tensor_row(t: TensorEntry, lay: TensorLayout) -> dict[str, Any]:
     }
 
 
+class ReprOnly(str):
+    """A preview text whose repr is itself."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 def object_preview(reader: CheckpointReader, key: str, nbytes: int | None) -> str:
     """A short repr of a non-tensor entry, loaded with the safe unpickler; or why not."""
     if nbytes is not None and nbytes > PREVIEW_MAX_BYTES:
@@ -113,6 +121,8 @@ def object_preview(reader: CheckpointReader, key: str, nbytes: int | None) -> st
         return NEEDS_TRUST
     except CkptConvError as e:
         return f"<unreadable: {type(e).__name__}>"
+    if isinstance(value, io.BytesIO):  # dcp.save's raw-bytes value type: show the bytes, not an address
+        value = ReprOnly(f"BytesIO({value.getvalue()!r})")
     text = " ".join(repr(value).split())
     return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 3] + "..."
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import pickle
 import pickletools
 import re
+import threading
 import zipfile
 from typing import Any
 
@@ -14,10 +16,60 @@ import torch
 from formats.errors import CorruptCheckpointError, UnsafePickleError
 
 
-def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> Any:
-    """Load a ``torch.save`` payload; arbitrary classes only with ``trust_pickle``."""
+def _numpy_globals() -> list:
+    """numpy's array, scalar and dtype constructors (under both module spellings, numpy 1 and 2):
+    they build plain data and run no user code; object arrays' items still go through the
+    allowlist. Absent numpy: none."""
     try:
-        return torch.load(io.BytesIO(data), weights_only=not trust_pickle, map_location="cpu")
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch
+        return []
+    core = getattr(np, "_core", None) or np.core
+    out: list = [np.ndarray, np.dtype]
+    for name in ("_reconstruct", "scalar"):
+        fn = getattr(core.multiarray, name)
+        out += [(fn, f"numpy.core.multiarray.{name}"), (fn, f"numpy._core.multiarray.{name}")]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        out += [c for c in vars(dtypes).values() if isinstance(c, type) and issubclass(c, np.dtype)]
+    return out
+
+
+#: Plain-data classes training scripts keep in non-tensor state, beyond torch's weights-only
+#: defaults: ``io.BytesIO`` (DCP's own value type for raw bytes: ``dcp.save`` pickles it),
+#: ``numpy`` arrays and RNG states, ``datetime`` values, ``frozenset``, ``range``, ``slice``.
+#: None runs code beyond building the value.
+EXTRA_SAFE_GLOBALS: list = [
+    io.BytesIO, frozenset, range, slice,
+    datetime.date, datetime.time, datetime.datetime, datetime.timedelta, datetime.timezone,
+    *_numpy_globals(),
+]
+_SAFE_LOCK = threading.Lock()  # torch.serialization.safe_globals edits one process-wide list
+
+
+def safe_torch_load(data: bytes) -> Any:
+    """``torch.load`` of a ``torch.save`` payload with the weights-only unpickler plus
+    :data:`EXTRA_SAFE_GLOBALS`; raises what ``torch.load`` raises (``UnpicklingError`` for a
+    global outside the allowlist)."""
+    with _SAFE_LOCK, torch.serialization.safe_globals(EXTRA_SAFE_GLOBALS):
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def is_damaged_pickle(data: bytes, message: str) -> bool:
+    """Whether an ``UnpicklingError`` (``message``) of ``data`` comes from malformed bytes rather
+    than from a class outside the allowlist."""
+    return _is_damaged(data, message)
+
+
+def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> Any:
+    """Load a ``torch.save`` payload; arbitrary classes only with ``trust_pickle``.
+
+    Without ``trust_pickle``: torch's weights-only unpickler, plus :data:`EXTRA_SAFE_GLOBALS`.
+    """
+    try:
+        if trust_pickle:
+            return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
+        return safe_torch_load(data)
     except pickle.UnpicklingError as e:
         if trust_pickle:
             raise CorruptCheckpointError(f"{where}: cannot unpickle ({e})") from None

@@ -176,3 +176,38 @@ def test_key_named_zarr_json(tmp_path):
     api.to_universal(tmp_path / "src", tmp_path / "uni", OPTS)
     api.from_universal(tmp_path / "uni", tmp_path / "dp1", "dp1", options=OPTS)
     assert_same_value(torch_reference(tmp_path / "src"), torch_reference(tmp_path / "dp1"), "ckpt")
+
+
+# ----------------------------------------------------------------------------- plain-data objects
+
+
+def test_bytesio_numpy_datetime_entries_need_no_trust(tmp_path):
+    """dcp.save pickles io.BytesIO values (DCP's raw-bytes type), numpy RNG states and datetimes;
+    they are plain data: to-universal, inspect and verify handle them without --trust-pickle."""
+    import datetime
+
+    import numpy as np
+
+    state = {"w": torch.ones(3), "raw": io.BytesIO(b"\x00\x01hello"), "np_rng": np.random.RandomState(3).get_state(),
+             "arr": np.arange(4.0), "when": datetime.datetime(2024, 5, 1), "span": range(2, 9, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "src"))
+    code, out, err = run_cli("verify", str(tmp_path / "src"))
+    assert code == 0 and "trust-pickle" not in out + err, out + err
+    api.to_universal(tmp_path / "src", tmp_path / "uni", OPTS)
+    api.from_universal(tmp_path / "uni", tmp_path / "dp2", "dp2", options=OPTS)
+    assert_same_value(torch_reference(tmp_path / "src"), torch_reference(tmp_path / "dp2"), "ckpt")
+    for path in ("src", "uni"):
+        code, out, _ = run_cli("inspect", str(tmp_path / path), "--json")
+        previews = {o["key"]: o["preview"] for o in json.loads(out)["objects"]}
+        assert previews["raw"] == "BytesIO(b'\\x00\\x01hello')", previews
+        assert "needs --trust-pickle" not in json.dumps(previews)
+
+
+def test_numpy_object_array_items_still_need_trust():
+    """Allowing numpy arrays does not let an object array smuggle in other classes."""
+    import numpy as np
+
+    with pytest.raises(UnsafePickleError):
+        load_torch_object(_save(np.array([Namespace(a=1)], dtype=object)), "extra.arr")

@@ -394,16 +394,21 @@ def merge_metadata(parts: Sequence[DCPMetadata]) -> DCPMetadata:
 def load_object_bytes(data: bytes, source: str, key: str, trust_pickle: bool = False) -> Any:
     """The value of a non-tensor entry (a ``torch.save`` archive).
 
-    Loads with ``torch.load(weights_only=True)``; a class outside torch's weights-only allowlist
+    Loads with ``torch.load(weights_only=True)`` (plus :data:`formats.objects.EXTRA_SAFE_GLOBALS`);
+    a class outside that allowlist
     raises :class:`UnsafePickleError` unless ``trust_pickle`` (then ``weights_only=False``, which
     runs arbitrary code from the file: only for checkpoints you trust).
     """
     import torch
 
+    from formats.objects import is_damaged_pickle, safe_torch_load
+
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not trust_pickle)
+        if trust_pickle:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        return safe_torch_load(data)  # weights-only, plus plain-data classes (io.BytesIO, numpy)
     except pickle.UnpicklingError as exc:
-        if not trust_pickle and "weights_only" in str(exc).lower():
+        if not trust_pickle and "weights_only" in str(exc).lower() and not is_damaged_pickle(data, str(exc)):
             glob = _unsupported_global(str(exc))
             raise UnsafePickleError(
                 f"{source}: key {key!r} is a pickle naming {glob}, which is not on the safe "
