@@ -10,6 +10,11 @@ ranks. Each rank keeps its own resume journal (rank 0's at the usual place, rank
 ``<dst>/.ckptconv-rank-<r>/``); the journal header names the world size, so ``--resume`` needs
 the same world size (another one is refused as "a different conversion").
 
+URL destinations (``s3://...``, :mod:`converter.remote`) work for universal outputs
+(``to-universal``, ``import-hf``): every rank spools and uploads its own chunk files; rank 0 uploads
+the metadata and, once every rank reported a successful upload (an agreed step), the marker.
+DCP / HF outputs to a URL are refused under torchrun (their files are shared by the ranks).
+
 Outside torchrun (or with ``WORLD_SIZE=1``) :func:`current` is a one-rank context whose every
 method runs locally: the conversions behave exactly as before. Python API users under torchrun
 call :func:`init_from_env` themselves before converting.

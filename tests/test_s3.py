@@ -260,3 +260,71 @@ def test_upload_failure_fails_the_run_without_marker(s3_bucket, tmp_path, monkey
     assert calls[0] < 100  # the run stopped early, not after writing everything (~140 files)
     assert not _fs().exists(dst[len("s3://"):] + "/ckptconv.json")
     assert list((tmp_path / "spool").iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ torchrun to a URL
+
+WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+
+
+def _torchrun_worker(nproc: int, out: Path, cmds: list[list[str]]) -> list[dict]:
+    import json
+
+    flat: list[str] = []
+    for c in cmds:
+        flat += [*c, ";;"]
+    env = {**os.environ, "CKPTCONV_JOURNAL_FLUSH_SECONDS": "0", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(WORKER), str(out), "--", *flat[:-1]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(Path(f"{out}.{r}").read_text())["results"] for r in range(nproc)]
+
+
+def test_torchrun_to_s3_bit_identical_and_no_marker_on_failure(s3_bucket, tmp_path):
+    """2 gloo ranks each spool and upload their own chunks; rank 0 uploads the metadata and the
+    marker after every rank uploaded: the stores equal the single-process local runs bit for bit.
+    One rank's failure fails every rank and no marker goes up; DCP/HF outputs are refused."""
+    from converter.config import RunOptions
+    from converter.hf import export_hf, import_hf
+    from converter.ingest import to_universal
+
+    src = _big_source(tmp_path / "src")
+    opts = RunOptions(memory_budget=2 * MIB)
+    to_universal(src, tmp_path / "uni", opts, chunk_bytes=64 << 10)
+    export_hf(tmp_path / "uni", tmp_path / "hf", max_shard_size="2MB")
+    import_hf(tmp_path / "hf", tmp_path / "uni2", options=opts, chunk_bytes=64 << 10)
+    b = s3_bucket
+    common = ["--chunk-size", "64KiB", "--memory-budget", "2MiB"]
+    results = _torchrun_worker(2, tmp_path / "res.json", [
+        ["to-universal", *common, str(src), f"{b}/uni"],
+        ["import-hf", *common, str(tmp_path / "hf"), f"{b}/uni2"],
+        ["from-universal", "--mesh", "dp2", str(tmp_path / "uni"), f"{b}/dcp"],
+        ["@fail", "1"],
+        ["to-universal", *common, str(src), f"{b}/failed"],
+    ])
+    for rank_results in results:
+        assert [r["ok"] for r in rank_results[:2]] == [True, True], rank_results
+        refused, failed = rank_results[2], rank_results[4]
+        assert not refused["ok"] and refused["error"] == "ConfigError" and "torchrun" in refused["message"]
+        assert not failed["ok"] and "injected failure" in failed["message"], failed
+    assert _uni_files(_get(f"{b}/uni", tmp_path / "got")) == _uni_files(tmp_path / "uni")
+    assert _uni_files(_get(f"{b}/uni2", tmp_path / "got2")) == _uni_files(tmp_path / "uni2")
+    fs = _fs()
+    assert not fs.exists(f"{b}/failed/ckptconv.json"[len("s3://"):])
+    assert not fs.exists(f"{b}/dcp"[len("s3://"):] + "/.metadata")
+
+
+def test_spool_without_room_for_a_dcp_output_is_refused(s3_bucket, tmp_path, monkeypatch):
+    import collections
+
+    from converter import remote
+
+    uni = tmp_path / "uni"
+    _ok("to-universal", str(_big_source(tmp_path / "src")), str(uni))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(remote.shutil, "disk_usage", lambda p: usage(1 << 30, (1 << 30) - MIB, MIB))
+    code, out, err = run_cli("from-universal", "--mesh", "dp2", str(uni), f"{s3_bucket}/dcp",
+                             "--spool-dir", str(tmp_path / "spool"))
+    assert code == 2 and "--spool-dir" in err and "needs" in err and len(err.strip().splitlines()) == 1, err
+    assert list((tmp_path / "spool").iterdir()) == []
