@@ -38,7 +38,7 @@ from converter.key_maps import (CONFIG_FILLERS, KeyMap, get_key_map, heads_for, 
                                 rename_all, rope_permutation)
 from converter.plan import Piece, WriteTask, describe, plan_tensor
 from converter.sources import detect_format, open_checkpoint
-from converter.ingest import ConversionResult, _ChunkSink
+from converter.ingest import ConversionResult, _ChunkSink, universal_chunk_bytes
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, full_box
 from formats.dtypes import by_name
 from formats.errors import ConfigError, InvalidCheckpointError, PlanError
@@ -391,7 +391,6 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     ``prefix`` puts the weights under an object-path root (e.g. ``model`` for DCP's
     ``get_state_dict`` style), top level by default (torchtitan's style).
     """
-    from converter import knobs
     from formats.universal import UniversalWriter
     from formats.universal_meta import SourceInfo
 
@@ -417,7 +416,7 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
                       "stores the tied weight once" for out, emb in tied_copies(index, cfg).items())
         view = MappedReader(reader, sources, paths)
         vindex = view.index()
-        chunk_bytes = chunk_bytes or min(knobs.UNIVERSAL_CHUNK_BYTES, options.effective_piece_bytes)
+        chunk_bytes = chunk_bytes or universal_chunk_bytes(options)
         if options.dry_run:
             from formats.universal import chunk_grid, chunk_shape_for
 

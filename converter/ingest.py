@@ -101,6 +101,14 @@ def _copy_objects(reader: CheckpointReader, index: CheckpointIndex, writer: Univ
 
 
 @remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
+def universal_chunk_bytes(options: RunOptions) -> int:
+    """The default zarr chunk size: ``knobs.UNIVERSAL_CHUNK_BYTES``, less when the memory budget
+    gives each worker less than two chunks (a chunk is filled whole in one buffer)."""
+    from converter import knobs
+
+    return max(1 << 16, min(knobs.UNIVERSAL_CHUNK_BYTES, options.memory_budget // (2 * options.workers)))
+
+
 @os_errors_as_storage_errors("to-universal")
 def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
                  chunk_bytes: int | None = None) -> ConversionResult:
@@ -109,14 +117,12 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
     Streams chunk by chunk under ``options.memory_budget``; ``dst`` is marked complete (its
     ``ckptconv.json`` written) only after every chunk and object is on disk.
     """
-    from converter import knobs
-
     options = options or RunOptions()
     dist = distributed.current()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
     try:
         index = reader.index()
-        chunk_bytes = chunk_bytes or min(knobs.UNIVERSAL_CHUNK_BYTES, options.effective_piece_bytes)
+        chunk_bytes = chunk_bytes or universal_chunk_bytes(options)
         paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
         refs, atoms = group_atoms(paths)
         if options.dry_run:

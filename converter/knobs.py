@@ -9,8 +9,10 @@ GIB = 1 << 30
 
 #: Target size of one chunk of a universal-store array (bytes).
 UNIVERSAL_CHUNK_BYTES = 64 * MIB
-#: Largest piece a worker holds in memory at once when filling a target (bytes).
-PIECE_BYTES = 64 * MIB
+#: Largest piece a worker holds in memory at once when filling a target (bytes). 16 MiB pieces
+#: stream a large target chunk through small, cache-friendlier buffers; a universal-store chunk is
+#: still written whole (its size is UNIVERSAL_CHUNK_BYTES, bounded by the budget).
+PIECE_BYTES = 16 * MIB
 #: Default memory budget for buffers in flight (bytes), shared by all workers.
 MEMORY_BUDGET = 512 * MIB
 #: Default number of I/O worker threads.
