@@ -100,7 +100,6 @@ def _copy_objects(reader: CheckpointReader, index: CheckpointIndex, writer: Univ
         writer.add_object(key, data, entry.path, ref.atom, ref.role, json_view(value))
 
 
-@remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
 def universal_chunk_bytes(options: RunOptions) -> int:
     """The default zarr chunk size: ``knobs.UNIVERSAL_CHUNK_BYTES``, less when the memory budget
     gives each worker less than two chunks (a chunk is filled whole in one buffer)."""
@@ -109,6 +108,7 @@ def universal_chunk_bytes(options: RunOptions) -> int:
     return max(1 << 16, min(knobs.UNIVERSAL_CHUNK_BYTES, options.memory_budget // (2 * options.workers)))
 
 
+@remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
 @os_errors_as_storage_errors("to-universal")
 def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
                  chunk_bytes: int | None = None) -> ConversionResult:
