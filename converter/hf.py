@@ -162,6 +162,24 @@ def normalize_dtype(dtype: str | None) -> str | None:
     return name
 
 
+def source_config(src: str | os.PathLike) -> Path | dict[str, Any] | None:
+    """``src``'s own config.json (a local path, or parsed when ``src`` is a URL); None if absent."""
+    from formats.storage import is_remote, open_storage
+
+    if not is_remote(src):
+        return Path(src) / CONFIG_FILE if (Path(src) / CONFIG_FILE).is_file() else None
+    st = open_storage(src)
+    if not st.exists(CONFIG_FILE):
+        return None
+    try:
+        doc = json.loads(st.read_bytes(CONFIG_FILE))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{st.root / CONFIG_FILE}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{st.root / CONFIG_FILE}: config must be a JSON object")
+    return doc
+
+
 def load_config_arg(config: str | os.PathLike | Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, bytes | None]:
     """(parsed config, original file bytes) from a path, inline JSON text or a mapping."""
     if config is None:
@@ -398,9 +416,9 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     kmap = get_key_map(key_map)
     if detect_format(src) != "hf":
         raise ConfigError(f"{src}: import-hf reads a Hugging Face directory (*.safetensors); use to-universal for other checkpoints")
-    if config is None and (Path(src) / CONFIG_FILE).is_file():  # head counts, tie_word_embeddings
+    if config is None and (src_config := source_config(src)) is not None:  # head counts, tie_word_embeddings
         try:
-            cfg, _ = load_config_arg(Path(src) / CONFIG_FILE)
+            cfg, _ = load_config_arg(src_config)
         except ConfigError:
             if kmap.transforms:  # the map needs it: say what is wrong with it
                 raise

@@ -7,7 +7,7 @@ universal store, ``.metadata`` for DCP, ``model.safetensors.index.json`` (or the
 ``model.safetensors``) for HF -- goes up strictly last, so an interrupted run never looks complete.
 
 * Universal outputs (``to-universal``, ``import-hf``) stream: each chunk / object file is uploaded
-  as soon as the writer makes it final (:func:`spool_hook`, a pool ``--workers`` wide) and deleted
+  as soon as the writer makes it final (:func:`spool_hook`, a pool of :func:`upload_threads`) and deleted
   from the spool. Uploads waiting hold at most ``--memory-budget`` bytes of spool, and a slow
   upload blocks the writer (back-pressure), so the spool never holds more than about twice the
   memory budget. The ``zarr.json`` files and the marker go up at the end.
@@ -49,6 +49,14 @@ _SKIP_PREFIXES = (".ckptconv-journal", ".ckptconv-rank-")
 STREAMED = ("to_universal", "import_hf")
 #: Extra spool room asked for beyond the planned output bytes of a DCP / HF output.
 SPOOL_SLACK_BYTES = 16 << 20
+#: Fewest upload threads (each is one request in flight; small files are latency-bound).
+MIN_UPLOAD_THREADS = 8
+
+
+def upload_threads(workers: int) -> int:
+    """Upload threads for ``--workers``: uploads wait on the network, not the CPU, so at least
+    :data:`MIN_UPLOAD_THREADS`."""
+    return max(MIN_UPLOAD_THREADS, workers)
 
 
 def _bind(fn: Callable[..., Any], src: Any, dst: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -142,7 +150,7 @@ class Uploader:
 
     def __init__(self, out: Path, st: RemoteStorage, workers: int, limit: int) -> None:
         self.out, self.st, self.limit = out, st, max(1, limit)
-        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="ckptconv-upload")
+        self._pool = ThreadPoolExecutor(upload_threads(workers), thread_name_prefix="ckptconv-upload")
         self._cond = threading.Condition()
         self._pending = 0  # bytes queued or uploading
         self._futures: list[Future] = []
@@ -206,7 +214,7 @@ def upload(out: Path, st: RemoteStorage, workers: int, *, data: bool = True, mar
     data_files, marker_files = _files(out)
     total = 0
     if data:
-        with ThreadPoolExecutor(max(1, workers)) as pool:
+        with ThreadPoolExecutor(upload_threads(workers)) as pool:
             total += sum(pool.map(lambda rel: _put(out, st, rel), sorted(data_files)))
     if markers:
         for rel in marker_files:

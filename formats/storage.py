@@ -253,6 +253,7 @@ class RemoteStorage:
         self.url = url.rstrip("/")
         self.root = RemotePath(self.url)
         self.fs, self._base = filesystem(self.url)
+        self._sizes: dict[str, int] = {}  # relative name -> bytes, from prefetch_sizes
         with contextlib.suppress(Exception):
             self.fs.invalidate_cache(self._base)  # other processes may have written since
 
@@ -282,8 +283,26 @@ class RemoteStorage:
         return sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in found if p.rstrip("/") != key})
 
     def size(self, relative: str) -> int:
+        """Size in bytes (from the :meth:`prefetch_sizes` listing when it covered ``relative``)."""
+        if relative in self._sizes:
+            return self._sizes[relative]
         with remote_errors(self.root / relative):
             return int(self.fs.size(self._key(relative)))
+
+    def prefetch_sizes(self, relative: str = "") -> int:
+        """List every object under ``relative`` recursively (one paged listing, ~1000 objects a
+        request) and remember their sizes, so that later :meth:`size` calls need no request.
+        Returns how many objects were listed (0 when nothing is there)."""
+        key = self._key(relative)
+        with remote_errors(self.root / relative if relative else self.url):
+            try:
+                found = self.fs.find(key, detail=True)
+            except FileNotFoundError:
+                return 0
+        for path, info in found.items():
+            if info.get("type", "file") == "file" and path.startswith(self._base + "/"):
+                self._sizes[path[len(self._base) + 1:]] = int(info["size"])
+        return len(found)
 
     def read_bytes(self, relative: str, start: int | None = None, end: int | None = None) -> bytes:
         with remote_errors(self.root / relative):

@@ -395,6 +395,8 @@ class UniversalReader:
         self.root = self._storage.root
         self.meta = read_metadata(self._storage)
         where = self.root / METADATA_FILE
+        if not self._storage.is_local:  # one listing for the chunk checks, not a request per tensor
+            self._storage.prefetch_sizes(TENSORS_DIR)
         for key, record in self.meta.tensors.items():
             _check_record(self.root, key, record, where, self._storage)
         for key, obj in self.meta.objects.items():

@@ -328,3 +328,35 @@ def test_spool_without_room_for_a_dcp_output_is_refused(s3_bucket, tmp_path, mon
                              "--spool-dir", str(tmp_path / "spool"))
     assert code == 2 and "--spool-dir" in err and "needs" in err and len(err.strip().splitlines()) == 1, err
     assert list((tmp_path / "spool").iterdir()) == []
+
+
+def test_import_hf_from_s3_reads_the_remote_config_json(s3_bucket, tmp_path):
+    """A remote HF directory's config.json is read: tie_word_embeddings recreates lm_head.weight,
+    and the torchtitan map gets its head counts from it, as for a local directory."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from converter.config import RunOptions
+    from converter.hf import import_hf
+    from converter.reshard import from_universal
+
+    g = torch.Generator().manual_seed(3)
+    weights = {"model.embed_tokens.weight": torch.randn(11, 8, generator=g),
+               "model.norm.weight": torch.rand(8, generator=g),
+               "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=g)}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": True,
+                                                "num_attention_heads": 2, "num_key_value_heads": 2}))
+    _put(hf, f"{s3_bucket}/hf")
+    opts = RunOptions(memory_budget=MIB)
+    for key_map in ("identity", "torchtitan-llama"):
+        remote = import_hf(f"{s3_bucket}/hf", tmp_path / f"uni-{key_map}", key_map=key_map, options=opts)
+        local = import_hf(hf, tmp_path / f"ref-{key_map}", key_map=key_map, options=opts)
+        assert remote.warnings and remote.warnings == local.warnings  # lm_head recreated from the embedding
+        from_universal(tmp_path / f"uni-{key_map}", tmp_path / f"dcp-{key_map}", "dp1", options=opts)
+        from_universal(tmp_path / f"ref-{key_map}", tmp_path / f"dcpref-{key_map}", "dp1", options=opts)
+        assert_same_value(torch_reference(tmp_path / f"dcp-{key_map}"), torch_reference(tmp_path / f"dcpref-{key_map}"))
