@@ -190,24 +190,39 @@ class _Mesh:
 
     ranks: tuple[int, ...]
     tp: int
-    dp: int
+    dp: int  # ranks per TP group (FSDP shards x HSDP replicas) when tp > 1, else ``shards``
     shards: int  # largest number of dim-0 parts among the stage's tensors
+    fsdp: int = 0  # FSDP shards of an HSDP x TP stage (0: not HSDP x TP)
+
+    @property
+    def replicas(self) -> int:
+        """HSDP replicas under TP: ranks per TP group that are not FSDP shards (1 when unknown)."""
+        if self.tp > 1 and self.fsdp and self.dp % self.fsdp == 0:
+            return self.dp // self.fsdp
+        return 1
 
 
 def _stage_mesh(ranks: tuple[int, ...], entries: list[TensorEntry]) -> _Mesh:
     """tp from a dim-1 split (row-wise grid) or a TP-major block order (column-wise); dp = rest."""
     local = {r: i for i, r in enumerate(ranks)}
-    tp, shards = 1, 1
+    tp, shards, fsdp = 1, 1, 0
+    only0: set[int] = set()  # dim-0 part counts of tensors split on dim 0 alone
     for t in entries:
         dims = split_dims(t)
         shards = max(shards, dims.get(0, 1))
         if (d := _tp_inner_dim(dims)) is not None:
             tp = max(tp, dims[d])
+            fsdp = max(fsdp, dims.get(0, 1))
+        elif set(dims) == {0}:
+            only0.add(dims[0])
         elif set(dims) == {0} and len(t.chunks) == len(ranks):
             seq = [local[c.rank] for c in _order(t.chunks)]
             tp = max(tp, tp_major_factor(seq) or 1)
     dp = max(1, len(ranks) // tp) if tp > 1 else shards
-    return _Mesh(ranks, tp, dp, shards)
+    # HSDP x TP: fewer FSDP shards than ranks per TP group, and every dim-0-only tensor is either
+    # FSDP-sharded (fsdp parts) or column-wise TP x FSDP (fsdp * tp parts)
+    hsdp = tp > 1 and 0 < fsdp < dp and dp % fsdp == 0 and only0 <= {fsdp, fsdp * tp}
+    return _Mesh(ranks, tp, dp, shards, fsdp if hsdp else 0)
 
 
 def _tp_inner_dim(dims: Mapping[int, int]) -> int | None:
@@ -227,7 +242,7 @@ def _classify(entry: TensorEntry, mesh: _Mesh | None) -> tuple[str, int | None]:
         return IRREGULAR, None
     if set(dims) == {0}:
         n = dims[0]
-        if mesh.tp > 1 and n == mesh.dp * mesh.tp:
+        if mesh.tp > 1 and n in (mesh.dp * mesh.tp, mesh.fsdp * mesh.tp):  # the latter: HSDP x TP
             return TP_COLWISE, 0
         return FSDP, None
     d = _tp_inner_dim(dims)
@@ -297,6 +312,10 @@ def _stage_summary(mesh: _Mesh, layouts: Mapping[str, TensorLayout]) -> tuple[st
         col, row = _count(layouts, TP_COLWISE), _count(layouts, TP_ROWWISE)
         rep = _count(layouts, FSDP) if mesh.dp > 1 else _count(layouts, WHOLE)
         detail = f"TP dim 0: {col} tensors, TP dim 1: {row}, TP-replicated: {rep}"
+        if mesh.replicas > 1:
+            r, f = mesh.replicas, mesh.fsdp
+            return "3-D", (f"HSDP x TP (dp_replicate{r} x dp_shard{f} x tp{mesh.tp}); {detail}"), \
+                {"dp_replicate": r, "dp_shard": f, "tp": mesh.tp}
         if mesh.dp > 1:
             return "2-D", f"TP x FSDP (dp{mesh.dp} x tp{mesh.tp}); {detail}", {"dp": mesh.dp, "tp": mesh.tp}
         return "TP", f"over {mesh.tp} ranks; {detail}", {"tp": mesh.tp}

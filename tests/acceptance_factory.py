@@ -78,6 +78,7 @@ KINDS: dict[str, Kind] = {
         Kind("mlp_tp2fsdp3", (("dp", 3), ("tp", 2)), optim="adam"),
         Kind("titan_dp2tp2", (("dp", 2), ("tp", 2)), optim="adam_amsgrad", titan=True),
         Kind("titan_dp2tp3", (("dp", 2), ("tp", 3)), optim="sgd_momentum", titan=True),  # uneven TP dims 1, 2
+        Kind("hsdp_tp_2x2x2", (("dp_replicate", 2), ("dp_shard", 2), ("tp", 2)), optim="adam_amsgrad", titan=True),
         Kind("ddp2", (("dp", 2),), optim="sgd_momentum", wrapper="ddp"),
         Kind("fsdp1_3", (("dp", 3),), optim="adam", wrapper="fsdp1"),
         Kind("fsdp2_multifile", (("dp", 2),), optim="adagrad", writer="multi"),

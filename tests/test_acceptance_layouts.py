@@ -101,8 +101,8 @@ def world_layout(mesh: str) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- the matrix
 
-MODEL_KINDS = ("mlp_fsdp3", "mlp_tp3", "mlp_hsdp2x3", "mlp_tp2fsdp3", "titan_dp2tp2", "titan_dp2tp3", "ddp2",
-               "fsdp1_3", "fsdp2_multifile")
+MODEL_KINDS = ("mlp_fsdp3", "mlp_tp3", "mlp_hsdp2x3", "mlp_tp2fsdp3", "titan_dp2tp2", "titan_dp2tp3",
+               "hsdp_tp_2x2x2", "ddp2", "fsdp1_3", "fsdp2_multifile")
 TARGETS = (("dp1", "fsdp"), ("dp2", "fsdp"), ("dp3", "fsdp"), ("dp7", "fsdp"), ("tp2", "fsdp"),
            ("tp2,dp2", "fsdp"), ("tp2,dp2", "source"), ("tp3", "source"), ("dp_replicate2,dp3", "fsdp"),
            ("tp2,dp3", "source"), ("pp2,dp2", "fsdp"), ("cp2,dp2", "fsdp"))
@@ -145,6 +145,7 @@ SAME_LAYOUT = {  # kind -> the --mesh/--plan describing the layout it was saved 
     "mlp_tp2fsdp3": ("tp2,dp3", "source"),
     "titan_dp2tp2": ("tp2,dp2", "source"),  # TP Shard(1) embedding, Shard(2) 3-D parameter
     "titan_dp2tp3": ("tp3,dp2", "source"),  # the same, uneven (14 and 10 over 3)
+    "hsdp_tp_2x2x2": ("dp_replicate2,dp2,tp2", "source"),  # HSDP x TP: TP dims from replica-deduped chunks
     "mlp_hsdp2x3": ("dp_replicate2,dp3", "fsdp"),
     "mlp_tp3": ("tp3", "source"),
     "mlp_fsdp3": ("dp3", "fsdp"),
@@ -185,6 +186,7 @@ LOADS = (  # kind, mesh, plan; "same": the saving layout, whose continuation los
     ("mlp_tp3", "tp3", "source"),
     ("mlp_fsdp3", "tp2,dp2", "fsdp"),
     ("titan_dp2tp3", "tp3,dp2", "source"),
+    ("hsdp_tp_2x2x2", "dp_replicate2,dp2,tp2", "source"),
     ("titan_dp2tp2", "tp3,dp2", "source"),
     ("mlp_tp3", "dp1", "fsdp"),
     ("ddp2", "dp2", "fsdp"),

@@ -97,6 +97,21 @@ def test_tp_on_dim_2_is_detected():
     assert not report.notes
 
 
+def test_hsdp_x_tp_is_detected():
+    """dp_replicate2 x dp_shard2 x tp2 (rank = r*4 + s*2 + t): replicated chunks are written by
+    either replica. Column-wise TP has dp_shard * tp blocks (not 8): it must still be TP dim 0."""
+    from converter.detect import TP_COLWISE
+
+    row = _entry("w", (4, 6), [((s * 2, t * 3), (2, 3)) for s in (0, 1) for t in (0, 1)], [0, 1, 2, 3])
+    # _StridedShard order: block t * 2 + s holds rank (s, t)'s rows; written by replica 1
+    col = _entry("c", (8, 6), [((b * 2, 0), (2, 6)) for b in range(4)], [4 + (b % 2) * 2 + b // 2 for b in range(4)])
+    norm = _entry("n", (4,), [((0,), (2,)), ((2,), (2,))], [0, 6])
+    report = detect_layout(CheckpointIndex("dcp", "x", {"w": row, "c": col, "n": norm}, {}, {"world_size": 8}))
+    assert report.mesh == {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, report.summary
+    assert report.tensors["c"].kind == TP_COLWISE and report.tensors["c"].tp_dim == 0
+    assert report.summary.startswith("3-D: HSDP x TP")
+
+
 # ----------------------------------------------------------------------------- plans
 
 
