@@ -291,11 +291,11 @@ def test_torchrun_to_s3_bit_identical_and_no_marker_on_failure(s3_bucket, tmp_pa
 
     src = _big_source(tmp_path / "src")
     opts = RunOptions(memory_budget=2 * MIB)
-    to_universal(src, tmp_path / "uni", opts, chunk_bytes=64 << 10)
+    to_universal(src, tmp_path / "uni", opts, chunk_bytes=256 << 10)
     export_hf(tmp_path / "uni", tmp_path / "hf", max_shard_size="2MB")
-    import_hf(tmp_path / "hf", tmp_path / "uni2", options=opts, chunk_bytes=64 << 10)
+    import_hf(tmp_path / "hf", tmp_path / "uni2", options=opts, chunk_bytes=256 << 10)
     b = s3_bucket
-    common = ["--chunk-size", "64KiB", "--memory-budget", "2MiB"]
+    common = ["--chunk-size", "256KiB", "--memory-budget", "2MiB"]
     results = _torchrun_worker(2, tmp_path / "res.json", [
         ["to-universal", *common, str(src), f"{b}/uni"],
         ["import-hf", *common, str(tmp_path / "hf"), f"{b}/uni2"],
