@@ -8,6 +8,10 @@ Pure functions over object paths (DCP's ``planner_data``). Two key styles are re
   ``flatten_optimizer_state_dict=True`` ``("optimizer", "state.<fqn>.<name>")`` and
   ``("optimizer", "param_groups.<fqn>.<hparam>")``.
 
+Both styles may sit under one common prefix, as in DCP's tutorial, which saves
+``{"app": AppState(model, optimizer)}`` whose ``state_dict()`` is ``{"model": ..., "optim": ...}``:
+``("app", "model", fqn)``, ``("app", "optim", "state", fqn, name)`` (see :func:`root_prefix`).
+
 Nested optimizer state (Shampoo-like: ``state.<fqn>.<group>.<name>``) keeps the whole tail as
 its role. Anything else (buffers are parameters too; extra state) is an atom of its own.
 """
@@ -37,9 +41,37 @@ def _model_fqn(path: tuple) -> str | None:
     return None
 
 
-def model_fqns(paths: Mapping[str, tuple]) -> set[str]:
-    """Parameter/buffer FQNs of the model part of a state dict."""
-    return {f for p in paths.values() if (f := _model_fqn(tuple(p))) is not None}
+def root_prefix(paths: Iterable[tuple]) -> tuple:
+    """The object-path prefix the ``model`` / ``optim`` roots are nested under (``("app",)`` for
+    DCP's ``{"app": AppState}`` tutorial), or ``()`` when they are top-level, absent or ambiguous.
+
+    A prefix counts when exactly one path prefix holds a ``model`` root, and either an optimizer
+    root sits under the same prefix or no top-level single-name entry could be a torchtitan-style
+    parameter instead.
+    """
+    paths = [tuple(p) for p in paths if p]
+    if any(p[0] in MODEL_ROOTS for p in paths):
+        return ()
+    cands = {p[:-2] for p in paths if len(p) >= 3 and p[-2] in MODEL_ROOTS}
+    if len(cands) != 1:
+        return ()
+    prefix = next(iter(cands))
+    n = len(prefix)
+    has_optim = any(len(p) > n + 1 and p[:n] == prefix and p[n] in OPTIMIZER_ROOTS for p in paths)
+    return prefix if has_optim or not any(len(p) == 1 for p in paths) else ()
+
+
+def _strip(path: tuple, prefix: tuple) -> tuple | None:
+    """``path`` relative to ``prefix`` (None when it lies outside it)."""
+    if not prefix:
+        return path
+    return path[len(prefix):] if path[: len(prefix)] == prefix and len(path) > len(prefix) else None
+
+
+def model_fqns(paths: Mapping[str, tuple], prefix: tuple = ()) -> set[str]:
+    """Parameter/buffer FQNs of the model part of a state dict (roots under ``prefix``)."""
+    rel = (_strip(tuple(p), prefix) for p in paths.values())
+    return {f for p in rel if p is not None and (f := _model_fqn(p)) is not None}
 
 
 def _split_flat(rest: str, fqns: set[str]) -> tuple[str, str]:
@@ -76,8 +108,12 @@ def atom_of(key: str, path: tuple, fqns: set[str]) -> AtomRef:
 
 def group_atoms(paths: Mapping[str, tuple]) -> tuple[dict[str, AtomRef], dict[str, dict[str, str]]]:
     """(key -> AtomRef, atom -> {role: key}) for every key of a checkpoint."""
-    fqns = model_fqns(paths)
-    refs = {key: atom_of(key, tuple(p), fqns) for key, p in paths.items()}
+    prefix = root_prefix(paths.values())
+    fqns = model_fqns(paths, prefix)
+    refs = {}
+    for key, p in paths.items():
+        rel = _strip(tuple(p) or (key,), prefix)
+        refs[key] = AtomRef(key, "value") if rel is None else atom_of(key, rel, fqns)
     atoms: dict[str, dict[str, str]] = {}
     for key, ref in refs.items():
         members = atoms.setdefault(ref.atom, {})

@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from converter.atoms import root_prefix
 from converter.detect import LayoutReport, TensorLayout, detect_layout
 from converter.stats import Stats
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
@@ -63,6 +64,11 @@ def parameter_rule(index: CheckpointIndex) -> tuple[str, Callable[[TensorEntry],
     roots = {t.path[0] if t.path else None for t in index.tensors.values()}
     if "model" in roots:
         return "tensors under 'model'; includes persistent buffers", lambda t: bool(t.path) and t.path[0] == "model"
+    prefix = root_prefix([t.path for t in index.tensors.values()] + [o.path for o in index.objects.values()])
+    if prefix:
+        root = (*prefix, "model")
+        return (f"tensors under {'.'.join(map(str, root))!r}; includes persistent buffers",
+                lambda t: tuple(t.path[: len(root)]) == root)
     return (
         "tensors outside optimizer / training-state roots; includes persistent buffers",
         lambda t: not t.path or t.path[0] not in NON_MODEL_ROOTS,

@@ -57,6 +57,7 @@ class Kind:
     plain: bool = False
     wrapper: str = ""  # "ddp" or "fsdp1" instead of FSDP2 over the "dp" dim
     writer: str = ""  # "multi": FileSystemWriter(single_file_per_rank=False, thread_count=2)
+    app: bool = False  # the DCP tutorial's {"app": AppState} (Stateful): keys "app.model.*", "app.optim.*"
     titan: bool = False  # torchtitan keys: model at the top level, flattened "optimizer", no tying,
     # a TP-colwise (Shard(1)) embedding and a 3-D parameter TP-sharded on dim 2
 
@@ -82,6 +83,7 @@ KINDS: dict[str, Kind] = {
         Kind("ddp2", (("dp", 2),), optim="sgd_momentum", wrapper="ddp"),
         Kind("fsdp1_3", (("dp", 3),), optim="adam", wrapper="fsdp1"),
         Kind("fsdp2_multifile", (("dp", 2),), optim="adagrad", writer="multi"),
+        Kind("app_fsdp2", (("dp", 2),), optim="adam", app=True),
         Kind("plain_dtypes", (), plain=True),
     )
 }
@@ -238,6 +240,8 @@ def state_for(kind: Kind, model: OddNet, optim: torch.optim.Optimizer) -> dict:
         state["dataloader"] = extra.pop("dataloader")
         state["train_state"] = extra
         return state
+    if kind.app:
+        return {"app": {"model": msd, "optim": osd}, "extra": extra_state(optim)}
     return {"model": msd, "optim": osd, "extra": extra_state(optim)}
 
 
@@ -259,7 +263,8 @@ def load_state(kind: Kind, model: nn.Module, optim: torch.optim.Optimizer, ckpt:
         names = set(get_state_dict(model, optim, options=_options(kind))[0])
         msd, osd = {k: v for k, v in state.items() if k in names}, state["optimizer"]
     else:
-        msd, osd = state["model"], state["optim"]
+        root = state["app"] if kind.app else state
+        msd, osd = root["model"], root["optim"]
     set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=_options(kind))
     return result
 

@@ -102,7 +102,7 @@ def world_layout(mesh: str) -> dict[str, int]:
 # ----------------------------------------------------------------------------- the matrix
 
 MODEL_KINDS = ("mlp_fsdp3", "mlp_tp3", "mlp_hsdp2x3", "mlp_tp2fsdp3", "titan_dp2tp2", "titan_dp2tp3",
-               "hsdp_tp_2x2x2", "ddp2", "fsdp1_3", "fsdp2_multifile")
+               "hsdp_tp_2x2x2", "ddp2", "fsdp1_3", "fsdp2_multifile", "app_fsdp2")
 TARGETS = (("dp1", "fsdp"), ("dp2", "fsdp"), ("dp3", "fsdp"), ("dp7", "fsdp"), ("tp2", "fsdp"),
            ("tp2,dp2", "fsdp"), ("tp2,dp2", "source"), ("tp3", "source"), ("dp_replicate2,dp3", "fsdp"),
            ("tp2,dp3", "source"), ("pp2,dp2", "fsdp"), ("cp2,dp2", "fsdp"))
@@ -151,8 +151,9 @@ SAME_LAYOUT = {  # kind -> the --mesh/--plan describing the layout it was saved 
     "mlp_fsdp3": ("dp3", "fsdp"),
     "fsdp2_multifile": ("dp2", "fsdp"),
     "ddp2": ("dp_replicate2", "fsdp"),
+    "app_fsdp2": ("dp2", "fsdp"),  # {"app": AppState}: roots under a prefix
 }
-DEFAULT_SAME = ("mlp_tp2fsdp3", "titan_dp2tp2", "mlp_hsdp2x3")
+DEFAULT_SAME = ("mlp_tp2fsdp3", "titan_dp2tp2", "mlp_hsdp2x3", "app_fsdp2")
 
 
 def check_same_layout(ws: Workspace, kind: str) -> None:
@@ -192,6 +193,7 @@ LOADS = (  # kind, mesh, plan; "same": the saving layout, whose continuation los
     ("ddp2", "dp2", "fsdp"),
     ("fsdp1_3", "dp2", "fsdp"),
     ("fsdp2_multifile", "dp3", "fsdp"),
+    ("app_fsdp2", "dp3", "fsdp"),
 )
 DEFAULT_LOADS = LOADS[:2]
 
@@ -258,6 +260,16 @@ def test_cli_commands(ws, kind):
 @pytest.mark.parametrize("kind", [k for k in MODEL_KINDS if k != "titan_dp2tp2"])
 def test_cli_commands_more(ws, kind):
     check_cli(ws, kind)
+
+
+def test_app_state_prefix_is_a_model(ws):
+    """DCP's tutorial layout {"app": AppState}: its model weights export, its parameters shard."""
+    hf = ws.root / "hf-app"
+    api.export_hf(ws.store("app_fsdp2"), hf, options=OPTS)
+    names = {t["key"] for t in json.loads(run_cli("inspect", str(hf), "--json")[1])["tensors"]}
+    assert "embed.weight" in names and not any(n.startswith("app.") for n in names)
+    code, out, _ = run_cli("inspect", str(ws.source("app_fsdp2")))
+    assert "tensors under 'app.model'" in out
 
 
 def test_errors_are_one_line(ws):
