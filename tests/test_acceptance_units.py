@@ -226,3 +226,16 @@ def test_numpy_object_array_items_still_need_trust():
 
     with pytest.raises(UnsafePickleError):
         load_torch_object(_save(np.array([Namespace(a=1)], dtype=object)), "extra.arr")
+
+
+@pytest.mark.xfail(strict=True, reason="formats/dtypes.py has no row for float8_e8m0fnu (MX block scales, 1 byte; "
+                   "safetensors F8_E8M0): every command refuses the whole checkpoint with \"dtype 'float8_e8m0fnu' "
+                   "is not supported\" (the message names neither the file nor the key)")
+def test_float8_e8m0fnu_round_trip(tmp_path):
+    scales = torch.arange(0, 240, 7, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2), "w_scale": scales}, checkpoint_id=str(tmp_path / "src"))
+    api.to_universal(tmp_path / "src", tmp_path / "uni", OPTS)
+    api.from_universal(tmp_path / "uni", tmp_path / "dp2", "dp2", options=OPTS)
+    assert_same_value(torch_reference(tmp_path / "src"), torch_reference(tmp_path / "dp2"), "ckpt")
