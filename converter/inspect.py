@@ -381,7 +381,7 @@ def layout_grid(entry: TensorEntry, lay: TensorLayout, width: int, height: int) 
 def _box_text(box, shape) -> str:
     if not shape:
         return "scalar"
-    names = ("rows", "cols") if len(shape) >= 2 else ("elems",)
+    names = ("rows", "cols", *(f"dim{d}" for d in range(2, len(shape)))) if len(shape) >= 2 else ("elems",)
     parts = []
     for d, name in enumerate(names):
         o, s = box.offsets[d], box.sizes[d]

@@ -239,3 +239,19 @@ def test_float8_e8m0fnu_round_trip(tmp_path):
     api.to_universal(tmp_path / "src", tmp_path / "uni", OPTS)
     api.from_universal(tmp_path / "uni", tmp_path / "dp2", "dp2", options=OPTS)
     assert_same_value(torch_reference(tmp_path / "src"), torch_reference(tmp_path / "dp2"), "ckpt")
+
+
+def test_layout_listing_names_every_dim():
+    """--layout of a 3-D tensor split on dim 2: each chunk line shows its dim-2 range (the two
+    halves used to print identically)."""
+    import io as _io
+
+    from rich.console import Console
+
+    from converter.inspect import render_layout
+
+    kernel = _entry("k", (5, 3, 10), [((0, 0, 0), (5, 3, 5)), ((0, 0, 5), (5, 3, 5))], [0, 1])
+    console = Console(file=_io.StringIO(), width=100)
+    render_layout(CheckpointIndex("dcp", "x", {"k": kernel}, {}, {"world_size": 2}), "k", console)
+    text = console.file.getvalue()
+    assert "dim2 0-4" in text and "dim2 5-9" in text
