@@ -210,11 +210,11 @@ def _stage_mesh(ranks: tuple[int, ...], entries: list[TensorEntry]) -> _Mesh:
     for t in entries:
         dims = split_dims(t)
         shards = max(shards, dims.get(0, 1))
+        if set(dims) == {0}:
+            only0.add(dims[0])
         if (d := _tp_inner_dim(dims)) is not None:
             tp = max(tp, dims[d])
             fsdp = max(fsdp, dims.get(0, 1))
-        elif set(dims) == {0}:
-            only0.add(dims[0])
         elif set(dims) == {0} and len(t.chunks) == len(ranks):
             seq = [local[c.rank] for c in _order(t.chunks)]
             tp = max(tp, tp_major_factor(seq) or 1)

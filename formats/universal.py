@@ -387,6 +387,11 @@ def _check_record(root: Path, key: str, r: TensorRecord, where: Path, st: Storag
         raise bad(f"chunk file {first} has {size} bytes, a chunk needs {full}")
 
 
+#: Rows of partial-row reads (TP column shards of row-block chunks) are read in batches of at
+#: most this many bytes, through one pooled buffer per thread.
+ROWS_BATCH_BYTES = 4 << 20
+
+
 class UniversalReader:
     """The universal store's :class:`formats.base.CheckpointReader`."""
 
@@ -440,9 +445,21 @@ class UniversalReader:
         """Fill ``out`` (writable bytes, exactly the region's size) with ``region`` in C order;
         a region of whole chunk rows is read straight into ``out`` (one pread, no copy)."""
         record = self.meta.tensors[key]
-        data = self._read_chunk_part(record, chunk, region, into=out)
-        if data is not None:
-            np.copyto(np.frombuffer(out, dtype=data.dtype).reshape(data.shape), data)
+        cshape = record.chunk_shape
+        if not cshape or region.sizes[0] <= 1:
+            batches = [(0, region)]
+        else:  # partial rows: read full rows in batches of at most ROWS_BATCH_BYTES (bounded buffer)
+            row = math.prod(cshape[1:]) * np.dtype(record.storage_dtype).itemsize
+            step = max(1, ROWS_BATCH_BYTES // row)
+            r0, o, s = region.offsets[0], region.offsets[1:], region.sizes[1:]
+            batches = [(a, Box((r0 + a, *o), (min(step, region.sizes[0] - a), *s)))
+                       for a in range(0, region.sizes[0], step)]
+        region_row = len(out) // max(1, region.sizes[0]) if cshape else len(out)
+        for a, sub in batches:
+            view = out[a * region_row: a * region_row + sub.numel * np.dtype(record.storage_dtype).itemsize]
+            data = self._read_chunk_part(record, chunk, sub, into=view)
+            if data is not None:
+                np.copyto(np.frombuffer(view, dtype=data.dtype).reshape(data.shape), data)
 
     def _read_chunk_part(self, record: TensorRecord, chunk: ChunkRef, region: Box,
                          into: memoryview | None = None) -> np.ndarray | None:

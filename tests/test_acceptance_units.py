@@ -112,6 +112,16 @@ def test_hsdp_x_tp_is_detected():
     assert report.summary.startswith("3-D: HSDP x TP")
 
 
+def test_colwise_only_tp_x_fsdp_is_detected():
+    """dp2 x tp2 with column-wise TP only (no dim-1 split to give tp away): the TP-major block
+    order (block t * 2 + d on rank d * 2 + t) still says TP."""
+    from converter.detect import TP_COLWISE
+
+    col = _entry("c", (8, 6), [((b * 2, 0), (2, 6)) for b in range(4)], [(b % 2) * 2 + b // 2 for b in range(4)])
+    report = detect_layout(CheckpointIndex("dcp", "x", {"c": col}, {}, {"world_size": 4}))
+    assert report.tensors["c"].kind == TP_COLWISE and report.mesh == {"dp": 2, "tp": 2}, report.summary
+
+
 # ----------------------------------------------------------------------------- plans
 
 
