@@ -74,7 +74,7 @@ def _check_pieces(reader, key, targets, piece_bytes):
             assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bool else got, want)
 
 
-def test_fill_piece_in_place_matches_read_region(tmp_path):
+def test_fill_piece_in_place_matches_read_region(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from converter import api
@@ -96,9 +96,11 @@ def test_fill_piece_in_place_matches_read_region(tmp_path):
                 _check_pieces(reader, key, tg, piece_bytes)
     api.to_universal(tmp_path / "ckpt", tmp_path / "uni", api.RunOptions(piece_bytes=64), chunk_bytes=64)
     reader = UniversalReader(tmp_path / "uni")
-    for key, tg in targets.items():
-        for piece_bytes in (1 << 20, 16):
-            _check_pieces(reader, key, tg, piece_bytes)
+    for batch in (4 << 20, 1):  # partial rows read all at once, then one row per batch
+        monkeypatch.setattr("formats.universal.ROWS_BATCH_BYTES", batch)
+        for key, tg in targets.items():
+            for piece_bytes in (1 << 20, 16):
+                _check_pieces(reader, key, tg, piece_bytes)
 
 
 def test_progress_lines_when_stderr_is_not_a_terminal(monkeypatch, capsys):
