@@ -55,6 +55,13 @@ def safe_torch_load(data: bytes) -> Any:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
 
+def pickle_error_hint(message: str) -> str:
+    """One line of an unpickling error (torch's weights-only messages span many lines): the line
+    naming the global or opcode, else the first line."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    return next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[0] if lines else "")[:160]
+
+
 def is_damaged_pickle(data: bytes, message: str) -> bool:
     """Whether an ``UnpicklingError`` (``message``) of ``data`` comes from malformed bytes rather
     than from a class outside the allowlist."""
@@ -73,15 +80,14 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
     except pickle.UnpicklingError as e:
         if trust_pickle:
             raise CorruptCheckpointError(f"{where}: cannot unpickle ({e})") from None
-        first = str(e).strip().splitlines()
-        hint = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
+        hint = pickle_error_hint(str(e))
         if _is_damaged(data, str(e)):
             raise CorruptCheckpointError(
-                f"{where}: damaged non-tensor entry (malformed pickle: {hint.strip()[:160]}); "
+                f"{where}: damaged non-tensor entry (malformed pickle: {hint}); "
                 "the checkpoint file is corrupt, restore it from a good copy"
             ) from None
         raise UnsafePickleError(
-            f"{where}: non-tensor entry needs classes outside the safe allowlist ({hint.strip()[:160]}); "
+            f"{where}: non-tensor entry needs classes outside the safe allowlist ({hint}); "
             "pass --trust-pickle only if you trust this checkpoint"
         ) from None
     except Exception as e:  # damaged pickles make torch's unpickler raise many builtin types

@@ -401,7 +401,7 @@ def load_object_bytes(data: bytes, source: str, key: str, trust_pickle: bool = F
     """
     import torch
 
-    from formats.objects import is_damaged_pickle, safe_torch_load
+    from formats.objects import is_damaged_pickle, pickle_error_hint, safe_torch_load
 
     try:
         if trust_pickle:
@@ -415,7 +415,7 @@ def load_object_bytes(data: bytes, source: str, key: str, trust_pickle: bool = F
                 "allowlist; pass --trust-pickle (trust_pickle=True) to load it if you trust "
                 "this checkpoint"
             ) from None
-        raise CorruptCheckpointError(f"{source}: key {key!r}: damaged pickle ({exc})") from None
+        raise CorruptCheckpointError(f"{source}: key {key!r}: damaged pickle ({pickle_error_hint(str(exc))})") from None
     except Exception as exc:
         raise CorruptCheckpointError(
             f"{source}: key {key!r} is not a readable torch.save archive "
