@@ -41,6 +41,7 @@ from converter.sources import detect_format, open_checkpoint
 from converter.ingest import ConversionResult, _ChunkSink, universal_chunk_bytes
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, full_box
 from formats.dtypes import by_name
+from formats.storage import source_label
 from formats.errors import ConfigError, InvalidCheckpointError, PlanError
 from formats.fsutil import atomic_write_bytes
 from formats.hf import DEFAULT_MAX_SHARD_BYTES, HFWriter, TensorSpec, plan_files
@@ -315,7 +316,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         if options.dry_run:
             return ConversionResult(str(dst), len(plan.specs), 0, total, 0.0,
                                     plan=_shard_summary(file_plans) + "\n" + describe(tasks))
-        header = {"op": "export-hf", "src": str(Path(src).resolve()), "source": index_fingerprint(index),
+        header = {"op": "export-hf", "src": source_label(src), "source": index_fingerprint(index),
                   "map": str(key_map), "dtype": dtype, "max_shard_size": max_bytes,
                   "piece_bytes": options.effective_piece_bytes, "tool": __version__}
         if options.resume:
@@ -455,7 +456,7 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
                                       label="import-hf", gather_info=dist.active)
         files = [f for f in index.info.get("files", {}) if f.endswith(".safetensors")]
         layout = f"hf {len(files)} file{'s' if len(files) != 1 else ''}"
-        source = SourceInfo(format="hf", path=str(Path(src).resolve()), world_size=None, layout=layout)
+        source = SourceInfo(format="hf", path=source_label(src), world_size=None, layout=layout)
 
         def publish() -> None:
             if dist.active:  # adopt the chunks the other ranks wrote

@@ -23,6 +23,7 @@ from formats.base import CheckpointIndex, CheckpointReader
 from formats.objects import json_view, load_torch_object
 from formats.universal import UniversalWriter
 from formats.universal_meta import METADATA_FILE, SourceInfo
+from formats.storage import source_label
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def _source_info(index: CheckpointIndex, layout: LayoutReport, src: str) -> Sour
     info = index.info
     return SourceInfo(
         format=index.format,
-        path=str(Path(src).resolve()),
+        path=source_label(src),
         world_size=layout.world_size if layout.world_size is not None else info.get("world_size"),
         layout=layout.summary,
         dcp_version=info.get("version") if index.format == "dcp" else None,
@@ -127,7 +128,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         refs, atoms = group_atoms(paths)
         if options.dry_run:
             return _dry_run(index, dst, chunk_bytes)
-        header = {"op": "to-universal", "src": str(Path(src).resolve()), "source": index_fingerprint(index),
+        header = {"op": "to-universal", "src": source_label(src), "source": index_fingerprint(index),
                   "chunk_bytes": chunk_bytes, "tool": __version__}
         if options.resume:
             out = check_resume_destination(src, dst)

@@ -34,6 +34,7 @@ from converter.ingest import ConversionResult
 from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
 from formats.dtypes import by_name
+from formats.storage import source_label
 from formats.errors import ConfigError
 
 
@@ -166,7 +167,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         if options.dry_run:
             return ConversionResult(str(dst), len(index.tensors), len(index.objects),
                                     sum(target_nbytes(t) for t in tasks), 0.0, plan=describe_ranks(layout, tasks))
-        header = {"op": "from-universal", "src": str(Path(src).resolve()), "source": index_fingerprint(index),
+        header = {"op": "from-universal", "src": source_label(src), "source": index_fingerprint(index),
                   "mesh": str(target_mesh), "plan": plan, "dtype": dtype,
                   "piece_bytes": options.effective_piece_bytes, "tool": __version__}
         if options.resume:

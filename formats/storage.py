@@ -33,6 +33,12 @@ def is_url(path: Any) -> bool:
     return isinstance(path, str) and bool(_URL_RE.match(path))
 
 
+def source_label(path: Any) -> str:
+    """How a source is recorded in metadata and journals: a URL as given, a local path resolved."""
+    text = os.fspath(path) if not isinstance(path, str) else path
+    return text if is_url(text) else str(Path(text).resolve())
+
+
 def is_remote(path: Any) -> bool:
     """True for URLs that are not ``file://`` (they need an fsspec backend)."""
     return is_url(path) and not path.lower().startswith(("file://", "local://"))

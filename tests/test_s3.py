@@ -7,6 +7,7 @@ bytes the same conversion writes locally (HF safetensors).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,9 @@ def test_s3_to_s3_round_trip_bit_exact(s3_source, s3_bucket, tmp_path):
     _ok("inspect", uni)
     _ok("verify", uni)
     _ok("verify", out)
+    # the store records the source as the URL it was given, not as a local path
+    meta = json.loads(_fs().cat_file(uni[len("s3://"):] + "/ckptconv.json"))
+    assert meta["source"]["path"] == src
 
 
 def test_export_and_import_hf_through_s3(s3_source, s3_bucket, tmp_path):
