@@ -51,6 +51,7 @@ _TABLE: tuple[DType, ...] = (
     _row("float8_e5m2", "uint8", "F8_E5M2"),
     _row("float8_e4m3fnuz", "uint8", "F8_E4M3FNUZ"),
     _row("float8_e5m2fnuz", "uint8", "F8_E5M2FNUZ"),
+    *((_row("float8_e8m0fnu", "uint8", "F8_E8M0"),) if hasattr(torch, "float8_e8m0fnu") else ()),
     _row("int64", "int64", "I64"),
     _row("int32", "int32", "I32"),
     _row("int16", "int16", "I16"),

@@ -44,7 +44,9 @@ from formats.errors import (
     IncompleteCheckpointError,
     InvalidCheckpointError,
     PlanError,
+    UnsupportedError,
 )
+from formats.dtypes import BY_NAME, by_name
 from formats.fsutil import safe_join
 from formats.storage import RandomFile, Storage, open_storage
 
@@ -319,7 +321,7 @@ class DCPReader:
                                            info.length)
                 continue
             _check_cover(key, meta, where)
-            itemsize = getattr(torch, meta.dtype).itemsize
+            itemsize = _itemsize(meta.dtype, key, where)
             chunks = []
             for c in sorted(meta.chunks, key=lambda c: c.offsets):
                 info = _storage_of(md, key, c.offsets, where)
@@ -479,6 +481,17 @@ class DCPReader:
             self.close()
         except Exception:
             pass
+
+
+def _itemsize(dtype: str, key: str, where: str) -> int:
+    """Bytes per element of a tensor's dtype; an unsupported dtype names the key and the file."""
+    try:
+        return by_name(dtype).itemsize
+    except UnsupportedError:
+        raise UnsupportedError(
+            f"{where}: key {key!r} has dtype {dtype!r}, which this ckptconv cannot copy; supported: "
+            f"{', '.join(BY_NAME)}; upgrade ckptconv (and torch) or leave the key out of the save"
+        ) from None
 
 
 def _locator(info: StorageInfo) -> Locator:
