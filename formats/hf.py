@@ -58,7 +58,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 # safetensors' Rust ``Dtype`` enum order; its writer sorts tensors by it, descending, then by name.
 _WRITER_DTYPE_ORDER = (
-    "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16",
+    "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16",
     "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
 )
 _DTYPE_RANK = {name: i for i, name in enumerate(_WRITER_DTYPE_ORDER)}

@@ -252,6 +252,11 @@ def test_float8_e8m0fnu_round_trip(tmp_path):
     got = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
     assert got["w_scale"].dtype == torch.float8_e8m0fnu
     assert torch.equal(got["w_scale"].view(torch.uint8), scales.view(torch.uint8))
+    from safetensors.torch import save_file  # the file is byte-identical to safetensors' own writer
+
+    (exported,) = (tmp_path / "hf").glob("*.safetensors")
+    save_file(got, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    assert exported.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 
 
 def test_layout_listing_names_every_dim():
