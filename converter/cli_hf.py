@@ -20,6 +20,8 @@ def _report(result: Any) -> None:
         click.echo(f"# dry run: {result.tensors} tensors, {result.bytes} bytes; nothing written")
         return
     click.echo(f"wrote {result.dst}: {result.tensors} tensors, {result.bytes / 1e6:.1f} MB in {result.seconds:.2f}s")
+    for w in result.warnings:
+        click.echo(f"ckptconv: warning: {w}", err=True)
 
 
 @click.command("export-hf")

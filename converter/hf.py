@@ -40,7 +40,7 @@ from converter.plan import Piece, WriteTask, describe, plan_tensor
 from converter.sources import detect_format, open_checkpoint
 from converter.ingest import ConversionResult, _ChunkSink, universal_chunk_bytes
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, full_box
-from formats.dtypes import by_name
+from formats.dtypes import CASTABLE_FLOATS, by_name
 from formats.storage import source_label
 from formats.errors import ConfigError, InvalidCheckpointError, PlanError
 from formats.fsutil import atomic_write_bytes
@@ -49,7 +49,7 @@ from formats.hf import DEFAULT_MAX_SHARD_BYTES, HFWriter, TensorSpec, plan_files
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                  "float": "float32", "fp64": "float64", "double": "float64"}
 #: Source dtypes --dtype casts (float8 and integer tensors keep theirs).
-CASTABLE = frozenset({"float16", "bfloat16", "float32", "float64"})
+CASTABLE = CASTABLE_FLOATS
 CONFIG_FILE = "config.json"
 
 

@@ -33,7 +33,7 @@ from converter.sources import open_checkpoint
 from converter.ingest import ConversionResult
 from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
-from formats.dtypes import by_name
+from formats.dtypes import CASTABLE_FLOATS, by_name
 from formats.storage import source_label
 from formats.errors import ConfigError
 
@@ -103,7 +103,7 @@ def _placement_for(entry: TensorEntry, ref: AtomRef | None, params: Mapping[str,
 
 
 def _target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None) -> str:
-    if override and ref is not None and ref.role == "param" and by_name(entry.dtype).torch_dtype.is_floating_point:
+    if override and ref is not None and ref.role == "param" and entry.dtype in CASTABLE_FLOATS:
         return override
     return entry.dtype
 
@@ -154,8 +154,9 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     target_mesh = parse_mesh(mesh, mesh_order)
     if dtype is not None:
         dtype = by_name(dtype).name
-        if not by_name(dtype).torch_dtype.is_floating_point:
-            raise ConfigError(f"--dtype {dtype}: only floating-point dtypes can be cast to")
+        if dtype not in CASTABLE_FLOATS:
+            raise ConfigError(f"--dtype {dtype}: only floating-point dtypes {', '.join(sorted(CASTABLE_FLOATS))} "
+                              "can be cast to (float8 and integer tensors keep their dtype)")
     dist = distributed.current()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
     try:

@@ -65,6 +65,9 @@ _TABLE: tuple[DType, ...] = (
     _row("complex128", "complex128", "C128"),
 )
 
+#: Dtypes ``--dtype`` casts between (float8 and integer tensors are always kept as they are).
+CASTABLE_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+
 BY_NAME: dict[str, DType] = {d.name: d for d in _TABLE}
 BY_TORCH: dict[torch.dtype, DType] = {d.torch_dtype: d for d in _TABLE}
 BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _TABLE}

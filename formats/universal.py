@@ -67,6 +67,8 @@ def array_name(key: str) -> str:
         name = "%2E" + name[1:]
     if name.startswith("__"):
         name = "%5F" + name[1:]
+    if name.lower() == "zarr.json":  # the group's own metadata file lives beside the arrays
+        name = "zarr%2Ejson"
     if len(name.encode()) > 200:
         name = name[:160] + "~" + xxhash.xxh3_64_hexdigest(key.encode())
     return name

@@ -192,8 +192,6 @@ def test_odd_keys_survive_every_conversion(tmp_path):
     assert run_cli("diff", str(tmp_path / "src"), str(tmp_path / "dp2"))[0] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="formats/universal.py array_name: a tensor key 'zarr.json' maps to "
-                   "tensors/zarr.json, the group's own metadata file (to-universal fails with 'File exists')")
 def test_key_named_zarr_json(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -253,6 +253,7 @@ def test_output_inside_the_store(store_copy, tmp_path):
     (("--mesh", "dp0"), "size"),
     (("--mesh", "xx2"), "unknown dim"),
     (("--mesh", "dp2", "--dtype", "int8"), "floating-point"),
+    (("--mesh", "dp2", "--dtype", "float8_e4m3fn"), "floating-point"),  # a cast to fp8 would clip to NaN
     (("--mesh", "dp2", "--dtype", "float99"), "float99"),
     (("--mesh", "tp2,dp2", "--mesh-order", "tp"), "--mesh-order"),
 ])
