@@ -337,19 +337,12 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
                                     memory_budget=options.memory_budget, progress=options.progress,
                                     label="export-hf", journal=journal)
 
-            def publish() -> None:
-                if dist.active:  # every rank wrote its share: count the others' tensors as written
-                    for task in tasks:
-                        writer.adopt(task.key)
+            def write_config() -> None:
                 if plan.config is not None:
                     same = cfg_raw is not None and plan.config == cfg
                     atomic_write_bytes(out / CONFIG_FILE, cfg_raw if same else _config_bytes(plan.config))
-                writer.commit()
-                dist.remove_journals(journal, out)
 
-            dist.on_leader(publish)
-            if not dist.leader:
-                writer.close()
+            dist.publish(writer, journal, out, lambda: [writer.adopt(t.key) for t in tasks], write_config)
         except BaseException:
             writer.close()
             raise

@@ -197,16 +197,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                                     label="from-universal", journal=journal)
             written = sum(dist.gather(sink.written))  # target-dtype bytes, every rank's share
 
-            def publish() -> None:
-                if dist.active:  # every rank wrote its share: count the others' chunks as written
-                    for task in tasks:
-                        writer.adopt_chunk(task.target)
-                writer.commit()
-                dist.remove_journals(journal, out)
-
-            dist.on_leader(publish)
-            if not dist.leader:
-                writer.close()
+            dist.publish(writer, journal, out, lambda: [writer.adopt_chunk(t.target) for t in tasks])
         except BaseException:
             writer.close()
             raise
