@@ -14,7 +14,7 @@ from converter.atoms import group_atoms
 from converter.remote import remote_destination, spool_hook
 from converter.config import RunOptions, check_destination, check_resume_destination
 from converter import distributed
-from converter.journal import Journal, index_fingerprint, task_id
+from converter.journal import index_fingerprint, task_id
 from converter.detect import WHOLE, LayoutReport, detect_layout
 from converter.execute import os_errors_as_storage_errors
 from converter.plan import Piece, WriteTask, plan_tensor

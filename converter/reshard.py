@@ -23,7 +23,7 @@ from converter.atoms import AtomRef, group_atoms
 from converter import __version__
 from converter.remote import remote_destination
 from converter.config import RunOptions, check_destination, check_resume_destination
-from converter.journal import Journal, has_journal, index_fingerprint
+from converter.journal import has_journal, index_fingerprint
 from converter import distributed
 from converter.execute import os_errors_as_storage_errors
 from converter.mesh import Mesh, parse_mesh
@@ -31,7 +31,7 @@ from converter.plan import Piece, WriteTask, plan_tensor
 from converter.plans import TensorPlacement, get_plan, plan_all, replicated
 from converter.sources import open_checkpoint
 from converter.ingest import ConversionResult
-from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
+from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
 from formats.dtypes import CASTABLE_FLOATS, by_name
 from formats.storage import source_label

@@ -43,7 +43,7 @@ from formats.errors import (
     PlanError,
     UnsupportedError,
 )
-from formats.fsutil import atomic_write_bytes, fsync_dir, read_exact_into, safe_join
+from formats.fsutil import atomic_write_bytes, fsync_dir, safe_join
 from formats.storage import RandomFile, Storage, check_relative, close_file, open_storage, read_into
 
 #: Largest header safetensors accepts (bytes).

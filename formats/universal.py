@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from formats.errors import (
     IncompleteCheckpointError,
     InvalidCheckpointError,
 )
-from formats.fsutil import atomic_write_bytes, fsync_dir, pooled_buffer, start_writeback, read_exact_into, safe_join
+from formats.fsutil import atomic_write_bytes, fsync_dir, pooled_buffer, start_writeback, safe_join
 from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
 from formats.universal_meta import (
     METADATA_FILE,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import pickle
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
