@@ -4,7 +4,8 @@ Each item of a ``.distcp`` file is a complete ``torch.save`` archive (``archive/
 ``archive/data/<key>`` entries, STORED and uncompressed). Parsing reads the zip central directory
 and ``data.pkl`` (with a restricted unpickler that never builds a tensor) to learn dtype, size,
 stride, storage offset and where the raw storage bytes start. A region is then one ``pread`` of
-the bytes it spans, viewed with ``as_strided`` and copied to a contiguous tensor.
+the bytes it spans, viewed with ``as_strided`` and copied to a contiguous numpy bit array (no torch
+needed; :func:`read_region` wraps it as a tensor).
 
 All offsets here are relative to the start of the item (the archive), given a ``ReadAt``
 function that reads bytes of the item; see :class:`SliceReader` and :class:`BufferReader`.
@@ -21,13 +22,17 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
 from formats.dcp.safe_pickle import resolve_torch_dtype, safe_loads
+from formats.dcp.torch_globals import STORAGE_TYPE_BY_DTYPE
+from formats.dtypes import by_name, from_storage_array, itemsize_of
 from formats.errors import CorruptCheckpointError, UnsupportedError
+
+if TYPE_CHECKING:
+    import torch
 
 Shape = tuple[int, ...]
 
@@ -197,12 +202,8 @@ def _data_start(f: _ItemFile, info: zipfile.ZipInfo, where: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # data.pkl: a restricted unpickler that describes the tensor instead of building it
 
-_TYPED_STORAGES = {
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
-}
+#: Typed storage class name (module ``torch``) -> dtype name.
+_TYPED_STORAGES = {cls: dtype for dtype, cls in STORAGE_TYPE_BY_DTYPE.items()}
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ class ArchiveTensor:
 
     @property
     def itemsize(self) -> int:
-        return getattr(torch, self.dtype).itemsize
+        return itemsize_of(self.dtype)
 
 
 def _ints(value: Any, what: str, where: str) -> Shape:
@@ -362,7 +363,7 @@ def _describe(desc: _TensorDesc, entries: dict[str, Entry], prefix: str, where: 
     entry = entries.get(f"{prefix}data/{desc.storage.key}")
     if entry is None:
         raise CorruptCheckpointError(f"{where}: archive lacks storage {desc.storage.key!r}")
-    itemsize = getattr(torch, dtype).itemsize
+    itemsize = itemsize_of(dtype)
     nbytes = desc.storage.numel * (1 if desc.storage.dtype is None else itemsize)
     if entry.size != nbytes or nbytes % itemsize:
         raise CorruptCheckpointError(
@@ -381,28 +382,11 @@ def _describe(desc: _TensorDesc, entries: dict[str, Entry], prefix: str, where: 
 # Reading regions, CRC checks, transforms
 
 
-def read_region(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) -> torch.Tensor:
-    """A new contiguous tensor with the box (``offsets``, ``sizes``) in chunk-local coordinates.
-
-    Reads only the bytes between the box's first and last element (stored strides honoured).
-    """
-    dtype = getattr(torch, at.dtype)
-    if any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, at.size)) or len(sizes) != len(
-        at.size
+def _check_region(at: ArchiveTensor, offsets: Shape, sizes: Shape) -> None:
+    if len(sizes) != len(at.size) or len(offsets) != len(at.size) or any(
+        o < 0 or o + s > d for o, s, d in zip(offsets, sizes, at.size)
     ):
         raise ValueError(f"region {offsets}+{sizes} is not inside the chunk {at.size}")
-    if 0 in sizes:
-        return torch.empty(sizes, dtype=dtype)
-    first = at.storage_offset + sum(o * st for o, st in zip(offsets, at.stride))
-    span = 1 + sum((s - 1) * st for s, st in zip(sizes, at.stride))
-    isz = at.itemsize
-    bulk = getattr(read, "read_array", None)
-    buf = bulk(at.data_start + first * isz, span * isz) if bulk else read(at.data_start + first * isz, span * isz)
-    flat = (torch.from_numpy(buf) if bulk else torch.frombuffer(buf, dtype=torch.uint8)).view(dtype)
-    view = flat.as_strided(sizes, at.stride, 0)
-    if view.is_contiguous() and view.numel() == span:
-        return view
-    return view.clone(memory_format=torch.contiguous_format)
 
 
 def _is_c_contiguous(sizes: Shape, stride: Shape) -> bool:
@@ -415,16 +399,56 @@ def _is_c_contiguous(sizes: Shape, stride: Shape) -> bool:
     return True
 
 
+def _stored_view(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) -> np.ndarray:
+    """The non-empty box as a numpy view (storage dtype, stored strides) over a new buffer holding
+    only the bytes between its first and last element."""
+    npdt = by_name(at.dtype).numpy_dtype
+    isz = npdt.itemsize
+    first = at.storage_offset + sum(o * st for o, st in zip(offsets, at.stride))
+    span = 1 + sum((s - 1) * st for s, st in zip(sizes, at.stride))
+    bulk = getattr(read, "read_array", None)
+    start, nbytes = at.data_start + first * isz, span * isz
+    buf = bulk(start, nbytes) if bulk else np.frombuffer(read(start, nbytes), dtype=np.uint8)
+    flat = buf.view(npdt)
+    if span == math.prod(sizes) and _is_c_contiguous(sizes, at.stride):
+        return flat.reshape(sizes)
+    strides = tuple(st * isz for st in at.stride)
+    return np.lib.stride_tricks.as_strided(flat, shape=sizes, strides=strides, writeable=False)
+
+
+def read_region_array(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) -> np.ndarray:
+    """A new C-contiguous bit array (the storage dtype of :mod:`formats.dtypes`: bfloat16 as
+    uint16, float8 as uint8) with the box (``offsets``, ``sizes``) in chunk-local coordinates.
+
+    Reads only the bytes between the box's first and last element (stored strides honoured).
+    """
+    _check_region(at, offsets, sizes)
+    if 0 in sizes:
+        return np.empty(sizes, dtype=by_name(at.dtype).numpy_dtype)
+    view = _stored_view(at, read, offsets, sizes)
+    return view if view.flags.c_contiguous and view.flags.writeable else np.ascontiguousarray(view)
+
+
+def read_region(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) -> torch.Tensor:
+    """:func:`read_region_array` as a torch tensor of the chunk's dtype (imports torch)."""
+    data = read_region_array(at, read, offsets, sizes)
+    if not data.size:  # numpy gives empty arrays zero strides; torch's own are C strides
+        import torch
+
+        return torch.empty(sizes, dtype=by_name(at.dtype).torch_dtype)
+    return from_storage_array(data, at.dtype)
+
+
 def read_region_into(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape, out: memoryview) -> None:
     """Fill ``out`` (writable bytes, exactly the box's size) with the box (``offsets``, ``sizes``,
     chunk-local) in C order: read straight into ``out`` when the box is one dense run of the
-    storage, else through :func:`read_region`."""
-    if any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, at.size)) or len(sizes) != len(at.size):
-        raise ValueError(f"region {offsets}+{sizes} is not inside the chunk {at.size}")
+    storage, else gather the strided elements into it."""
+    _check_region(at, offsets, sizes)
+    out = memoryview(out).cast("B")
     isz = at.itemsize
     numel = math.prod(sizes)
-    if len(out) != numel * isz:
-        raise ValueError(f"buffer of {len(out)} bytes for a region of {numel * isz}")
+    if out.nbytes != numel * isz:
+        raise ValueError(f"buffer of {out.nbytes} bytes for a region of {numel * isz}")
     if not numel:
         return
     if _is_c_contiguous(sizes, at.stride):
@@ -435,8 +459,8 @@ def read_region_into(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Sha
         else:
             out[:] = memoryview(read(at.data_start + first * isz, numel * isz)).cast("B")
         return
-    t = read_region(at, read, offsets, sizes)
-    out[:] = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    view = _stored_view(at, read, offsets, sizes)
+    np.copyto(np.frombuffer(out, dtype=np.uint8).view(view.dtype).reshape(sizes), view)
 
 
 def verify_crc(at: ArchiveTensor, read: ReadAt, where: str) -> None:

@@ -14,31 +14,37 @@ bytes is written at construction, the bytes stream in through :meth:`TensorArchi
 and :meth:`TensorArchiveWriter.close` writes the tail. All writes are ``os.pwrite`` at absolute
 offsets, so many archives of one file can be written concurrently from different threads.
 
-The output is byte-identical to ``torch.save`` (tests compare), serialization id included.
+The output is byte-identical to ``torch.save`` (tests compare), serialization id included, and is
+produced without importing torch: ``data.pkl`` is pickled from stand-ins
+(:mod:`formats.dcp.torch_globals`) and pieces are numpy bit arrays (torch tensors are accepted too).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import pickle
 import struct
 import sys
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 try:  # ISA-L's CRC-32 is ~3x faster than zlib's (same values); optional
     from isal.isal_zlib import crc32 as _data_crc32
 except ImportError:  # pragma: no cover - depends on the environment
     _data_crc32 = zlib.crc32
 
-from formats.dtypes import by_name
+from formats.dcp.torch_globals import NEW_DTYPES, STORAGE_TYPE_BY_DTYPE, Global, dtype_global, dumps, module_name
+from formats.dtypes import by_name, is_torch_tensor, itemsize_of, raw_bytes
 from formats.fsutil import start_writeback
 from formats.errors import IncompleteCheckpointError, InvalidCheckpointError, UnsupportedError
+
+if TYPE_CHECKING:
+    import torch
 
 Shape = tuple[int, ...]
 
@@ -78,37 +84,42 @@ _DATA = 4  # index of data/0 in _RECORD_NAMES
 # ----------------------------------------------------------------------------- data.pkl
 
 
+_UTILS = "torch._utils"
+_REBUILD_V2 = Global(_UTILS, "_rebuild_tensor_v2")
+_REBUILD_V3 = Global(_UTILS, "_rebuild_tensor_v3")
+_UNTYPED_STORAGE = Global("torch.storage", "UntypedStorage")  # UntypedStorage.__module__
+_TORCH = module_name("torch")
+_TYPED_STORAGES = {d: Global(_TORCH, n) for d, n in STORAGE_TYPE_BY_DTYPE.items()}
+
+
 class _StorageRef:
     """Stands for the tensor's storage in the pickle (emitted as a persistent id)."""
 
-    def __init__(self, storage_type: type, numel: int) -> None:
+    def __init__(self, storage_type: Global, numel: int) -> None:
         self.pid = ("storage", storage_type, "0", "cpu", numel)
+
+
+def _persistent_id(obj: object) -> tuple | None:
+    return obj.pid if isinstance(obj, _StorageRef) else None
 
 
 class _TensorRef:
     """Pickles exactly as ``Tensor._reduce_ex_internal`` does for a contiguous CPU tensor."""
 
-    def __init__(self, dtype: torch.dtype, shape: Shape) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype_name: str, shape: Shape) -> None:
+        self.dtype_name = dtype_name
         self.shape = shape
 
     def __reduce_ex__(self, proto):  # noqa: ARG002 - pickle protocol hook
         numel = math.prod(self.shape)
-        size = tuple(list(self.shape))
+        size = tuple(list(self.shape))  # fresh tuples: the pickle memoizes by identity
         stride = tuple(list(contiguous_strides(self.shape)))
-        if self.dtype in torch.storage._new_dtypes():
-            nbytes = numel * self.dtype.itemsize
-            storage = _StorageRef(torch.UntypedStorage, nbytes)
-            args = (storage, 0, size, stride, False, OrderedDict(), self.dtype)
-            return (torch._utils._rebuild_tensor_v3, args)
-        storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[self.dtype])
-        storage = _StorageRef(storage_type, numel)
-        return (torch._utils._rebuild_tensor_v2, (storage, 0, size, stride, False, OrderedDict()))
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj):
-        return obj.pid if isinstance(obj, _StorageRef) else None
+        if self.dtype_name in NEW_DTYPES:
+            storage = _StorageRef(_UNTYPED_STORAGE, numel * itemsize_of(self.dtype_name))
+            args = (storage, 0, size, stride, False, OrderedDict(), dtype_global(self.dtype_name))
+            return (_REBUILD_V3, args)
+        storage = _StorageRef(_TYPED_STORAGES[self.dtype_name], numel)
+        return (_REBUILD_V2, (storage, 0, size, stride, False, OrderedDict()))
 
 
 def contiguous_strides(shape: Shape) -> Shape:
@@ -122,23 +133,10 @@ def contiguous_strides(shape: Shape) -> Shape:
 
 @lru_cache(maxsize=4096)
 def data_pkl(dtype_name: str, shape: Shape) -> bytes:
-    """The ``archive/data.pkl`` that ``torch.save`` writes for a contiguous tensor (protocol 2)."""
-    dtype = by_name(dtype_name).torch_dtype
-    buf = _BytesSink()
-    _Pickler(buf, protocol=2).dump(_TensorRef(dtype, tuple(int(s) for s in shape)))
-    return buf.value()
-
-
-class _BytesSink:
-    def __init__(self) -> None:
-        self._parts: list[bytes] = []
-
-    def write(self, b) -> int:
-        self._parts.append(bytes(b))
-        return len(b)
-
-    def value(self) -> bytes:
-        return b"".join(self._parts)
+    """The ``archive/data.pkl`` that ``torch.save`` writes for a contiguous tensor (protocol 2),
+    built without importing torch."""
+    ref = _TensorRef(by_name(dtype_name).name, tuple(int(s) for s in shape))
+    return dumps(ref, protocol=2, persistent_id=_persistent_id)
 
 
 # ----------------------------------------------------------------------------- zip layout
@@ -358,20 +356,15 @@ class TensorArchiveWriter:
         parts.append(recs[_DATA].local_header())
         _pwrite_all(self._fd, b"".join(parts), self._base)
 
-    def write(self, piece: torch.Tensor) -> None:
-        """Append the bytes of ``piece`` (contiguous CPU tensor of the archive's dtype)."""
+    def write(self, piece: np.ndarray | torch.Tensor) -> None:
+        """Append the bytes of ``piece``, in C order: a C-contiguous numpy bit array of the
+        archive's storage dtype (:mod:`formats.dtypes`: bfloat16 as uint16, float8 as uint8), or a
+        contiguous CPU tensor of the archive's dtype."""
         if self._closed:
             raise InvalidCheckpointError(f"write after close of a {self._what} archive")
-        if piece.dtype != self._dtype.torch_dtype or piece.device.type != "cpu":
-            raise InvalidCheckpointError(
-                f"piece is {piece.dtype} on {piece.device}, archive expects {self._dtype.name} on cpu; "
-                "convert the piece before writing"
-            )
-        if not piece.is_contiguous():
-            raise InvalidCheckpointError("piece is not contiguous; pass piece.contiguous() in C order")
-        if piece.numel() == 0:
+        data = self._piece_bytes(piece)
+        if not data.nbytes:
             return
-        data = piece.reshape(-1).view(torch.uint8).numpy()
         if self._written + data.nbytes > self.nbytes:
             raise InvalidCheckpointError(f"pieces exceed the {self.nbytes} bytes of a {self._what} chunk")
         if len(self._head) < 8:
@@ -380,6 +373,30 @@ class TensorArchiveWriter:
         start_writeback(self._fd, self._base + self._layout.data_offset + self._written, data.nbytes)
         self._crc = _data_crc32(data, self._crc)
         self._written += data.nbytes
+
+    def _piece_bytes(self, piece: Any) -> np.ndarray:
+        """The piece's bytes as a flat uint8 array (zero-copy), after checking dtype and layout."""
+        if is_torch_tensor(piece):
+            if piece.dtype != self._dtype.torch_dtype or piece.device.type != "cpu":
+                raise InvalidCheckpointError(
+                    f"piece is {piece.dtype} on {piece.device}, archive expects {self._dtype.name} on cpu; "
+                    "convert the piece before writing"
+                )
+            if not piece.is_contiguous():
+                raise InvalidCheckpointError("piece is not contiguous; pass piece.contiguous() in C order")
+            return np.asarray(raw_bytes(piece))
+        if not isinstance(piece, np.ndarray):
+            raise InvalidCheckpointError(
+                f"piece is a {type(piece).__name__}; pass a numpy array or a torch tensor"
+            )
+        if piece.dtype != self._dtype.numpy_dtype:
+            raise InvalidCheckpointError(
+                f"piece is a numpy {piece.dtype} array, archive of {self._dtype.name} expects its bits as "
+                f"{self._dtype.storage}; view or convert the piece before writing"
+            )
+        if not piece.flags.c_contiguous:
+            raise InvalidCheckpointError("piece is not C-contiguous; pass np.ascontiguousarray(piece)")
+        return piece.reshape(-1).view(np.uint8)
 
     def close(self) -> None:
         """Write the tail: data descriptor, ``version``, serialization id, central directory."""

@@ -10,22 +10,19 @@ objects; a test compares them with the objects torch builds.
 
 from __future__ import annotations
 
-import io
-import pickle
+import copyreg
+import importlib.metadata
+import re
 from typing import Any
+
+from formats.dcp.torch_globals import Global, Named, dtype_global, module_name
+from formats.dcp.torch_globals import dumps as _dumps
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 
-
-class _Named:
-    """Base of the stand-ins: ``_pickle_as`` is the (module, name) the pickle refers to."""
-
-    _pickle_as: tuple[str, str] = ("", "")
-
-
 def _stand_in(module: str, name: str) -> type:
-    return type(f"_{name}", (_Named,), {"_pickle_as": (module, name)})
+    return type(f"_{name}", (Named,), {"_pickle_as": (module, name)})
 
 
 _Metadata = _stand_in(_MD, "Metadata")
@@ -34,8 +31,34 @@ _TensorStorageMetadata = _stand_in(_MD, "TensorStorageMetadata")
 _BytesStorageMetadata = _stand_in(_MD, "BytesStorageMetadata")
 _ChunkStorageMetadata = _stand_in(_MD, "ChunkStorageMetadata")
 _MetadataIndexType = _stand_in(_MD, "MetadataIndex")
-_MemFormatEncoding = _stand_in(_MD, "_MEM_FORMAT_ENCODING")
+_MemFormatEncoding = Global(_MD, "_MEM_FORMAT_ENCODING")
 _StorageInfoType = _stand_in(_FS, "_StorageInfo")
+_SizeType = Global(module_name("torch"), "Size")  # Size.__module__: not the dtypes' "torch" string
+_GetLayout = Global(module_name("torch.serialization"), "_get_layout")
+
+
+class Size(tuple):
+    """``torch.Size(dims)``: pickles as ``torch.Size((d0, d1, ...))`` (a fresh args tuple each
+    time, like ``torch.Size.__reduce__``)."""
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return (_SizeType, (tuple(self),))
+
+
+class _Singleton:
+    """A torch singleton (an enum member, a layout) pickled once and referred back to after."""
+
+    def __init__(self, func: Global, args: tuple) -> None:
+        self._reduced = (func, tuple(list(args)))  # an args tuple of its own (memoized by id)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return self._reduced
+
+
+#: ``_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT`` (an Enum member: ``cls(0)``).
+_CONTIGUOUS_FORMAT = _Singleton(_MemFormatEncoding, (0,))
+#: ``torch.strided`` (copyreg pickles layouts as ``torch.serialization._get_layout(name)``).
+_STRIDED = _Singleton(_GetLayout, ("torch.strided",))
 
 
 def _obj(cls: type, **state: Any) -> Any:
@@ -44,30 +67,20 @@ def _obj(cls: type, **state: Any) -> Any:
     return o
 
 
-class _MemFormat:
-    """``_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT`` (an Enum: pickled as ``cls(0)``)."""
-
-    def __reduce_ex__(self, protocol: int) -> tuple:
-        return (_MemFormatEncoding, (0,))
-
-
-class _TensorProperties(_Named):
-    """``TensorProperties`` pickles its ``__getstate__`` tuple."""
+class _TensorProperties(Named):
+    """``TensorProperties`` pickles its ``__getstate__`` tuple
+    ``(dtype, layout, requires_grad, memory_format, pin_memory)``."""
 
     _pickle_as = (_MD, "TensorProperties")
 
-    def __init__(self, dtype: Any) -> None:
-        import torch
-
-        self.state = (dtype, torch.strided, False, _MemFormat(), False)
+    def __init__(self, dtype: str) -> None:
+        self.state = (dtype_global(dtype), _STRIDED, False, _CONTIGUOUS_FORMAT, False)
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        import copyreg
-
         return (copyreg.__newobj__, (type(self),), self.state)
 
 
-class MetadataIndex(_Named):
+class MetadataIndex(Named):
     """``MetadataIndex(fqn, offset, index)``: a dict key whose state is torch's (``offset`` only
     when given)."""
 
@@ -77,9 +90,7 @@ class MetadataIndex(_Named):
         self.fqn = fqn
         self.index = index
         if offset is not None:
-            import torch
-
-            self.offset = torch.Size(offset)
+            self.offset = Size(offset)
 
     def _key(self) -> tuple:
         return (self.fqn, self.__dict__.get("offset"))
@@ -96,15 +107,15 @@ def storage_info(relative_path: str, offset: int, length: int) -> Any:
     return _obj(_StorageInfoType, relative_path=relative_path, offset=offset, length=length)
 
 
-def tensor_storage_metadata(dtype: Any, size: tuple[int, ...], chunks: list[tuple[tuple, tuple]]) -> Any:
-    """``TensorStorageMetadata(TensorProperties(dtype), Size(size), [ChunkStorageMetadata...])``."""
-    import torch
-
-    return _obj(_TensorStorageMetadata, properties=_TensorProperties(dtype), size=torch.Size(size),
-                chunks=[_obj(_ChunkStorageMetadata, offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks])
+def tensor_storage_metadata(dtype: str, size: tuple[int, ...], chunks: list[tuple[tuple, tuple]]) -> Any:
+    """``TensorStorageMetadata(TensorProperties(dtype), Size(size), [ChunkStorageMetadata...])``;
+    ``dtype`` is a torch dtype name (``"bfloat16"``)."""
+    return _obj(_TensorStorageMetadata, properties=_TensorProperties(dtype), size=Size(size),
+                chunks=[_obj(_ChunkStorageMetadata, offsets=Size(o), sizes=Size(s)) for o, s in chunks])
 
 
 def bytes_storage_metadata() -> Any:
+    """``BytesStorageMetadata()``."""
     return _obj(_BytesStorageMetadata)
 
 
@@ -120,29 +131,21 @@ def metadata(sd_md: dict, planner_data: dict, storage: dict, checkpoint_id: Any,
     return _obj(_Metadata, **state)
 
 
-class _Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can be overridden
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        if not (isinstance(obj, type) and issubclass(obj, _Named) and "_pickle_as" in obj.__dict__):
-            super().save_global(obj, name)
-            return
-        target = obj.__dict__["_pickle_as"]
-        module, qualname = target
-        self.save(module)
-        self.save(qualname)
-        self.write(pickle.STACK_GLOBAL)
-        self.memoize(obj)
-
-
 def dumps(md: Any) -> bytes:
-    """The pickle (protocol 4) of a stand-in ``Metadata``."""
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=4).dump(md)
-    return buf.getvalue()
+    """The pickle (protocol 4, what ``FileSystemWriter`` writes) of a stand-in ``Metadata``."""
+    return _dumps(md, protocol=4)
 
 
 def torch_fields() -> tuple[bool, bool]:
-    """(has storage_meta, has version): ``Metadata`` fields of this torch (2.4 and 2.9 added them)."""
-    import torch
-
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    """(has storage_meta, has version): ``Metadata`` fields of the installed torch (2.4 and 2.9
+    added them), read from the package version without importing torch. Without torch installed:
+    the newest layout."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return True, True
+    try:
+        major, minor = (int(x) for x in re.findall(r"\d+", version)[:2])
+    except ValueError:
+        return True, True
     return (major, minor) >= (2, 4), (major, minor) >= (2, 9)

@@ -16,9 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
 from formats.dcp import archive
@@ -46,9 +44,13 @@ from formats.errors import (
     PlanError,
     UnsupportedError,
 )
-from formats.dtypes import BY_NAME, by_name
+from formats.dtypes import BY_NAME, by_name, itemsize_of
 from formats.fsutil import safe_join
 from formats.storage import RandomFile, Storage, open_storage
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 #: Largest non-tensor entry accepted (bytes, after decompression).
 MAX_OBJECT_BYTES = 1 << 30
@@ -393,7 +395,7 @@ class DCPReader:
         if hit is not None:
             return hit
         entry = self._tensor(key)
-        nbytes = chunk.box.numel * getattr(torch, entry.dtype).itemsize
+        nbytes = chunk.box.numel * itemsize_of(entry.dtype)
         read = self._item(loc, key, nbytes + _ARCHIVE_SLACK)
         where = f"{self.root / loc.relative_path}: key {key!r} chunk at {list(chunk.box.offsets)}"
         parsed = archive.parse_tensor_archive(read, where, entry.dtype, chunk.box.sizes)
@@ -408,25 +410,32 @@ class DCPReader:
 
     # -- the CheckpointReader protocol -------------------------------------------------------
 
-    def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
-        """A new contiguous tensor holding ``region`` (global coords, inside ``chunk.box``)."""
+    def _local(self, key: str, chunk: ChunkRef, region: Box) -> Box:
         if not chunk.box.contains(region) or region.ndim != chunk.box.ndim:
             raise PlanError(
                 f"key {key!r}: region {region.to_json()} is not inside chunk {chunk.box.to_json()}"
             )
+        return region.relative_to(chunk.box)
+
+    def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
+        """A new contiguous tensor holding ``region`` (global coords, inside ``chunk.box``).
+        Imports torch; :meth:`read_region_array` and :meth:`read_region_into` do not."""
+        local = self._local(key, chunk, region)
         parsed, read = self._chunk(key, chunk)
-        local = region.relative_to(chunk.box)
         return archive.read_region(parsed, read, local.offsets, local.sizes)
+
+    def read_region_array(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
+        """A new C-contiguous numpy bit array (storage dtype of :mod:`formats.dtypes`) holding
+        ``region`` (global coords, inside ``chunk.box``)."""
+        local = self._local(key, chunk, region)
+        parsed, read = self._chunk(key, chunk)
+        return archive.read_region_array(parsed, read, local.offsets, local.sizes)
 
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` (writable bytes, exactly the region's size) with ``region`` in C order,
         reading straight into it when the region is one dense run of the stored chunk."""
-        if not chunk.box.contains(region) or region.ndim != chunk.box.ndim:
-            raise PlanError(
-                f"key {key!r}: region {region.to_json()} is not inside chunk {chunk.box.to_json()}"
-            )
+        local = self._local(key, chunk, region)
         parsed, read = self._chunk(key, chunk)
-        local = region.relative_to(chunk.box)
         archive.read_region_into(parsed, read, local.offsets, local.sizes, out)
 
     def chunk_archive(self, key: str, chunk: ChunkRef) -> archive.ArchiveTensor:

@@ -1,7 +1,8 @@
 """Allowlist unpickling: globals outside an allowlist raise and are never imported or called.
 
 The allowlisted globals resolve to inert stand-ins defined here (records, dtype names, plain
-tuples), not to torch classes, so unpickling runs no torch code at all.
+tuples), not to torch classes, so unpickling runs no torch code at all and does not import torch
+(dtype and layout names come from the static tables of :mod:`formats.dcp.torch_globals`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from formats.dcp.torch_globals import DTYPE_NAMES, LAYOUT_NAMES, canonical_dtype_name
 from formats.errors import CorruptCheckpointError, UnsafePickleError
 
 
@@ -66,21 +68,6 @@ def record_class(kind: str) -> type[Record]:
     return type(kind, (Record,), {"_kind": kind})
 
 
-def _torch_dtype_names() -> frozenset[str]:
-    import torch
-
-    return frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
-
-
-def _torch_layout_names() -> frozenset[str]:
-    import torch
-
-    return frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.layout))
-
-
-_DTYPE_NAMES = _torch_dtype_names()
-_LAYOUT_NAMES = _torch_layout_names()
-
 #: Safe builtins a container-only pickle may name (none runs code or allocates by a count).
 SAFE_BUILTINS: Mapping[tuple[str, str], Any] = {
     ("builtins", "set"): set,
@@ -95,21 +82,15 @@ SAFE_BUILTINS: Mapping[tuple[str, str], Any] = {
 
 
 def resolve_torch_dtype(module: str, name: str) -> DTypeRef | None:
-    """``DTypeRef(name)`` when ``module.name`` is a torch dtype of this torch, else None."""
-    if module == "torch" and name in _DTYPE_NAMES:
-        return DTypeRef(str(_canonical_dtype_name(name)))
+    """``DTypeRef(canonical name)`` when ``module.name`` is a torch dtype, else None."""
+    if module == "torch" and name in DTYPE_NAMES:
+        return DTypeRef(canonical_dtype_name(name))
     return None
-
-
-def _canonical_dtype_name(name: str) -> str:
-    import torch
-
-    return str(getattr(torch, name)).removeprefix("torch.")
 
 
 def resolve_torch_layout(module: str, name: str) -> str | None:
     """The layout name when ``module.name`` is a torch layout, else None."""
-    if module == "torch" and name in _LAYOUT_NAMES:
+    if module == "torch" and name in LAYOUT_NAMES:
         return name
     return None
 

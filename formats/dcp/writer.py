@@ -27,17 +27,19 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from formats.base import Box
 from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
 from formats.dtypes import by_name
 from formats.errors import ConfigError, DestinationError, IncompleteCheckpointError
 from formats.fsutil import atomic_write_bytes, fsync_dir, safe_join
+
+if TYPE_CHECKING:
+    import torch
 
 METADATA_NAME = ".metadata"
 DCP_VERSION = "1.0.0"
@@ -360,10 +362,10 @@ class DCPWriter:
 
     # -- metadata ------------------------------------------------------------------------------
 
-    def metadata_bytes(self) -> bytes:
+    def metadata_bytes(self, save_id: str | None = None) -> bytes:
         """The ``.metadata`` pickle: unpickles to what :meth:`metadata` returns, but is built
-        without importing ``torch.distributed.checkpoint`` (seconds of CPU); see
-        :mod:`formats.dcp.metadata_pickle`."""
+        without importing torch (seconds of CPU); see :mod:`formats.dcp.metadata_pickle`.
+        ``save_id`` defaults to a new uuid4, as in ``dcp.save``."""
         from formats.dcp import metadata_pickle as mp
 
         sd_md: dict = {k: mp.bytes_storage_metadata() for k in self._object_loc}
@@ -371,7 +373,7 @@ class DCPWriter:
         for key, specs in self._tensors.items():
             specs = sorted(specs, key=lambda s: s.rank)  # dcp.save gathers plans in rank order
             sd_md[key] = mp.tensor_storage_metadata(
-                by_name(specs[0].dtype).torch_dtype, specs[0].global_shape,
+                specs[0].dtype, specs[0].global_shape,
                 [(s.box.offsets, s.box.sizes) for s in specs],
             )
             index.update({_chunk_id(s): mp.MetadataIndex(key, s.box.offsets, i) for i, s in enumerate(specs)})
@@ -382,12 +384,15 @@ class DCPWriter:
         storage = {mi: mp.storage_info(loc.relative_path, loc.offset, loc.length) for mi, loc in items}
         ordered = {k: sd_md[k] for k in self._planner_data}
         with_meta, with_version = mp.torch_fields()
-        md = mp.metadata(ordered, dict(self._planner_data), storage, self.root, str(uuid.uuid4()),
+        md = mp.metadata(ordered, dict(self._planner_data), storage, self.root, save_id or str(uuid.uuid4()),
                          DCP_VERSION if with_version else None, with_meta)
         return mp.dumps(md)
 
     def metadata(self) -> Any:
-        """The ``Metadata`` that ``commit`` pickles into ``.metadata``."""
+        """The ``Metadata`` that :meth:`metadata_bytes` stands for, built from torch's own classes
+        (imports ``torch.distributed.checkpoint``: seconds). ``commit`` never calls it; it is the
+        oracle the tests compare :meth:`metadata_bytes` with."""
+        import torch
         from torch.distributed.checkpoint.filesystem import _StorageInfo  # imported late: it costs seconds
         from torch.distributed.checkpoint.metadata import (
             BytesStorageMetadata,
@@ -426,8 +431,8 @@ class _EmptySink:
     def __init__(self, spec: ChunkSpec) -> None:
         self._spec = spec
 
-    def write(self, piece: torch.Tensor) -> None:
-        if piece.numel():
+    def write(self, piece: np.ndarray | torch.Tensor) -> None:
+        if math.prod(piece.shape):
             spec = self._spec
             raise ConfigError(f"chunk {spec.key!r} {spec.box.to_json()} is empty; it takes no data")
 
