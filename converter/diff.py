@@ -16,14 +16,16 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 
 from converter.plan import split_pieces
 from converter.sources import open_checkpoint
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry
 from formats.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 #: Elements compared at once per worker (float64 temporaries: a few times 8 bytes each).
 SLAB_ELEMENTS = 1 << 20
@@ -168,24 +170,30 @@ def _max(a: float, b: float) -> float:
     return max(a, b)
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # torch dtype names
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bit patterns as integers (complex: two per element)."""
+    import torch
+
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
     if t.is_complex():
         t = torch.view_as_real(t)
-    return t.contiguous().view(_BITS[t.element_size()])
+    return t.contiguous().view(getattr(torch, _BITS[t.element_size()]))
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
 
 
 def compare_slab(a: torch.Tensor, b: torch.Tensor, offsets: Sequence[int], atol: float, rtol: float) -> _Stats:
     """Compare two same-shaped slabs whose first element is at global ``offsets``."""
+    import torch
+
     s = _Stats(nbytes=a.numel() * a.element_size() + b.numel() * b.element_size())
     if a.numel() == 0:
         return s
@@ -233,6 +241,8 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _scalar(t: torch.Tensor) -> float:
+    import torch
+
     if t.is_complex():
         return float(t.abs())
     return float(t.to(torch.float64)) if t.dtype != torch.bool else float(t)
@@ -291,6 +301,8 @@ def _result(key: str, ea: TensorEntry, eb: TensorEntry, st: _Stats | None) -> Te
 
 
 def _values_equal(x: Any, y: Any) -> bool:
+    import torch
+
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             return False

@@ -17,11 +17,11 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+import numpy as np
 
 from converter.plan import Piece, WriteTask
 from formats.base import Box, CheckpointReader
-from formats.dtypes import by_name
+from formats.dtypes import by_name, to_storage_array
 from formats.errors import CkptConvError, StorageError
 from formats.fsutil import pooled_buffer
 
@@ -51,11 +51,15 @@ _pin_malloc_threshold()
 class PieceWriter(Protocol):
     """Receives one task's pieces in C order, then ``close``.
 
+    A piece's data is its bit array: a C-contiguous numpy array of the tensor's storage dtype
+    (:mod:`formats.dtypes`: bf16 as uint16, float8 as uint8) shaped like the piece; valid only
+    during ``write`` (the buffer is reused for the next piece).
+
     ``close`` returns what the journal must remember to resume without the task (e.g. a
     checksum), or None.
     """
 
-    def write(self, piece: Piece, data: torch.Tensor) -> None: ...
+    def write(self, piece: Piece, data: np.ndarray) -> None: ...
 
     def close(self) -> Any: ...
 
@@ -175,13 +179,14 @@ def _byte_shape(sizes: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return (*sizes[:-1], sizes[-1] * itemsize) if sizes else (itemsize,)
 
 
-def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece) -> torch.Tensor:
-    """The piece's data, read from its source regions.
+def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece) -> np.ndarray:
+    """The piece's data as a bit array (numpy, storage dtype, the piece's shape), read from its
+    source regions.
 
     Readers with ``read_region_into`` read every region straight into a pooled per-thread
     buffer at its place in the piece (regions that are not one dense run of the piece go through
     a pooled scratch buffer); the result is a view of that buffer, valid until this thread fills
-    its next piece. Other readers return new tensors (no extra copy when one region covers it).
+    its next piece. Other readers' tensors are converted to bit arrays.
     """
     into = getattr(reader, "read_region_into", None)
     if into is None:
@@ -202,16 +207,16 @@ def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece) -> torch
         into(task.key, c.src, c.region, memoryview(tmp))
         sel = (*rel.slices()[:-1], slice(rel.offsets[-1] * isz, rel.ends[-1] * isz))
         buf.reshape(_byte_shape(sizes, isz))[sel] = tmp.reshape(_byte_shape(rel.sizes, isz))
-    return torch.from_numpy(buf).view(d.torch_dtype).reshape(sizes)
+    return buf.view(d.numpy_dtype).reshape(sizes)
 
 
-def _fill_piece_tensors(reader: CheckpointReader, task: WriteTask, piece: Piece) -> torch.Tensor:
+def _fill_piece_tensors(reader: CheckpointReader, task: WriteTask, piece: Piece) -> np.ndarray:
     if len(piece.copies) == 1 and piece.copies[0].region == piece.box:
         c = piece.copies[0]
-        return reader.read_region(task.key, c.src, c.region)
-    buf = torch.empty(piece.box.sizes, dtype=by_name(task.dtype).torch_dtype)
+        return to_storage_array(reader.read_region(task.key, c.src, c.region))
+    buf = np.empty(piece.box.sizes, dtype=by_name(task.dtype).numpy_dtype)
     for c in piece.copies:
-        buf[c.region.relative_to(piece.box).slices()] = reader.read_region(task.key, c.src, c.region)
+        buf[c.region.relative_to(piece.box).slices()] = to_storage_array(reader.read_region(task.key, c.src, c.region))
     return buf
 
 
@@ -323,7 +328,7 @@ def execute(
             for piece in task.pieces:
                 data = fill_piece(reader, task, piece)
                 writer.write(piece, data)
-                n = data.numel() * data.element_size()
+                n = data.nbytes
                 del data  # free this piece before the next one is read
                 bar.advance(n)
                 fault.wrote(n)

@@ -23,9 +23,9 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
+import numpy as np
 
 from converter import __version__
 from converter.atoms import group_atoms
@@ -40,11 +40,14 @@ from converter.plan import Piece, WriteTask, describe, plan_tensor
 from converter.sources import detect_format, open_checkpoint
 from converter.ingest import ConversionResult, _ChunkSink, universal_chunk_bytes
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, full_box
-from formats.dtypes import CASTABLE_FLOATS, by_name
+from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, from_storage_array, to_storage_array
 from formats.storage import source_label
 from formats.errors import ConfigError, InvalidCheckpointError, PlanError
 from formats.fsutil import atomic_write_bytes
 from formats.hf import DEFAULT_MAX_SHARD_BYTES, HFWriter, TensorSpec, plan_files
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                  "float": "float32", "fp64": "float64", "double": "float64"}
@@ -61,7 +64,7 @@ class Source(NamedTuple):
     """Where a target tensor comes from: the source key and a row permutation (or None)."""
 
     key: str
-    perm: torch.Tensor | None = None
+    perm: np.ndarray | None = None  # int64 row indices
 
 
 class _VLoc(NamedTuple):
@@ -69,15 +72,16 @@ class _VLoc(NamedTuple):
     chunk: ChunkRef
 
 
-def permuted_chunks(chunks: Sequence[ChunkRef], perm: torch.Tensor, key: str) -> tuple[ChunkRef, ...]:
+def permuted_chunks(chunks: Sequence[ChunkRef], perm: np.ndarray, key: str) -> tuple[ChunkRef, ...]:
     """Virtual chunks (target coordinates) of a tensor whose target row ``t`` is source row
     ``perm[t]``: runs of target rows whose source rows fall in one row segment of the source
     chunks, times each source chunk covering that segment (pure)."""
+    perm = np.asarray(perm, dtype=np.int64)
     rows = len(perm)
     live = [c for c in chunks if c.box.numel]
     cuts = sorted({0, rows} | {c.box.offsets[0] for c in live} | {c.box.ends[0] for c in live})
-    seg = torch.bucketize(perm, torch.tensor(cuts[1:-1], dtype=perm.dtype), right=True)
-    starts = [0] + (torch.nonzero(seg[1:] != seg[:-1]).flatten() + 1).tolist()
+    seg = np.searchsorted(np.asarray(cuts[1:-1], dtype=np.int64), perm, side="right")
+    starts = [0] + (np.flatnonzero(seg[1:] != seg[:-1]) + 1).tolist()
     out = []
     for t0, t1 in zip(starts, starts[1:] + [rows]):
         s = int(seg[t0])
@@ -98,7 +102,8 @@ class MappedReader:
     def __init__(self, reader: CheckpointReader, sources: Mapping[str, Source],
                  paths: Mapping[str, tuple] | None = None) -> None:
         self.reader = reader
-        self.sources = dict(sources)
+        self.sources = {k: s if s.perm is None else Source(s.key, np.asarray(s.perm, dtype=np.int64))
+                        for k, s in sources.items()}
         src_index = reader.index()
         tensors = {}
         for target, src in self.sources.items():
@@ -115,17 +120,41 @@ class MappedReader:
         return self._index
 
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
+        """A new tensor holding ``region`` of the target tensor ``key``."""
         loc: _VLoc = chunk.locator
-        perm = self.sources[key].perm
-        if perm is None:
+        if self.sources[key].perm is None:
             return self.reader.read_region(loc.key, loc.chunk, region)
-        rows = perm[region.offsets[0]: region.ends[0]]
+        return from_storage_array(self._permuted_bits(key, chunk, region), self._index.tensors[key].dtype)
+
+    def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
+        """Fill ``out`` (exactly the region's bytes) with ``region`` of the target tensor, C order."""
+        loc: _VLoc = chunk.locator
+        if self.sources[key].perm is None:
+            into = getattr(self.reader, "read_region_into", None)
+            if into is not None:
+                into(loc.key, loc.chunk, region, out)
+                return
+            bits = to_storage_array(self.reader.read_region(loc.key, loc.chunk, region))
+        else:
+            bits = self._permuted_bits(key, chunk, region)
+        np.copyto(np.frombuffer(out, dtype=bits.dtype).reshape(bits.shape), bits)
+
+    def _permuted_bits(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
+        """The region of a row-permuted target as a bit array: one read of the source rows it
+        spans, then the rows taken in target order."""
+        loc: _VLoc = chunk.locator
+        rows = self.sources[key].perm[region.offsets[0]: region.ends[0]]
         lo, hi = int(rows.min()), int(rows.max()) + 1
         span = Box((lo, *region.offsets[1:]), (hi - lo, *region.sizes[1:]))
-        data = self.reader.read_region(loc.key, loc.chunk, span)
-        if hi - lo == len(rows) and bool((rows == torch.arange(lo, hi)).all()):
+        into = getattr(self.reader, "read_region_into", None)
+        if into is None:
+            data = to_storage_array(self.reader.read_region(loc.key, loc.chunk, span))
+        else:
+            data = np.empty(span.sizes, dtype=by_name(self._index.tensors[key].dtype).numpy_dtype)
+            into(loc.key, loc.chunk, span, memoryview(data.reshape(-1).view(np.uint8)))
+        if hi - lo == len(rows) and bool((rows == np.arange(lo, hi)).all()):
             return data
-        return data.index_select(0, rows - lo)
+        return np.ascontiguousarray(data[rows - lo])
 
     def read_object_bytes(self, key: str) -> bytes:
         raise PlanError(f"no non-tensor entry {key!r} in a mapped view")
@@ -138,7 +167,7 @@ class MappedReader:
 
 
 def _perm_for(kmap: KeyMap, native_key: str, shape: Sequence[int], config: Mapping[str, Any] | None,
-              to_hf: bool) -> torch.Tensor | None:
+              to_hf: bool) -> np.ndarray | None:
     spec = kmap.transform_of(native_key)
     if spec is None:
         return None
@@ -255,7 +284,7 @@ def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
 class _HFSink:
     """Execute sink: pwrite each piece at its offset in the tensor's file, cast if asked."""
 
-    def __init__(self, writer: HFWriter, dtypes: Mapping[str, torch.dtype]) -> None:
+    def __init__(self, writer: HFWriter, dtypes: Mapping[str, str]) -> None:
         self.writer, self.dtypes = writer, dtypes
 
     def open(self, task: WriteTask) -> _HFSink._One:
@@ -265,15 +294,15 @@ class _HFSink:
         self.writer.sync()
 
     class _One:
-        def __init__(self, writer: HFWriter, task: WriteTask, dtype: torch.dtype) -> None:
+        def __init__(self, writer: HFWriter, task: WriteTask, dtype: str) -> None:
             self.writer, self.task, self.dtype = writer, task, dtype
             shape = task.box.sizes
             self.strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
 
-        def write(self, piece: Piece, data: torch.Tensor) -> None:
+        def write(self, piece: Piece, data: np.ndarray) -> None:
             local = piece.box.relative_to(self.task.box)
             offset = sum(o * s for o, s in zip(local.offsets, self.strides))
-            self.writer.write_tensor(self.task.key, offset, data if data.dtype == self.dtype else data.to(self.dtype))
+            self.writer.write_tensor(self.task.key, offset, cast_bits(data, self.task.dtype, self.dtype))
 
         def close(self) -> None:
             pass
@@ -326,7 +355,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
             out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
             journal = dist.journal(out, header, resume=False)
         writer = HFWriter(out, plan.specs, max_bytes)
-        dtypes = {s.name: by_name(s.dtype).torch_dtype for s in plan.specs}
+        dtypes = {s.name: by_name(s.dtype).name for s in plan.specs}
         try:
             # rank 0 creates and sizes every file; the other ranks then open them without truncating
             dist.leader_first(lambda: writer.start(resume=options.resume), lambda: writer.start(resume=True))

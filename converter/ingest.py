@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from converter import __version__
 from converter.atoms import group_atoms
@@ -55,7 +55,7 @@ class _ChunkSink:
         def __init__(self, writer: UniversalWriter, task: WriteTask) -> None:
             self.writer, self.task = writer, task
 
-        def write(self, piece: Piece, data: torch.Tensor) -> None:
+        def write(self, piece: Piece, data: np.ndarray) -> None:
             self.checksum = self.writer.write_chunk(self.task.key, self.task.target, data)
 
         def close(self) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from formats.errors import ConfigError
 
@@ -270,8 +270,8 @@ def parse_transform(text: str, where: str) -> tuple[str, str]:
     return kind, arg
 
 
-def rope_permutation(rows: int, n_heads: int, to_hf: bool, key: str = "") -> torch.Tensor:
-    """Row permutation ``p`` (int64, length ``rows``): target row ``t`` takes source row ``p[t]``.
+def rope_permutation(rows: int, n_heads: int, to_hf: bool, key: str = "") -> np.ndarray:
+    """Row permutation ``p`` (numpy int64, length ``rows``): target row ``t`` takes source row ``p[t]``.
 
     ``to_hf``: interleaved RoPE pairs (torchtitan / Meta) -> HF rotate-half halves, exactly
     ``w.view(n_heads, hd // 2, 2, dim).transpose(1, 2).reshape(rows, dim)`` of HF's
@@ -283,10 +283,10 @@ def rope_permutation(rows: int, n_heads: int, to_hf: bool, key: str = "") -> tor
             "check num_attention_heads / num_key_value_heads in the config"
         )
     hd = rows // n_heads
-    idx = torch.arange(rows)
+    idx = np.arange(rows, dtype=np.int64)
     if to_hf:
-        return idx.view(n_heads, hd // 2, 2).transpose(1, 2).reshape(-1)
-    return idx.view(n_heads, 2, hd // 2).transpose(1, 2).reshape(-1)
+        return idx.reshape(n_heads, hd // 2, 2).transpose(0, 2, 1).reshape(-1)
+    return idx.reshape(n_heads, 2, hd // 2).transpose(0, 2, 1).reshape(-1)
 
 
 def heads_for(field_name: str, config: Mapping[str, Any] | None, map_name: str, key: str) -> int:

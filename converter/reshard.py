@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from dataclasses import dataclass, field, replace
 
-import torch
+import numpy as np
 
 from converter.atoms import AtomRef, group_atoms
 from converter import __version__
@@ -33,7 +33,7 @@ from converter.sources import open_checkpoint
 from converter.ingest import ConversionResult
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
-from formats.dtypes import CASTABLE_FLOATS, by_name
+from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits
 from formats.storage import source_label
 from formats.errors import ConfigError
 
@@ -132,10 +132,10 @@ class _RankChunkSink:
     class _One:
         def __init__(self, owner: "_RankChunkSink", sink, task: WriteTask) -> None:
             self.owner, self.sink, self.task = owner, sink, task
-            self.dtype = by_name(task.target.dtype).torch_dtype
+            self.src_dtype, self.dtype = task.dtype, task.target.dtype
 
-        def write(self, piece: Piece, data: torch.Tensor) -> None:
-            self.sink.write(data if data.dtype == self.dtype else data.to(self.dtype))
+        def write(self, piece: Piece, data: np.ndarray) -> None:
+            self.sink.write(cast_bits(data, self.src_dtype, self.dtype))
 
         def close(self) -> None:
             self.sink.close()

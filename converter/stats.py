@@ -16,12 +16,16 @@ import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 import converter.knobs as knobs
 from formats.base import Box, CheckpointReader
 from formats.dtypes import to_storage_array
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,8 @@ def slabs(box: Box, max_elems: int) -> Iterator[Box]:
 
 def _fold(acc: _Acc, t: torch.Tensor) -> None:
     """Fold one slab into ``acc`` (complex slabs by magnitude)."""
+    import torch
+
     if t.is_complex():
         t = t.abs()
     acc.count += t.numel()

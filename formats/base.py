@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Shape = tuple[int, ...]
 

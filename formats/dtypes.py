@@ -1,19 +1,27 @@
-"""One table for dtypes: torch <-> storage numpy dtype <-> safetensors name.
+"""One table for dtypes: torch name <-> storage numpy dtype <-> safetensors name.
 
 Zarr v3 (3.1) has no bfloat16 and no float8. Those are stored losslessly as unsigned integers of
 the same width (bf16 -> uint16, float8 -> uint8) holding the exact bit patterns; the torch dtype is
 recorded next to the array and restored with ``Tensor.view``. Stock zarr opens such arrays with
 no registration.
+
+The table itself needs no torch: the copy path (read bytes, write bytes) works on numpy arrays of
+the storage dtype ("bit arrays"), and torch is imported only where a torch tensor is asked for
+(``DType.torch_dtype``, :func:`to_storage_array`, :func:`from_storage_array`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from formats.errors import UnsupportedError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -21,10 +29,16 @@ class DType:
     """One row of the dtype table."""
 
     name: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
-    torch_dtype: torch.dtype
     storage: str  # numpy dtype name the bytes are stored as, e.g. "uint16"
     safetensors: str  # safetensors dtype name, e.g. "BF16"
     itemsize: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype (imports torch)."""
+        import torch
+
+        return getattr(torch, self.name)
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -38,8 +52,18 @@ class DType:
 
 
 def _row(name: str, storage: str, st: str) -> DType:
-    t = getattr(torch, name)
-    return DType(name, t, storage, st, torch.empty((), dtype=t).element_size())
+    return DType(name, storage, st, np.dtype(storage).itemsize)
+
+
+def _torch_has_e8m0() -> bool:
+    """Whether the installed torch has ``float8_e8m0fnu`` (2.7+), read from its version, not imported."""
+    from importlib import metadata
+
+    try:
+        major, minor = (int(x) for x in re.findall(r"\d+", metadata.version("torch"))[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return True
+    return (major, minor) >= (2, 7)
 
 
 _TABLE: tuple[DType, ...] = (
@@ -51,7 +75,7 @@ _TABLE: tuple[DType, ...] = (
     _row("float8_e5m2", "uint8", "F8_E5M2"),
     _row("float8_e4m3fnuz", "uint8", "F8_E4M3FNUZ"),
     _row("float8_e5m2fnuz", "uint8", "F8_E5M2FNUZ"),
-    *((_row("float8_e8m0fnu", "uint8", "F8_E8M0"),) if hasattr(torch, "float8_e8m0fnu") else ()),
+    *((_row("float8_e8m0fnu", "uint8", "F8_E8M0"),) if _torch_has_e8m0() else ()),
     _row("int64", "int64", "I64"),
     _row("int32", "int32", "I32"),
     _row("int16", "int16", "I16"),
@@ -69,7 +93,6 @@ _TABLE: tuple[DType, ...] = (
 CASTABLE_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 BY_NAME: dict[str, DType] = {d.name: d for d in _TABLE}
-BY_TORCH: dict[torch.dtype, DType] = {d.torch_dtype: d for d in _TABLE}
 BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _TABLE}
 
 
@@ -87,7 +110,7 @@ def by_name(name: str) -> DType:
 def by_torch(dtype: torch.dtype) -> DType:
     """Look a dtype up by torch dtype."""
     try:
-        return BY_TORCH[dtype]
+        return BY_NAME[str(dtype).removeprefix("torch.")]
     except KeyError:
         raise UnsupportedError(f"dtype {dtype} is not supported") from None
 
@@ -100,8 +123,33 @@ def by_safetensors(name: str) -> DType:
         raise UnsupportedError(f"safetensors dtype {name!r} is not supported") from None
 
 
-def to_storage_array(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of the tensor's exact bits in its storage dtype (zero-copy when contiguous)."""
+def itemsize_of(name: str) -> int:
+    """Bytes per element of a torch dtype name, also for dtypes outside the table (e.g. ``bits8``)."""
+    d = BY_NAME.get(name.removeprefix("torch."))
+    if d is not None:
+        return d.itemsize
+    import torch
+
+    return getattr(torch, name.removeprefix("torch.")).itemsize
+
+
+def is_torch_tensor(data: Any) -> bool:
+    """Whether ``data`` is a torch tensor (without importing torch when it is not loaded)."""
+    import sys
+
+    torch_mod = sys.modules.get("torch")
+    return torch_mod is not None and isinstance(data, torch_mod.Tensor)
+
+
+def to_storage_array(t: Any) -> np.ndarray:
+    """A numpy view of the tensor's exact bits in its storage dtype (zero-copy when contiguous).
+
+    A numpy array is taken to hold bits already and is returned C-contiguous.
+    """
+    if not is_torch_tensor(t):
+        return np.require(t, requirements="C")  # keeps 0-d arrays 0-d
+    import torch
+
     d = by_torch(t.dtype)
     t = t.contiguous()
     if d.encoded:
@@ -109,10 +157,28 @@ def to_storage_array(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def raw_bytes(data: Any) -> memoryview:
+    """The exact bytes of a bit array or torch tensor, C order, as a flat ``uint8`` memoryview."""
+    a = to_storage_array(data)
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
 def from_storage_array(a: np.ndarray, name: str) -> torch.Tensor:
     """The torch tensor whose bits are ``a`` (zero-copy), with the recorded torch dtype."""
+    import torch
+
     d = by_name(name)
+    if a.size == 0:  # numpy gives empty arrays zero strides, which torch's .view refuses
+        return torch.empty(a.shape, dtype=d.torch_dtype)
     t = torch.from_numpy(np.ascontiguousarray(a)).reshape(a.shape)  # ascontiguousarray makes 0-d 1-d
     if d.encoded:
         t = t.view(d.torch_dtype)
     return t
+
+
+def cast_bits(data: Any, src: str, dst: str) -> np.ndarray:
+    """The bit array of ``data`` (a bit array of dtype ``src``) cast to dtype ``dst`` as torch's
+    ``Tensor.to`` rounds it; ``data`` itself when the dtypes are equal. Casting imports torch."""
+    if by_name(src).name == by_name(dst).name:
+        return to_storage_array(data)
+    return to_storage_array(from_storage_array(to_storage_array(data), src).to(by_name(dst).torch_dtype))

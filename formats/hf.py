@@ -28,12 +28,12 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from formats.base import Box, CheckpointIndex, ChunkRef, Shape, TensorEntry, full_box
-from formats.dtypes import by_name, by_safetensors, by_torch
+from formats.dtypes import by_name, by_safetensors, from_storage_array, is_torch_tensor, raw_bytes
 from formats.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -45,6 +45,9 @@ from formats.errors import (
 )
 from formats.fsutil import atomic_write_bytes, fsync_dir, safe_join
 from formats.storage import RandomFile, Storage, check_relative, close_file, open_storage, read_into
+
+if TYPE_CHECKING:
+    import torch
 
 #: Largest header safetensors accepts (bytes).
 MAX_HEADER_BYTES = 100_000_000
@@ -327,24 +330,45 @@ class HFReader:
 
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
         """A new contiguous tensor holding ``region``: one pread of the rows it spans."""
+        file, e = self._entry(key, region)
+        return from_storage_array(self._read_bits(file, e, region), e.dtype)
+
+    def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
+        """Fill ``out`` (writable, exactly the region's bytes) with ``region`` in C order; a region
+        of whole rows is read straight into ``out``."""
+        file, e = self._entry(key, region)
+        if not e.shape or region.sizes[1:] == e.shape[1:]:
+            self._read_rows(file, e, region, out)
+            return
+        bits = self._read_bits(file, e, region)
+        np.copyto(np.frombuffer(out, dtype=bits.dtype).reshape(bits.shape), bits)
+
+    def _entry(self, key: str, region: Box) -> tuple[str, StEntry]:
         found = self._entries.get(key)
         if found is None:
             raise PlanError(f"{self.root}: no tensor {key!r} in this checkpoint")
         file, e = found
         if region.ndim != len(e.shape) or not full_box(e.shape).contains(region):
             raise PlanError(f"key {key!r}: region {region.to_json()} is not inside the tensor {list(e.shape)}")
+        return file, e
+
+    def _read_rows(self, file: str, e: StEntry, region: Box, out: memoryview) -> None:
+        """Read the rows ``region`` spans (whole rows) into ``out``, which holds exactly them."""
+        row = math.prod(e.shape[1:]) * by_name(e.dtype).itemsize
+        r0 = region.offsets[0] if e.shape else 0
+        if read_into(self._fd(file), out, e.begin + r0 * row) != len(out):
+            raise CorruptCheckpointError(f"{self.root / file}: truncated while reading {e.name!r}; re-export it")
+
+    def _read_bits(self, file: str, e: StEntry, region: Box) -> np.ndarray:
+        """The region as a new bit array (storage dtype), read with one pread of its rows."""
         d = by_name(e.dtype)
-        row = math.prod(e.shape[1:]) * d.itemsize
         r0, r1 = (region.offsets[0], region.ends[0]) if e.shape else (0, 1)
-        nbytes = (r1 - r0) * row
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        got = read_into(self._fd(file), memoryview(buf.numpy()), e.begin + r0 * row)
-        if got != nbytes:
-            raise CorruptCheckpointError(f"{self.root / file}: truncated while reading {key!r}; re-export it")
-        t = buf.view(d.torch_dtype).reshape((r1 - r0, *e.shape[1:]) if e.shape else ())
+        rows = np.empty((r1 - r0, *e.shape[1:]) if e.shape else (), dtype=d.numpy_dtype)
+        self._read_rows(file, e, Box((r0, *region.offsets[1:]), (r1 - r0, *e.shape[1:])) if e.shape else region,
+                        memoryview(rows.reshape(-1).view(np.uint8)))
         if not e.shape or region.sizes[1:] == e.shape[1:]:
-            return t
-        return t[(slice(None),) + region.slices()[1:]].contiguous()
+            return rows
+        return np.ascontiguousarray(rows[(slice(None),) + region.slices()[1:]])
 
     def read_object_bytes(self, key: str) -> bytes:
         raise PlanError(f"{self.root}: Hugging Face checkpoints hold no non-tensor entries (asked for {key!r})")
@@ -513,6 +537,7 @@ class HFWriter:
         self._where: dict[str, tuple[FilePlan, int, int]] = {
             t.name: (p, p.offsets[t.name], t.nbytes) for p in self.plans for t in p.tensors
         }
+        self._itemsize = {t.name: by_name(t.dtype).itemsize for p in self.plans for t in p.tensors}
         self._fds: dict[str, int] = {}
         self._written: dict[str, int] = {name: 0 for name in self._where}
         self._lock = threading.Lock()
@@ -553,12 +578,16 @@ class HFWriter:
         with self._lock:
             self._written[name] += len(data)
 
-    def write_tensor(self, name: str, element_offset: int, tensor: torch.Tensor) -> None:
-        """Write a contiguous run of elements of ``name`` starting at flat index ``element_offset``."""
-        t = tensor.detach().contiguous().reshape(-1)
-        itemsize = by_torch(t.dtype).itemsize
-        raw = t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        self.write(name, element_offset * itemsize, memoryview(raw.numpy()))
+    def write_tensor(self, name: str, element_offset: int, tensor: Any) -> None:
+        """Write a contiguous run of elements of ``name`` starting at flat index ``element_offset``.
+
+        ``tensor`` is a bit array (numpy, storage dtype) or a torch tensor of the tensor's dtype.
+        """
+        if is_torch_tensor(tensor):
+            tensor = tensor.detach()
+        raw = raw_bytes(tensor)
+        itemsize = self._itemsize[name]
+        self.write(name, element_offset * itemsize, raw)
 
     def commit(self) -> list[str]:
         """fsync, rename every file into place, then publish the index (sharded only)."""

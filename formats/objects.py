@@ -11,8 +11,6 @@ import threading
 import zipfile
 from typing import Any
 
-import torch
-
 from formats.errors import CorruptCheckpointError, UnsafePickleError
 
 
@@ -51,6 +49,8 @@ def safe_torch_load(data: bytes) -> Any:
     """``torch.load`` of a ``torch.save`` payload with the weights-only unpickler plus
     :data:`EXTRA_SAFE_GLOBALS`; raises what ``torch.load`` raises (``UnpicklingError`` for a
     global outside the allowlist)."""
+    import torch
+
     with _SAFE_LOCK, torch.serialization.safe_globals(EXTRA_SAFE_GLOBALS):
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
@@ -72,9 +72,16 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
     """Load a ``torch.save`` payload; arbitrary classes only with ``trust_pickle``.
 
     Without ``trust_pickle``: torch's weights-only unpickler, plus :data:`EXTRA_SAFE_GLOBALS`.
+    A payload of plain Python data (numbers, strings, lists, dicts: what optimizer param groups
+    and most training state hold) is read without importing torch (:func:`load_plain_object`).
     """
+    found, value = load_plain_object(data)
+    if found:
+        return value
     try:
         if trust_pickle:
+            import torch
+
             return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
         return safe_torch_load(data)
     except pickle.UnpicklingError as e:
@@ -93,6 +100,39 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
     except Exception as e:  # damaged pickles make torch's unpickler raise many builtin types
         first = str(e).splitlines()[0][:160] if str(e) else ""
         raise CorruptCheckpointError(f"{where}: corrupt non-tensor entry ({type(e).__name__}: {first})") from None
+
+
+class _NotPlain(Exception):
+    """The pickle refers to a class, function or storage: not plain data."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only what pickle opcodes build by themselves (None, bools, numbers, str, bytes,
+    tuples, lists, dicts, sets): every global and persistent id is refused, so no code runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _NotPlain(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _NotPlain("persistent id")
+
+
+def load_plain_object(data: bytes) -> tuple[bool, Any]:
+    """``(True, value)`` when ``data`` is a ``torch.save`` zip archive whose pickle holds only
+    plain Python data (the value ``torch.load`` returns for it), else ``(False, None)``.
+
+    Needs no torch; anything else (tensors, numpy, damaged bytes, legacy format) is left to
+    :func:`load_torch_object`'s torch path.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            names = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(names) != 1:
+                return False, None
+            payload = z.read(names[0])
+        return True, _PlainUnpickler(io.BytesIO(payload)).load()
+    except Exception:  # noqa: BLE001 - any failure: not plain, let torch's path decide and report
+        return False, None
 
 
 _VALID_OPCODES = {ord(op.code) for op in pickletools.opcodes}

@@ -27,11 +27,10 @@ from typing import Any
 from urllib.parse import quote
 
 import numpy as np
-import torch
 import xxhash
 
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
-from formats.dtypes import BY_NAME, by_name, from_storage_array
+from formats.dtypes import BY_NAME, by_name, from_storage_array, raw_bytes, to_storage_array
 from formats.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -209,13 +208,16 @@ class UniversalWriter:
         r = self._tensors[key]
         return list(chunk_grid(r.shape, r.chunk_shape))
 
-    def write_chunk(self, key: str, index: tuple[int, ...], tensor: torch.Tensor) -> str:
-        """Write one whole chunk (thread-safe across chunks): temp file, then rename; its checksum."""
+    def write_chunk(self, key: str, index: tuple[int, ...], tensor: Any) -> str:
+        """Write one whole chunk (thread-safe across chunks): temp file, then rename; its checksum.
+
+        ``tensor`` is the chunk's bit array (numpy, storage dtype) or a torch tensor.
+        """
         record = self._tensors[key]
-        d = by_name(record.dtype)
-        t = tensor.contiguous()
-        data = (t.view(getattr(torch, d.storage)) if d.encoded else t).numpy()
-        checksum = xxhash.xxh3_64_hexdigest(memoryview(np.ascontiguousarray(data)).cast("B"))
+        data = to_storage_array(tensor)
+        if data.dtype != np.dtype(record.storage_dtype):
+            raise ValueError(f"{key!r}: chunk data of dtype {data.dtype}, the array stores {record.storage_dtype}")
+        checksum = xxhash.xxh3_64_hexdigest(raw_bytes(data))
         payload, full = _padded_bytes(data, record.chunk_shape)
         path = self.root / _chunk_file(record.array, index)
         path.parent.mkdir(parents=True, exist_ok=True)

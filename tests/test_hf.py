@@ -500,15 +500,15 @@ def test_destination_and_config_errors(exported, dcp_checkpoint, tmp_path):
 
 def test_failed_export_publishes_nothing(dcp_checkpoint, tmp_path, monkeypatch):
     seen = []
-    real = MappedReader.read_region
+    real = MappedReader.read_region_into
 
-    def flaky(self, key, chunk, region):
+    def flaky(self, key, chunk, region, out):
         seen.append(sorted(p.name for p in (tmp_path / "out").iterdir()))
         if len(seen) == 6:
             raise OSError("disk on fire")
-        return real(self, key, chunk, region)
+        return real(self, key, chunk, region, out)
 
-    monkeypatch.setattr(MappedReader, "read_region", flaky)
+    monkeypatch.setattr(MappedReader, "read_region_into", flaky)
     with pytest.raises(OSError, match="disk on fire"):
         api.export_hf(dcp_checkpoint("fsdp4"), tmp_path / "out", max_shard_size="20KB",
                       options=RunOptions(workers=1))
