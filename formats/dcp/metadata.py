@@ -399,9 +399,12 @@ def load_object_bytes(data: bytes, source: str, key: str, trust_pickle: bool = F
     raises :class:`UnsafePickleError` unless ``trust_pickle`` (then ``weights_only=False``, which
     runs arbitrary code from the file: only for checkpoints you trust).
     """
-    import torch
+    from formats.objects import is_damaged_pickle, load_plain_object, pickle_error_hint, safe_torch_load
 
-    from formats.objects import is_damaged_pickle, pickle_error_hint, safe_torch_load
+    found, value = load_plain_object(data)  # plain Python data: no torch needed
+    if found:
+        return value
+    import torch
 
     try:
         if trust_pickle:
