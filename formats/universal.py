@@ -23,7 +23,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import numpy as np
@@ -47,6 +47,9 @@ from formats.universal_meta import (
     TensorRecord,
     UniversalMetadata,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 TENSORS_DIR = "tensors"
 OBJECTS_DIR = "objects"

@@ -587,3 +587,38 @@ def test_export_streams_under_the_budget(tmp_path):
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         sl = f.get_slice("big")
         assert torch.equal(sl[8000:8192], torch.arange(8000 * 4096, 8192 * 4096, dtype=torch.float32).view(192, 4096))
+
+
+def test_hf_reader_regions_into_bit_arrays(tmp_path):
+    """HFReader.read_region_into (the copy path, no torch) and read_region give the exact bits of
+    any box: whole rows (read in place), column slices, 0-d and empty tensors."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "w": torch.randn(5, 6, 7, generator=g).to(torch.bfloat16),
+        "f8": torch.randn(4, 9, generator=g).to(torch.float8_e4m3fn),
+        "i": torch.arange(12, dtype=torch.int32).reshape(3, 4),
+        "s": torch.tensor(2.5),
+        "e": torch.empty(0, 3),
+    }
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reader = HFReader(tmp_path)
+    boxes = {
+        "w": [Box((0, 0, 0), (5, 6, 7)), Box((1, 0, 0), (3, 6, 7)), Box((2, 1, 3), (2, 4, 4)), Box((4, 5, 6), (1, 1, 1))],
+        "f8": [Box((0, 0), (4, 9)), Box((1, 2), (2, 5))],
+        "i": [Box((1, 1), (2, 3))],
+        "s": [Box((), ())],
+        "e": [Box((0, 0), (0, 3))],
+    }
+    for key, wanted in boxes.items():
+        entry = reader.index().tensors[key]
+        t = tensors[key]
+        for box in wanted:
+            want = t[box.slices()].contiguous()
+            assert bits_equal(reader.read_region(key, entry.chunks[0], box), want), (key, box)
+            bits = np.empty(box.sizes, dtype=np.dtype({1: "uint8", 2: "uint16", 4: "int32"}[t.element_size()]))
+            if key == "s":
+                bits = np.empty((), dtype=np.float32)
+            reader.read_region_into(key, entry.chunks[0], box, memoryview(bits.reshape(-1).view(np.uint8)))
+            assert bits.tobytes() == want.reshape(-1).view(torch.uint8).numpy().tobytes(), (key, box)

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import io
 import os
-import pickle
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +22,7 @@ from typing import Any
 
 from formats.dcp.safe_pickle import SAFE_BUILTINS, DTypeRef, Record, record_class, safe_loads
 from formats.dcp.safe_pickle import resolve_torch_dtype, resolve_torch_layout
-from formats.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsafePickleError
+from formats.errors import CorruptCheckpointError, IncompleteCheckpointError
 
 Shape = tuple[int, ...]
 
@@ -392,45 +390,10 @@ def merge_metadata(parts: Sequence[DCPMetadata]) -> DCPMetadata:
 
 
 def load_object_bytes(data: bytes, source: str, key: str, trust_pickle: bool = False) -> Any:
-    """The value of a non-tensor entry (a ``torch.save`` archive).
-
-    Loads with ``torch.load(weights_only=True)`` (plus :data:`formats.objects.EXTRA_SAFE_GLOBALS`);
-    a class outside that allowlist
-    raises :class:`UnsafePickleError` unless ``trust_pickle`` (then ``weights_only=False``, which
-    runs arbitrary code from the file: only for checkpoints you trust).
+    """The value of a non-tensor entry (a ``torch.save`` archive): :func:`formats.objects.load_torch_object`
+    (plain data without torch; else torch's weights-only unpickler plus its allowlist; arbitrary
+    classes only with ``trust_pickle``, which runs code from the file: only for checkpoints you trust).
     """
-    from formats.objects import is_damaged_pickle, load_plain_object, pickle_error_hint, safe_torch_load
+    from formats.objects import load_torch_object
 
-    found, value = load_plain_object(data)  # plain Python data: no torch needed
-    if found:
-        return value
-    import torch
-
-    try:
-        if trust_pickle:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-        return safe_torch_load(data)  # weights-only, plus plain-data classes (io.BytesIO, numpy)
-    except pickle.UnpicklingError as exc:
-        if not trust_pickle and "weights_only" in str(exc).lower() and not is_damaged_pickle(data, str(exc)):
-            glob = _unsupported_global(str(exc))
-            raise UnsafePickleError(
-                f"{source}: key {key!r} is a pickle naming {glob}, which is not on the safe "
-                "allowlist; pass --trust-pickle (trust_pickle=True) to load it if you trust "
-                "this checkpoint"
-            ) from None
-        raise CorruptCheckpointError(f"{source}: key {key!r}: damaged pickle ({pickle_error_hint(str(exc))})") from None
-    except Exception as exc:
-        raise CorruptCheckpointError(
-            f"{source}: key {key!r} is not a readable torch.save archive "
-            f"({type(exc).__name__}: {_first_sentence(exc)})"
-        ) from None
-
-
-def _first_sentence(exc: Exception) -> str:
-    text = (str(exc).splitlines() or [""])[0]
-    return text.split(". ")[0][:160]
-
-
-def _unsupported_global(message: str) -> str:
-    m = re.search(r"GLOBAL ([\w.]+)", message) or re.search(r"global ([\w.]+)", message)
-    return m.group(1) if m else "a class"
+    return load_torch_object(data, f"{source}: key {key!r}", trust_pickle)
