@@ -8,8 +8,9 @@ Every step runs as a subprocess; its wall time includes process start and a trai
 (for steps that write). Peak RSS is sampled every 20 ms as the sum over the whole process tree
 (``tree``; shared library pages of forked ranks are counted once per process) and, exactly, the
 kernel's high-water mark of the main process (``main``, from wait4). The page cache is dropped
-for the step's input before every step (posix_fadvise DONTNEED, checked with fincore), so
-every step reads its data cold while the interpreter and torch's libraries stay cached. Prints a markdown table and
+for the step's input before every step (posix_fadvise DONTNEED, checked with fincore; as root, the
+whole page cache is dropped first and the code read back in, so no step pays to reclaim another
+step's pages), so every step reads its data cold while the interpreter and torch's libraries stay cached. Prints a markdown table and
 writes JSON to bench/results/.
 """
 
@@ -60,12 +61,32 @@ class Run:
     tail: str
 
 
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def can_drop_caches() -> bool:
+    """Whether this process may empty the whole page cache (root, writable /proc/sys)."""
+    return os.access(DROP_CACHES, os.W_OK)
+
+
+def drop_all_caches() -> None:
+    """Empty the page cache, then read the interpreter's code back in (python, numpy, torch,
+    ckptconv), so every step starts from the same memory state: no other step's files to
+    reclaim while it allocates pages, and a warm process start."""
+    subprocess.run(["sync"], check=True)
+    DROP_CACHES.write_text("1\n")
+    subprocess.run([PY, "-c", "import torch, numpy, converter.cli"], check=True, capture_output=True)
+
+
 def evict(path: Path) -> bool:
-    """sync, then drop ``path``'s files from the page cache (posix_fadvise DONTNEED).
+    """sync, then drop ``path``'s files from the page cache (posix_fadvise DONTNEED); where
+    allowed, first the whole page cache (:func:`drop_all_caches`).
 
     Only the step's input goes cold: the interpreter and torch's libraries stay cached, so a
     step's time is its own I/O plus a warm process start. False when the kernel kept any page.
     """
+    if can_drop_caches():
+        drop_all_caches()
     subprocess.run(["sync"], check=True)
     files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
     for f in files:
@@ -447,7 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     doc = {"started": started, "finished": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": " ".join(["python", "bench/run.py", *(argv if argv is not None else sys.argv[1:])]),
            "machine": mach, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-           "page_cache": "warm (inputs pre-read)" if args.warm else "input evicted before every step (cold data, warm code)",
+           "page_cache": "warm (inputs pre-read)" if args.warm else
+           ("whole page cache dropped, code re-read, before every step (cold data, warm code)" if can_drop_caches()
+            else "input evicted before every step (cold data, warm code)"),
            "results": results, "targets": targets(results)}
     doc["table"] = table(results)
     RESULTS.mkdir(exist_ok=True)
