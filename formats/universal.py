@@ -453,8 +453,8 @@ class UniversalReader:
         a region of whole chunk rows is read straight into ``out`` (one pread, no copy)."""
         record = self.meta.tensors[key]
         cshape = record.chunk_shape
-        if not cshape or region.sizes[0] <= 1:
-            batches = [(0, region)]
+        if not cshape or region.sizes[0] <= 1 or region.sizes[1:] == cshape[1:]:
+            batches = [(0, region)]  # one row, or whole rows: one read straight into ``out``
         else:  # partial rows: read full rows in batches of at most ROWS_BATCH_BYTES (bounded buffer)
             row = math.prod(cshape[1:]) * np.dtype(record.storage_dtype).itemsize
             step = max(1, ROWS_BATCH_BYTES // row)
