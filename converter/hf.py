@@ -129,29 +129,32 @@ class MappedReader:
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` (exactly the region's bytes) with ``region`` of the target tensor, C order."""
         loc: _VLoc = chunk.locator
+        into = getattr(self.reader, "read_region_into", None)
+        if self.sources[key].perm is None and into is not None:
+            into(loc.key, loc.chunk, region, out)
+            return
         if self.sources[key].perm is None:
-            into = getattr(self.reader, "read_region_into", None)
-            if into is not None:
-                into(loc.key, loc.chunk, region, out)
-                return
-            bits = to_storage_array(self.reader.read_region(loc.key, loc.chunk, region))
+            bits = self._source_bits(key, chunk, region)
         else:
             bits = self._permuted_bits(key, chunk, region)
         np.copyto(np.frombuffer(out, dtype=bits.dtype).reshape(bits.shape), bits)
 
+    def _source_bits(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
+        """``region`` of the source chunk behind target ``key`` as a new bit array."""
+        loc: _VLoc = chunk.locator
+        into = getattr(self.reader, "read_region_into", None)
+        if into is None:
+            return to_storage_array(self.reader.read_region(loc.key, loc.chunk, region))
+        bits = np.empty(region.sizes, dtype=by_name(self._index.tensors[key].dtype).numpy_dtype)
+        into(loc.key, loc.chunk, region, memoryview(bits.reshape(-1).view(np.uint8)))
+        return bits
+
     def _permuted_bits(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
         """The region of a row-permuted target as a bit array: one read of the source rows it
         spans, then the rows taken in target order."""
-        loc: _VLoc = chunk.locator
         rows = self.sources[key].perm[region.offsets[0]: region.ends[0]]
         lo, hi = int(rows.min()), int(rows.max()) + 1
-        span = Box((lo, *region.offsets[1:]), (hi - lo, *region.sizes[1:]))
-        into = getattr(self.reader, "read_region_into", None)
-        if into is None:
-            data = to_storage_array(self.reader.read_region(loc.key, loc.chunk, span))
-        else:
-            data = np.empty(span.sizes, dtype=by_name(self._index.tensors[key].dtype).numpy_dtype)
-            into(loc.key, loc.chunk, span, memoryview(data.reshape(-1).view(np.uint8)))
+        data = self._source_bits(key, chunk, Box((lo, *region.offsets[1:]), (hi - lo, *region.sizes[1:])))
         if hi - lo == len(rows) and bool((rows == np.arange(lo, hi)).all()):
             return data
         return np.ascontiguousarray(data[rows - lo])
