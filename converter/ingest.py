@@ -96,7 +96,7 @@ def _copy_objects(reader: CheckpointReader, index: CheckpointIndex, writer: Univ
                   refs: dict, trust_pickle: bool) -> None:
     for key, entry in index.objects.items():
         data = reader.read_object_bytes(key)
-        value = load_torch_object(data, f"{index.root}:{key}", trust_pickle)
+        value = load_torch_object(data, f"{index.root.rstrip('/')}/{entry.file}: key {key!r}", trust_pickle)
         ref = refs[key]
         writer.add_object(key, data, entry.path, ref.atom, ref.role, json_view(value))
 

@@ -75,6 +75,12 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
     A payload of plain Python data (numbers, strings, lists, dicts: what optimizer param groups
     and most training state hold) is read without importing torch (:func:`load_plain_object`).
     """
+    bad = _crc_mismatch(data)
+    if bad is not None:
+        raise CorruptCheckpointError(
+            f"{where}: damaged non-tensor entry (CRC-32 mismatch in {bad}); "
+            "the checkpoint file is corrupt, restore it from a good copy"
+        )
     found, value = load_plain_object(data)
     if found:
         return value
@@ -100,6 +106,17 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
     except Exception as e:  # damaged pickles make torch's unpickler raise many builtin types
         first = str(e).splitlines()[0][:160] if str(e) else ""
         raise CorruptCheckpointError(f"{where}: corrupt non-tensor entry ({type(e).__name__}: {first})") from None
+
+
+def _crc_mismatch(data: bytes) -> str | None:
+    """The first member of a ``torch.save`` zip archive whose CRC-32 does not match its bytes
+    (``torch.load`` never checks them), else None (also for bytes that are not a zip archive:
+    the loaders report those)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            return z.testzip()
+    except Exception:  # noqa: BLE001 - not a readable zip: left to the loaders' own errors
+        return None
 
 
 class _NotPlain(Exception):
