@@ -657,3 +657,24 @@ def test_fuzzed_chunk_archive_raises_only_our_errors(single, tmp_path):
         with DCPReader(ckpt) as reader:
             ok += _only_our_errors(lambda: reader.read_region(entry.key, chunk, chunk.box))
     assert 0 < ok < 300  # flips in padding and data read fine; header damage is refused
+
+
+def test_dtype_of_a_newer_torch_is_named_not_called_unsafe(tmp_path):
+    """A ``.metadata`` naming a torch dtype this table lacks (a newer torch's) parses as data;
+    opening it then fails with one line naming the key and the dtype (not "unsafe pickle");
+    a non-dtype torch global is still refused as unsafe."""
+    from tests.cli_runner import run_cli
+
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": torch.arange(4.0), "i": torch.arange(3)}, checkpoint_id=str(ckpt), no_dist=True)
+    raw = (ckpt / ".metadata").read_bytes()
+    assert raw.count(b"\x8c\x07float32") == 1  # memoized: one string for every float32 reference
+    (ckpt / ".metadata").write_bytes(raw.replace(b"\x8c\x07float32", b"\x8c\x07float9x"))
+    with pytest.raises(UnsupportedError, match="key 'w' has dtype 'float9x'.*upgrade ckptconv"):
+        DCPReader(ckpt).index()
+    code, _, err = run_cli("to-universal", str(ckpt), str(tmp_path / "uni"))
+    assert code == 2 and "'w'" in err and "float9x" in err and "upgrade ckptconv" in err, err
+    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1
+    (ckpt / ".metadata").write_bytes(raw.replace(b"\x8c\x07float32", b"\x8c\x07system_"))
+    with pytest.raises(UnsafePickleError):
+        DCPReader(ckpt).index()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import pickletools
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -81,10 +82,21 @@ SAFE_BUILTINS: Mapping[tuple[str, str], Any] = {
 }
 
 
+#: How torch names dtypes; a name of this shape that torch 2.13 lacks is a newer torch's dtype.
+_DTYPE_NAME_SHAPE = re.compile(r"(u?int|float|bfloat|complex|bits|qu?int)[0-9][0-9a-z_]*")
+
+
 def resolve_torch_dtype(module: str, name: str) -> DTypeRef | None:
-    """``DTypeRef(canonical name)`` when ``module.name`` is a torch dtype, else None."""
+    """``DTypeRef(canonical name)`` when ``module.name`` is a torch dtype, else None.
+
+    A dtype-shaped name this table does not know (a newer torch's dtype) still resolves, to plain
+    data: the reader then names the key and the dtype it cannot convert, instead of calling the
+    pickle unsafe.
+    """
     if module == "torch" and name in DTYPE_NAMES:
         return DTypeRef(canonical_dtype_name(name))
+    if module == "torch" and _DTYPE_NAME_SHAPE.fullmatch(name):
+        return DTypeRef(name)
     return None
 
 
