@@ -26,7 +26,7 @@ import math
 import os
 import time
 import zipfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -314,20 +314,29 @@ def _verify_dcp(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -
         "zip CRC-32 of every entry of every chunk and object archive (torch.load checks none)",
         "every non-tensor entry loads (weights-only unpickling unless --trust-pickle)",
     ]
-    tasks: list[_Task] = []
-    for key, entry in index.tensors.items():
-        for chunk in entry.chunks:
-            where = f"{root / chunk.file}: key {key!r} chunk at {list(chunk.box.offsets)}"
 
-            def check(key=key, entry=entry, chunk=chunk, where=where) -> int:
-                reader.chunk_archive(key, chunk)
-                return _dcp_item_crcs(root, chunk.locator, where, entry.nbytes + _ARCHIVE_SLACK)
+    def check_chunk(key: str, entry: Any, chunk: ChunkRef) -> int:
+        reader.chunk_archive(key, chunk)
+        where = f"{root / chunk.file}: key {key!r} chunk at {list(chunk.box.offsets)}"
+        return _dcp_item_crcs(root, chunk.locator, where, entry.nbytes + _ARCHIVE_SLACK)
 
-            tasks.append(_guard(check, "chunk", key, chunk))
-    for key, obj in index.objects.items():
-        tasks.append(_object_task(reader, key, obj.file, found, trust_pickle,
-                                  lambda obj=obj, key=key: _dcp_item_crcs(
-                                      root, obj.locator, f"{root / obj.file}: key {key!r}", MAX_OBJECT_BYTES)))
+    def check_object(key: str, obj: Any) -> int:
+        return _dcp_item_crcs(root, obj.locator, f"{root / obj.file}: key {key!r}", MAX_OBJECT_BYTES)
+
+    return _entry_tasks(reader, found, trust_pickle, index.tensors, index.objects, check_chunk, check_object,
+                        label="chunk")
+
+
+def _entry_tasks(reader: Any, found: _Findings, trust_pickle: bool, tensors: Mapping[str, Any],
+                 objects: Mapping[str, Any], check_chunk: Callable[[str, Any, ChunkRef], int],
+                 check_object: Callable[[str, Any], int], label: str = "checksum") -> list[_Task]:
+    """One task per chunk of every tensor entry (``check_chunk(key, entry, chunk)``, problems
+    filed under ``label``) and per object (``check_object(key, obj)`` on its bytes, then it must
+    load: :func:`_object_task`)."""
+    tasks = [_guard(lambda key=key, entry=entry, chunk=chunk: check_chunk(key, entry, chunk), label, key, chunk)
+             for key, entry in tensors.items() for chunk in entry.chunks]
+    tasks += [_object_task(reader, key, obj.file, found, trust_pickle, lambda key=key, obj=obj: check_object(key, obj))
+              for key, obj in objects.items()]
     return tasks
 
 
@@ -406,15 +415,9 @@ def _verify_universal(root: Path, found: _Findings, quick: bool, trust_pickle: b
         "every chunk file whole, its xxh3_64 equal to the recorded checksum, edge padding zero",
         "every object file's size and xxh3_64; every object loads (weights-only unless --trust-pickle)",
     ]
-    tasks: list[_Task] = []
-    for key, entry in index.tensors.items():
-        record = meta.tensors[key]
-        for chunk in entry.chunks:
-            tasks.append(_guard(lambda record=record, chunk=chunk, key=key: _check_uchunk(root, key, record, chunk),
-                                "checksum", key, chunk))
-    for key, obj in meta.objects.items():
-        tasks.append(_object_task(reader, key, obj.file, found, trust_pickle,
-                                  lambda key=key: len(reader.read_object_bytes(key))))
+    tasks = _entry_tasks(reader, found, trust_pickle, index.tensors, meta.objects,
+                         lambda key, entry, chunk: _check_uchunk(root, key, meta.tensors[key], chunk),
+                         lambda key, obj: len(reader.read_object_bytes(key)))
     found.counts["files"] = len(tasks) + 3 + len(meta.tensors)
     return tasks
 
@@ -620,15 +623,9 @@ def _verify_remote(url: str, found: _Findings, quick: bool, trust_pickle: bool) 
         return []
     found.checks += ["every chunk's checksum (universal: xxh3_64, DCP: zip CRC-32) or full read (HF)",
                      "every object loads (weights-only unless --trust-pickle)"]
-    tasks: list[_Task] = []
-    for key, entry in index.tensors.items():
-        for chunk in entry.chunks:
-            tasks.append(_guard(lambda key=key, entry=entry, chunk=chunk: _remote_chunk(reader, key, entry, chunk),
-                                "checksum", key, chunk))
-    for key, obj in index.objects.items():
-        tasks.append(_object_task(reader, key, obj.file, found, trust_pickle,
-                                  lambda key=key: len(reader.read_object_bytes(key))))
-    return tasks
+    return _entry_tasks(reader, found, trust_pickle, index.tensors, index.objects,
+                        lambda key, entry, chunk: _remote_chunk(reader, key, entry, chunk),
+                        lambda key, obj: len(reader.read_object_bytes(key)))
 
 
 def _remote_chunk(reader: Any, key: str, entry: Any, chunk: ChunkRef) -> int:
