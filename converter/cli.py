@@ -144,7 +144,7 @@ def _missing_key(index: Any, pattern: str) -> list[str]:
 @click.option("--mesh", required=True, help="Target mesh, e.g. tp2,dp32 or pp2,dp_replicate2,dp4 (names: pp, dp_replicate, dp/dp_shard, cp, tp).")
 @click.option("--mesh-order", default=None, help="Rank order of the mesh dims, outermost first (default: pp,dp_replicate,dp_shard,cp,tp).")
 @click.option("--plan", "plan_name", default="fsdp", show_default=True, help="Placement plan: fsdp, llama, source, or a plan file (JSON/YAML).")
-@click.option("--dtype", default=None, help="Cast floating-point parameters to this dtype (e.g. bfloat16); off by default.")
+@click.option("--dtype", default=None, help="Cast floating-point parameters: bf16, fp16, fp32, fp64 (or bfloat16, float16, ...); float8/int kept. Off by default.")
 @run_options
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
                        dtype: str | None, **kw: Any) -> None:

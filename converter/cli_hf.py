@@ -30,7 +30,7 @@ def _report(result: Any) -> None:
 @click.option("--map", "key_map", default="identity", show_default=True, help=MAP_HELP)
 @click.option("--max-shard-size", type=SIZE, default="5GB", show_default=True,
               help="Largest shard file (huggingface_hub's rule: greedy in key order; bigger tensors alone).")
-@click.option("--dtype", default=None, help="Cast floating-point weights, e.g. bf16, fp16, fp32 (float8/int kept).")
+@click.option("--dtype", default=None, help="Cast floating-point weights: bf16, fp16, fp32, fp64 (or bfloat16, float16, ...); float8/int kept.")
 @click.option("--config", default=None,
               help="config.json to write into OUT: a path or inline JSON; the Llama map completes it from the "
                    "weights and reads its head counts.")

@@ -40,7 +40,7 @@ from converter.plan import Piece, WriteTask, describe, plan_tensor
 from converter.sources import detect_format, open_checkpoint
 from converter.ingest import ConversionResult, _ChunkSink, universal_chunk_bytes
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, full_box
-from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, from_storage_array, to_storage_array
+from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype, from_storage_array, to_storage_array
 from formats.storage import source_label
 from formats.errors import ConfigError, InvalidCheckpointError, PlanError
 from formats.fsutil import atomic_write_bytes
@@ -49,8 +49,6 @@ from formats.hf import DEFAULT_MAX_SHARD_BYTES, HFWriter, TensorSpec, plan_files
 if TYPE_CHECKING:
     import torch
 
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                 "float": "float32", "fp64": "float64", "double": "float64"}
 #: Source dtypes --dtype casts (float8 and integer tensors keep theirs).
 CASTABLE = CASTABLE_FLOATS
 CONFIG_FILE = "config.json"
@@ -186,13 +184,8 @@ def _perm_for(kmap: KeyMap, native_key: str, shape: Sequence[int], config: Mappi
 
 
 def normalize_dtype(dtype: str | None) -> str | None:
-    """``bf16`` / ``bfloat16`` / ``torch.bfloat16`` -> ``bfloat16``; floating point only."""
-    if dtype is None:
-        return None
-    name = by_name(DTYPE_ALIASES.get(dtype.lower(), dtype)).name
-    if name not in CASTABLE:
-        raise ConfigError(f"--dtype {dtype}: cast only to {', '.join(sorted(CASTABLE))} (or bf16, fp16, fp32)")
-    return name
+    """``bf16`` / ``bfloat16`` / ``torch.bfloat16`` -> ``bfloat16`` (:func:`formats.dtypes.cast_dtype`)."""
+    return None if dtype is None else cast_dtype(dtype)
 
 
 def source_config(src: str | os.PathLike) -> Path | dict[str, Any] | None:

@@ -33,9 +33,8 @@ from converter.sources import open_checkpoint
 from converter.ingest import ConversionResult
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
-from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits
+from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype
 from formats.storage import source_label
-from formats.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -153,10 +152,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     options = options or RunOptions()
     target_mesh = parse_mesh(mesh, mesh_order)
     if dtype is not None:
-        dtype = by_name(dtype).name
-        if dtype not in CASTABLE_FLOATS:
-            raise ConfigError(f"--dtype {dtype}: only floating-point dtypes {', '.join(sorted(CASTABLE_FLOATS))} "
-                              "can be cast to (float8 and integer tensors keep their dtype)")
+        dtype = cast_dtype(dtype)
     dist = distributed.current()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
     try:

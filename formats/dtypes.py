@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from formats.errors import UnsupportedError
+from formats.errors import ConfigError, UnsupportedError
 
 if TYPE_CHECKING:
     import torch
@@ -137,8 +137,9 @@ def is_torch_tensor(data: Any) -> bool:
     """Whether ``data`` is a torch tensor (without importing torch when it is not loaded)."""
     import sys
 
-    torch_mod = sys.modules.get("torch")
-    return torch_mod is not None and isinstance(data, torch_mod.Tensor)
+    # a module another thread is still importing has no ``Tensor`` yet (and no tensor exists)
+    tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)
+    return isinstance(tensor_type, type) and isinstance(data, tensor_type)
 
 
 def to_storage_array(t: Any) -> np.ndarray:
@@ -176,9 +177,86 @@ def from_storage_array(a: np.ndarray, name: str) -> torch.Tensor:
     return t
 
 
+#: Spellings ``--dtype`` accepts for each dtype it casts to (every command: from-universal,
+#: export-hf, ...). The canonical torch names and ``torch.<name>`` are accepted too.
+CAST_ALIASES: dict[str, str] = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
+    "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32",
+    "fp64": "float64", "f64": "float64", "double": "float64", "float64": "float64",
+}
+_CAST_CHOICES = "bf16 (bfloat16), fp16 (float16, half), fp32 (float32, float), fp64 (float64, double)"
+
+
+def cast_dtype(text: str) -> str:
+    """The canonical name (``"bfloat16"``) of a ``--dtype`` value (``"bf16"``, ``"BF16"``,
+    ``"torch.bfloat16"``); :class:`ConfigError` naming every accepted spelling otherwise
+    (float8 and integer targets included: a cast to them would clip or round values away)."""
+    key = str(text).strip().lower().removeprefix("torch.")
+    name = CAST_ALIASES.get(key)
+    if name is None:
+        raise ConfigError(
+            f"--dtype {text}: not a floating-point dtype ckptconv casts to; use one of {_CAST_CHOICES} "
+            "(float8 and integer tensors always keep their dtype)"
+        )
+    return name
+
+
 def cast_bits(data: Any, src: str, dst: str) -> np.ndarray:
-    """The bit array of ``data`` (a bit array of dtype ``src``) cast to dtype ``dst`` as torch's
-    ``Tensor.to`` rounds it; ``data`` itself when the dtypes are equal. Casting imports torch."""
-    if by_name(src).name == by_name(dst).name:
-        return to_storage_array(data)
-    return to_storage_array(from_storage_array(to_storage_array(data), src).to(by_name(dst).torch_dtype))
+    """The bit array of ``data`` (a bit array, or tensor, of dtype ``src``) cast to dtype ``dst``
+    as torch's ``Tensor.to`` rounds it; ``data``'s bits when the dtypes are equal. Needs no torch.
+
+    Between float16, bfloat16, float32 and float64 every non-NaN value (infinities, subnormals,
+    -0 included) gets torch's exact bits: float32 -> bfloat16 rounds to nearest even, float64 ->
+    float16/bfloat16 rounds through float32 as torch does. A NaN stays a NaN (quiet, sign and top
+    payload bits kept where torch keeps them; torch itself gives different NaN bits in its
+    vectorised and scalar lanes). Other dtype pairs: :class:`UnsupportedError`.
+    """
+    s, d = by_name(src).name, by_name(dst).name
+    bits = to_storage_array(data)
+    if s == d:
+        return bits
+    if s not in CASTABLE_FLOATS or d not in CASTABLE_FLOATS:
+        raise UnsupportedError(f"cannot cast {s} to {d}: only {', '.join(sorted(CASTABLE_FLOATS))} are cast")
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        if s == "float64" and d == "float32":
+            return bits.view(np.float64).astype(np.float32)
+        return _from_float32(_as_float32(bits, s), d, nan_bf16=0x7FC0 if s == "float16" else 0xFFFF)
+
+
+def _as_float32(bits: np.ndarray, src: str) -> np.ndarray:
+    """float32 values of ``src`` bits: exact for float16/bfloat16 (float16 NaNs quieted, as
+    torch's scalar path does), rounded to nearest for float64 (the hardware conversion)."""
+    if src == "float32":
+        return bits.view(np.float32) if bits.dtype != np.float32 else bits
+    if src == "bfloat16":
+        return (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if src == "float16":
+        half = bits.view(np.float16)
+        out = half.astype(np.float32)
+        nan = np.isnan(half)
+        if nan.any():
+            out.view(np.uint32)[nan] |= np.uint32(0x00400000)
+        return out
+    return bits.view(np.float64).astype(np.float32)
+
+
+def _from_float32(f: np.ndarray, dst: str, nan_bf16: int) -> np.ndarray:
+    """The storage bits of float32 values ``f`` cast to ``dst`` as torch rounds them."""
+    if dst == "float32":
+        return np.require(f, requirements="C")
+    if dst == "float64":
+        return f.astype(np.float64)
+    nan = np.isnan(f)
+    u = f.view(np.uint32)
+    if dst == "float16":
+        out = f.astype(np.float16)
+        if nan.any():  # quiet NaN, sign and top 9 payload bits kept (numpy would keep a signalling NaN)
+            quiet = ((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7E00) | ((u >> np.uint32(13)) & np.uint32(0x1FF))
+            out.view(np.uint16)[nan] = quiet[nan].astype(np.uint16)
+        return out
+    # bfloat16: round to nearest even on the upper 16 bits (c10::round_to_nearest_even)
+    out = ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(np.uint16)
+    if nan.any():
+        out[nan] = np.uint16(nan_bf16)
+    return out
