@@ -138,7 +138,7 @@ class PipelineSplit:
 
     layers_prefix: str = "layers"
     first: tuple[str, ...] = ("tok_embeddings",)
-    last: tuple[str, ...] = ("norm", "output")
+    last: tuple[str, ...] = ("norm", "output", "lm_head")
     first_stage_less_layers: int = 1
     last_stage_less_layers: int = 1
     stages_per_rank: int = 1
@@ -370,13 +370,20 @@ LLAMA_PLAN = RulePlan(
     (
         Rule("tok_embeddings", r"tok_embeddings\.weight", Shard(0)),  # RowwiseParallel on nn.Embedding
         Rule("attention.wq/wk/wv", _L + r"attention\.w[qkv]\.(weight|bias)", Shard(0), tp_divisible=True),
+        # torchtitan 0.3.0: FusedQKVLinear's one colwise parameter (rows grouped per KV head, so a TP
+        # split that divides the KV heads keeps whole groups) ...
+        Rule("attention.qkv_linear.wqkv", _L + r"attention\.qkv_linear\.wqkv\.(weight|bias)", Shard(0), tp_divisible=True),
+        # ... or QKVLinear's three (fuse_qkv=False). With the fused module, the model's save hook
+        # writes wq/wk/wv gathered whole; a sharded source shows that and they stay whole.
+        Rule("attention.qkv_linear.wq/wk/wv", _L + r"attention\.qkv_linear\.w[qkv]\.(weight|bias)", Shard(0),
+             tp_divisible=True),
         Rule("attention.wo", _L + r"attention\.wo\.weight", Shard(1), tp_divisible=True),
         Rule("attention.wo.bias", _L + r"attention\.wo\.bias", Replicate()),
         Rule("feed_forward.w1/w3", _L + r"feed_forward\.w[13]\.(weight|bias)", Shard(0)),
         Rule("feed_forward.w2", _L + r"feed_forward\.w2\.weight", Shard(1)),
         Rule("feed_forward.w2.bias", _L + r"feed_forward\.w2\.bias", Replicate()),
         Rule("norms", r"(" + _L + r"(attention_norm|ffn_norm)|norm)\.(weight|bias)", Replicate()),
-        Rule("output", r"output\.(weight|bias)", Shard(0)),  # ColwiseParallel
+        Rule("output", r"(output|lm_head)\.(weight|bias)", Shard(0)),  # ColwiseParallel (lm_head: 0.3.0)
     ),
 )
 
@@ -476,7 +483,7 @@ def _pipeline_from_doc(doc: Mapping[str, Any]) -> PipelineSplit:
     return PipelineSplit(
         layers_prefix=doc.get("layers_prefix", "layers"),
         first=tuple(doc.get("first", ("tok_embeddings",))),
-        last=tuple(doc.get("last", ("norm", "output"))),
+        last=tuple(doc.get("last", ("norm", "output", "lm_head"))),
         first_stage_less_layers=doc.get("first_stage_less_layers", 1),
         last_stage_less_layers=doc.get("last_stage_less_layers", 1),
         stages_per_rank=doc.get("stages_per_rank", 1),

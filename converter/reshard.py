@@ -75,6 +75,7 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
         for k, ref in refs.items()
         if ref.role == "param" and k in index.tensors and k not in replicated and index.tensors[k].shape
     }
+    params |= stateful_atoms(index, refs, params, replicated)
     param_splits = {refs[k].atom: d for k, d in tp_splits.items() if k in refs and refs[k].role == "param"}
     plan = get_plan(plan_name, source_splits=param_splits)
     placements, warnings = plan_all(params, plan, mesh)
@@ -88,6 +89,26 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
             loads[owner] += box.numel * by_name(dtype).itemsize
             chunks.append(ChunkSpec(key, dtype, tuple(entry.shape), box, owner))
     return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements)
+
+
+def stateful_atoms(index: CheckpointIndex, refs: Mapping[str, AtomRef], params: Mapping[str, tuple],
+                   replicated: set[str]) -> dict[str, tuple]:
+    """Atoms with optimizer states but no parameter value among the keys, with the states' shape.
+
+    torchtitan 0.3.0's fused ``qkv_linear.wqkv.weight`` is one: the model's save hook writes it as
+    ``wq``/``wk``/``wv``, the optimizer keeps the fused name. Its states are placed as the
+    parameter they belong to would be (None of them held whole by the source, all one shape).
+    """
+    shapes: dict[str, set[tuple]] = {}
+    held_whole: set[str] = set()
+    for key, ref in refs.items():
+        entry = index.tensors.get(key)
+        if entry is None or ref.role in ("param", "value") or ref.atom in params or not entry.shape:
+            continue
+        shapes.setdefault(ref.atom, set()).add(tuple(entry.shape))
+        if key in replicated:
+            held_whole.add(ref.atom)
+    return {atom: next(iter(s)) for atom, s in shapes.items() if len(s) == 1 and atom not in held_whole}
 
 
 def _placement_for(entry: TensorEntry, ref: AtomRef | None, params: Mapping[str, tuple],

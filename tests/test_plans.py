@@ -280,3 +280,65 @@ def test_bad_plan_names_and_files(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         get_plan(str(bad))
+
+
+def titan030_params(n_layers=2, dim=8, hidden=12, vocab=50, kv_heads=2, head_dim=2, heads=4):
+    """torchtitan 0.3.0 Llama 3 parameters: fused ``qkv_linear.wqkv`` and ``lm_head``."""
+    params = {"tok_embeddings.weight": (vocab, dim)}
+    rows = kv_heads * (heads // kv_heads + 2) * head_dim
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        params |= {
+            p + "attention.qkv_linear.wqkv.weight": (rows, dim),
+            p + "attention.wo.weight": (dim, heads * head_dim),
+            p + "feed_forward.w1.weight": (hidden, dim),
+            p + "feed_forward.w2.weight": (dim, hidden),
+            p + "feed_forward.w3.weight": (hidden, dim),
+            p + "attention_norm.weight": (dim,),
+            p + "ffn_norm.weight": (dim,),
+        }
+    return params | {"norm.weight": (dim,), "lm_head.weight": (vocab, dim)}
+
+
+def test_llama_covers_torchtitan_030_names():
+    """0.3.0's lm_head and fused wqkv are colwise like output / wq; older names keep working."""
+    out, warnings = plan_all(titan030_params(), get_plan("llama"), parse_mesh("tp2,dp2"))
+    assert warnings == []
+    assert out["lm_head.weight"].placements == (StridedShard(0, 2), S0)
+    assert out["layers.1.attention.qkv_linear.wqkv.weight"].placements == (StridedShard(0, 2), S0)
+    assert out["layers.0.attention.wo.weight"].placements == (S0, S1)
+    split = {"layers.0.attention.qkv_linear.wq.weight": (8, 8), "layers.0.attention.qkv_linear.wk.weight": (4, 8)}
+    out, warnings = plan_all(split, get_plan("llama"), parse_mesh("tp2"))
+    assert warnings == [] and out["layers.0.attention.qkv_linear.wk.weight"].placements == (S0,)
+    with pytest.raises(PlanError, match="not divisible by tp4"):
+        plan_all({"layers.0.attention.qkv_linear.wqkv.weight": (6, 8)}, get_plan("llama"), parse_mesh("tp4"))
+
+
+def test_llama_pp_puts_lm_head_last():
+    out, _ = plan_all(titan030_params(n_layers=4), get_plan("llama"), parse_mesh("pp2,dp2"))
+    assert out["lm_head.weight"].pp_stage == 1 and out["norm.weight"].pp_stage == 1
+    assert out["tok_embeddings.weight"].pp_stage == 0
+
+
+def test_fused_optimizer_states_follow_their_parameter():
+    """An atom with optimizer states but no model value (0.3.0's fused wqkv: the save hook writes
+    wq/wk/wv) is placed like its parameter, not written whole."""
+    from converter.atoms import AtomRef
+    from converter.reshard import stateful_atoms, target_layout
+    from formats.base import Box, ChunkRef, CheckpointIndex, TensorEntry
+
+    def entry(key, shape):
+        return TensorEntry(key, "float32", shape, (ChunkRef(Box((0,) * len(shape), shape), "f", 0, 0),), (key,))
+
+    fused = "layers.0.attention.qkv_linear.wqkv.weight"
+    keys = {f"optimizer.state.{fused}.exp_avg": ((12, 8), AtomRef(fused, "exp_avg")),
+            f"optimizer.state.{fused}.step": ((), AtomRef(fused, "step")),
+            "layers.0.attention.qkv_linear.wq.weight": ((4, 8), AtomRef("layers.0.attention.qkv_linear.wq.weight", "param"))}
+    index = CheckpointIndex("dcp", "ckpt", {k: entry(k, s) for k, (s, _) in keys.items()}, {})
+    refs = {k: r for k, (_, r) in keys.items()}
+    assert stateful_atoms(index, refs, {}, set()) == {fused: (12, 8)}
+    assert stateful_atoms(index, refs, {}, {f"optimizer.state.{fused}.exp_avg"}) == {}
+    layout = target_layout(index, refs, parse_mesh("tp2,dp2"), "llama", {}, {"layers.0.attention.qkv_linear.wq.weight"})
+    boxes = {c.box for c in layout.chunks if c.key.endswith("exp_avg")}
+    assert len(boxes) == 4 and all(b.sizes == (3, 8) for b in boxes)
+    assert layout.warnings == ()
