@@ -56,11 +56,27 @@ def make_options(workers, memory_budget, overwrite, resume, trust_pickle, dry_ru
     from converter import knobs
 
     return RunOptions(
-        workers=workers or knobs.WORKERS,
-        memory_budget=memory_budget or knobs.MEMORY_BUDGET,
+        workers=knobs.WORKERS if workers is None else workers,  # 0 is refused, not the default
+        memory_budget=knobs.MEMORY_BUDGET if memory_budget is None else memory_budget,
         overwrite=overwrite, resume=resume, trust_pickle=trust_pickle, dry_run=dry_run, progress=progress,
         spool_dir=spool_dir,
     )
+
+
+def dry_run_line(result: Any) -> str:
+    """The last line of a ``--dry-run``: what would be written."""
+    from converter.units import human_bytes, plural
+
+    return (f"# dry run: {plural(result.tensors, 'tensor')}, {plural(result.objects, 'object')}, "
+            f"{human_bytes(result.bytes)} ({result.bytes} bytes); nothing written")
+
+
+def result_line(result: Any) -> str:
+    """The end-of-run summary of a conversion (one line on stdout)."""
+    from converter.units import human_bytes, plural
+
+    return (f"wrote {result.dst}: {plural(result.tensors, 'tensor')}, {plural(result.objects, 'object')}, "
+            f"{human_bytes(result.bytes)} in {result.seconds:.2f}s")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,10 +102,9 @@ def to_universal_cmd(src: str, dst: str, chunk_size: int | None, **kw: Any) -> N
     result = to_universal(src, dst, options, chunk_bytes=chunk_size)
     if result.plan is not None:
         click.echo(result.plan)
-        click.echo(f"# dry run: {result.tensors} tensors, {result.objects} objects, {result.bytes} bytes; nothing written")
+        click.echo(dry_run_line(result))
         return
-    click.echo(f"wrote {result.dst}: {result.tensors} tensors, {result.objects} objects, "
-               f"{result.bytes / 1e6:.1f} MB in {result.seconds:.2f}s")
+    click.echo(result_line(result))
 
 
 @cli.command("inspect")
@@ -97,14 +112,15 @@ def to_universal_cmd(src: str, dst: str, chunk_size: int | None, **kw: Any) -> N
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schemas/inspect.schema.json).")
 @click.option("--key", "key_pattern", default=None, help="Only keys matching this glob (or 're:REGEX').")
 @click.option("--stats", "stats_keys", multiple=True, help="Tensor statistics of KEY (streamed); repeatable, globs allowed.")
-@click.option("--layout", "layout_key", default=None, help="Draw which rank/file holds which region of tensor KEY.")
+@click.option("--layout", "layout_key", default=None, help="Draw which rank/file holds which region of tensor KEY (a key, glob or 're:REGEX').")
 @click.option("--trust-pickle", is_flag=True, help="Allow previews of non-tensor entries that need arbitrary classes.")
 def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: tuple[str, ...],
                 layout_key: str | None, trust_pickle: bool) -> None:
     """Show what is inside a checkpoint (DCP directory, universal store or HF safetensors directory)."""
     from rich.console import Console
 
-    from converter.inspect import build_report, key_matcher, render_layout, render_report, render_stats
+    from converter.inspect import (build_report, key_matcher, layout_keys, no_match_message, render_layout,
+                                   render_report, render_stats)
     from converter.sources import open_checkpoint
     from converter.stats import tensor_stats
 
@@ -113,7 +129,7 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
         index = reader.index()
         stats = []
         for pattern in stats_keys:
-            keys = [k for k in index.tensors if key_matcher(pattern)(k)] or _missing_key(index, pattern)
+            keys = [k for k in index.tensors if key_matcher(pattern)(k)] or _missing_key(no_match_message(index, pattern))
             stats += [tensor_stats(reader, k) for k in keys]
         if as_json:
             doc = build_report(reader, key_pattern)
@@ -123,7 +139,8 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
             return
         console = Console()
         if layout_key is not None:
-            render_layout(index, layout_key, console)
+            for key in layout_keys(index, layout_key):
+                render_layout(index, key, console)
         elif not stats:
             render_report(build_report(reader, key_pattern), console)
         if stats:
@@ -132,10 +149,10 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
         reader.close()
 
 
-def _missing_key(index: Any, pattern: str) -> list[str]:
+def _missing_key(message: str) -> list[str]:
     from formats.errors import ConfigError
 
-    raise ConfigError(f"{index.root}: no tensor matches {pattern!r}; list keys with 'ckptconv inspect {index.root}'")
+    raise ConfigError(message)
 
 
 @cli.command("from-universal")
@@ -157,9 +174,9 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
         click.echo(f"ckptconv: warning: {w}", err=True)
     if result.plan is not None:
         click.echo(result.plan)
+        click.echo(dry_run_line(result))
         return
-    click.echo(f"wrote {result.dst}: {result.tensors} tensors, {result.objects} objects, "
-               f"{result.bytes / 1e6:.1f} MB in {result.seconds:.2f}s")
+    click.echo(result_line(result))
 
 
 @cli.command("demo")
@@ -204,8 +221,11 @@ def _run(argv: list[str] | None) -> object:
         click.echo("ckptconv: aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare 'ckptconv' / 'ckptconv CMD': the help is the answer
+            click.echo(e.format_message())
+        else:
+            click.echo(f"ckptconv: error: {usage_error_text(e)}", err=True)
+        sys.exit(EXIT_ERROR)
     except CkptConvError as e:
         if debug:
             raise
@@ -224,6 +244,14 @@ def _run(argv: list[str] | None) -> object:
         from converter import distributed
 
         distributed.current().shutdown()
+
+
+def usage_error_text(e: click.ClickException) -> str:
+    """A click usage error as one line: the message, then where to read the usage."""
+    msg = " ".join(e.format_message().split()).rstrip(".")
+    ctx = getattr(e, "ctx", None)
+    where = f"'{ctx.command_path} --help'" if ctx is not None else "'ckptconv --help'"
+    return f"{msg}; see {where}"
 
 
 def _join_torchrun() -> None:

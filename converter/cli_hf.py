@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from converter.cli import SIZE, make_options, run_options
+from converter.cli import SIZE, dry_run_line, make_options, result_line, run_options
 
 MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k RoPE permutation), or a JSON "
             "map file {\"hf.name.{}.x\": \"native.{}.x\", \"dropped.hf.key\": null} or "
@@ -17,9 +17,9 @@ MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k 
 def _report(result: Any) -> None:
     if result.plan is not None:
         click.echo(result.plan)
-        click.echo(f"# dry run: {result.tensors} tensors, {result.bytes} bytes; nothing written")
+        click.echo(dry_run_line(result))
         return
-    click.echo(f"wrote {result.dst}: {result.tensors} tensors, {result.bytes / 1e6:.1f} MB in {result.seconds:.2f}s")
+    click.echo(result_line(result))
     for w in result.warnings:
         click.echo(f"ckptconv: warning: {w}", err=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -28,7 +29,9 @@ def load_with_torch(path: Path, index) -> dict:
 
     flat = {k: torch.zeros(e.shape, dtype=by_name(e.dtype).torch_dtype) for k, e in index.tensors.items()}
     flat |= {k: None for k in index.objects}
-    dcp.load(flat, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
+    with warnings.catch_warnings():  # a single-process load is what we mean: not worth a warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(flat, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
     return flat
 
 
@@ -39,30 +42,38 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _step(console, title: str) -> None:
+    """A step heading, whole (paths are never cut to fit the width)."""
+    from rich.text import Text
+
+    console.print(Text(f"== {title}", style="bold"), soft_wrap=True)
+
+
 def run_demo(workdir: str | None = None) -> None:
     """inspect -> to-universal -> from-universal (two meshes) -> reload with torch and compare."""
     from rich.console import Console
 
     from converter.api import RunOptions, from_universal, open_checkpoint, to_universal
     from converter.inspect import build_report, render_layout, render_report
+    from converter.units import human_bytes
 
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ckptconv-demo-"))
     src = demo_checkpoint()
     console = Console()
     reader = open_checkpoint(src)
     index = reader.index()
-    console.rule(f"1. ckptconv inspect {src}")
+    _step(console, f"1. ckptconv inspect {src}")
     render_report(build_report(reader), console)
     render_layout(index, "model.tok_embeddings.weight", console, height=8)
     options = RunOptions(workers=2, overwrite=True, progress=False)
     uni = work / "uni"
-    console.rule(f"2. ckptconv to-universal -> {uni}")
+    _step(console, f"2. ckptconv to-universal -> {uni}")
     r = to_universal(src, uni, options)
-    console.print(f"{r.tensors} tensors, {r.objects} objects, {r.bytes} bytes in {r.seconds:.3f}s")
+    console.print(f"{r.tensors} tensors, {r.objects} objects, {human_bytes(r.bytes)} in {r.seconds:.3f}s")
     reference = load_with_torch(src, index)
     for mesh, plan in (("dp3", "fsdp"), ("tp2,dp2", "llama")):
         out = work / f"out-{mesh.replace(',', '-')}"
-        console.rule(f"3. ckptconv from-universal --mesh {mesh} --plan {plan} -> {out}")
+        _step(console, f"3. ckptconv from-universal --mesh {mesh} --plan {plan} -> {out}")
         r = from_universal(uni, out, mesh, plan=plan, options=options)
         for w in r.warnings:
             console.print(f"warning: {w}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from converter.units import human_bytes
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -449,7 +450,7 @@ def render_text(report: DiffReport, show: int = 50) -> str:
     verdict = "same" if report.same else "DIFFERENT"
     lines.append(f"{verdict}: {equal_t} of {len(report.tensors)} common tensors bitwise equal, "
                  f"{equal_o} of {len(report.objects)} common non-tensor entries equal; "
-                 f"{report.bytes_compared / 1e6:.1f} MB compared in {report.seconds:.2f}s "
+                 f"{human_bytes(report.bytes_compared)} compared in {report.seconds:.2f}s "
                  f"(atol={report.atol:g}, rtol={report.rtol:g})")
     return "\n".join(lines)
 

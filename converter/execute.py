@@ -225,17 +225,16 @@ PROGRESS_LINE_SECONDS = 5.0
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
+    from converter.units import human_bytes
+
+    return human_bytes(n)
 
 
 class _Progress:
     """Bytes done, rate and ETA on stderr.
 
     On a terminal: a rich progress bar (unless ``enabled`` is False). Otherwise, unless
-    ``enabled`` is False: a plain line such as ``converting: 1.2/2.0 GB, 410 MB/s, ETA 2 s``
+    ``enabled`` is False: a plain line such as ``converting: 1.2/2.0 GiB, 410.5 MiB/s, ETA 2 s``
     every :data:`PROGRESS_LINE_SECONDS` (the first one after that long, so short runs print
     nothing).
     """
@@ -280,8 +279,8 @@ class _Progress:
         eta = (self._total - self._done) / rate if rate else float("inf")
         total = _fmt_bytes(self._total)
         unit = total.split()[-1]
-        scale = {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[unit]
-        print(f"{self._label}: {self._done / scale:.1f}/{total}, {_fmt_bytes(rate).replace('.0 ', ' ')}/s, "
+        scale = {"TiB": 1 << 40, "GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}.get(unit, 1)
+        print(f"{self._label}: {self._done / scale:.1f}/{total}, {_fmt_bytes(rate)}/s, "
               f"ETA {eta:.0f} s",
               file=sys.stderr, flush=True)
 

@@ -305,7 +305,9 @@ class _HFSink:
 
 
 def _shard_summary(plans) -> str:
-    return "\n".join(f"# {p.name}: {len(p.tensors)} tensors, {p.size} bytes" for p in plans)
+    from converter.units import human_bytes, plural
+
+    return "\n".join(f"# {p.name}: {plural(len(p.tensors), 'tensor')}, {human_bytes(p.size)} ({p.size} bytes)" for p in plans)
 
 
 @remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)

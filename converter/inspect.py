@@ -20,6 +20,8 @@ from typing import Any
 from converter.atoms import root_prefix
 from converter.detect import LayoutReport, TensorLayout, detect_layout
 from converter.stats import Stats
+from converter.tables import Column, print_table
+from converter.units import human_bytes, plural
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
 from formats.errors import CkptConvError, ConfigError, UnsafePickleError
 
@@ -200,17 +202,6 @@ def _layout_json(layout: LayoutReport) -> dict[str, Any]:
 # rich rendering: report and stats
 
 
-def human_bytes(n: int | None) -> str:
-    """``1536`` -> ``"1.5 KiB"``; None -> ``"?"``."""
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # unreachable
-
-
 def _ranks_text(ranks: Sequence[int]) -> str:
     if not ranks:
         return "-"
@@ -220,42 +211,49 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def render_report(report: Mapping[str, Any], console) -> None:
-    """Print ``report`` (from :func:`build_report`): a summary panel, then a table of tensors
-    (one row per key) and a table of non-tensor entries."""
-    from rich.panel import Panel
-    from rich.table import Table
+    """Print ``report`` (from :func:`build_report`): a summary, then one row per tensor key and
+    one per non-tensor entry (keys are never cut: see :mod:`converter.tables`)."""
+    from rich.markup import escape
 
     r = report
     lines = [
-        f"[bold]{r['path']}[/]",
+        f"[bold]{escape(str(r['path']))}[/]",
         f"format: {r['format']}" + (f" {r['version']}" if r["version"] else ""),
         f"world size: {_world_text(r)}",
         f"layout: {r['layout']['summary']}",
         f"tensors: {r['num_tensors']}   non-tensor entries: {r['num_objects']}",
         f"parameters: {r['parameters']:,} ({r['parameter_rule']})",
         f"bytes: tensors {human_bytes(r['tensor_bytes'])}, objects {human_bytes(r['object_bytes'])}, "
-        f"files {human_bytes(r['file_bytes'])} in {len(r['files'])} files",
+        f"files {human_bytes(r['file_bytes'])} in {plural(len(r['files']), 'file')}",
     ]
-    lines += [f"[yellow]note:[/] {n}" for n in r["layout"]["notes"]]
-    console.print(Panel("\n".join(lines), title="checkpoint", expand=False))
+    lines += [f"[yellow]note:[/] {escape(n)}" for n in r["layout"]["notes"]]
+    _summary(console, lines)
     if r["tensors"]:
-        table = Table(title="tensors" + (f" matching {r['key_pattern']!r}" if r["key_pattern"] else ""))
-        table.add_column("key", overflow="fold", ratio=1)
-        for col in ("dtype", "shape", "chunks", "size", "layout", "ranks"):
-            table.add_column(col, justify="right" if col in ("chunks", "size") else "left", no_wrap=True)
+        columns = [Column("key"), Column("dtype"), Column("shape"), Column("chunks", True), Column("size", True),
+                   Column("layout"), Column("ranks")]
+        rows = []
         for t in r["tensors"]:
             split = " ".join(f"d{d}/{n}" for d, n in t["split"].items())
-            table.add_row(t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(t["chunks"]),
-                          human_bytes(t["bytes"]), f"{t['layout']} {split}".strip(), _ranks_text(t["ranks"]))
-        console.print(table)
+            rows.append((t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(t["chunks"]),
+                         human_bytes(t["bytes"]), f"{t['layout']} {split}".strip(), _ranks_text(t["ranks"])))
+        title = "tensors" + (f" matching {r['key_pattern']!r}" if r["key_pattern"] else "")
+        print_table(console, title, columns, rows)
     if r["objects"]:
-        table = Table(title="non-tensor entries")
-        table.add_column("key", overflow="fold", ratio=1)
-        table.add_column("size", justify="right", no_wrap=True)
-        table.add_column("preview", overflow="fold", ratio=1)
-        for o in r["objects"]:
-            table.add_row(o["key"], human_bytes(o["bytes"]), o["preview"] or "")
-        console.print(table)
+        rows = [(o["key"], human_bytes(o["bytes"]), o["preview"] or "") for o in r["objects"]]
+        print_table(console, "non-tensor entries", [Column("key"), Column("size", True), Column("preview")], rows)
+
+
+def _summary(console, lines: list[str]) -> None:
+    """The summary lines in a panel when the longest fits the console, else plain lines."""
+    from rich.panel import Panel
+    from rich.text import Text
+
+    if max(Text.from_markup(line).cell_len for line in lines) + 4 <= console.width:
+        console.print(Panel("\n".join(lines), title="checkpoint", expand=False))
+        return
+    console.print(Text.from_markup(lines[0]), soft_wrap=True)  # the path: whole, never folded
+    for line in lines[1:]:
+        console.print(Text.from_markup(line))  # prose: wrapped between words
 
 
 def _world_text(report: Mapping[str, Any]) -> str:
@@ -274,19 +272,13 @@ def _num(v: float | int | None) -> str:
 
 
 def render_stats(stats: Stats | Iterable[Stats], console) -> None:
-    """Print one or more :class:`converter.stats.Stats` as a table."""
-    from rich.table import Table
-
+    """Print one or more :class:`converter.stats.Stats` as a table (keys and numbers never cut)."""
     rows = [stats] if isinstance(stats, Stats) else list(stats)
-    table = Table(title="statistics (min/max/mean/std over finite values; std with correction=0)")
-    cols = ("key", "dtype", "count", "min", "max", "mean", "std", "nan", "+inf", "-inf", "zeros")
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("key", "dtype") else "right")
-    for s in rows:
-        key = s.key + (" (|z|)" if s.of == "abs" else "")
-        table.add_row(key, s.dtype, str(s.count), _num(s.min), _num(s.max), _num(s.mean), _num(s.std),
-                      str(s.nan), str(s.posinf), str(s.neginf), str(s.zeros))
-    console.print(table)
+    columns = [Column("key"), Column("dtype"), *(Column(c, True) for c in
+               ("count", "min", "max", "mean", "std", "nan", "+inf", "-inf", "zeros"))]
+    cells = [(s.key + (" (|z|)" if s.of == "abs" else ""), s.dtype, str(s.count), _num(s.min), _num(s.max),
+              _num(s.mean), _num(s.std), str(s.nan), str(s.posinf), str(s.neginf), str(s.zeros)) for s in rows]
+    print_table(console, "statistics (min/max/mean/std over finite values; std with correction=0)", columns, cells)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +381,31 @@ def _box_text(box, shape) -> str:
     return "  ".join(parts)
 
 
+def layout_keys(index: CheckpointIndex, pattern: str) -> list[str]:
+    """The tensor keys ``--layout PATTERN`` draws: the key itself, else every key the glob (or
+    ``re:`` regex) matches; none is an error that suggests the closest keys."""
+    if pattern in index.tensors:
+        return [pattern]
+    keys = [k for k in sorted(index.tensors) if key_matcher(pattern)(k)]
+    if not keys:
+        raise ConfigError(no_match_message(index, pattern))
+    return keys
+
+
+def no_match_message(index: CheckpointIndex, pattern: str, what: str = "tensor") -> str:
+    """``<root>: no tensor matches 'x'; did you mean 'a', 'b'?`` (difflib's closest keys), with how
+    to list the keys."""
+    import difflib
+
+    close = difflib.get_close_matches(pattern, list(index.tensors), n=3, cutoff=0.6)
+    if not close and not pattern.startswith("re:"):
+        stem = pattern.replace("*", "").replace("?", "").strip(".")
+        close = [k for k in sorted(index.tensors) if stem and stem in k][:3]
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return (f"{index.root}: no {what} matches {pattern!r}{hint} (list keys with 'ckptconv inspect {index.root}'; "
+            "patterns are globs, e.g. 'model.layers.0.*', or 're:REGEX')")
+
+
 def render_layout(index: CheckpointIndex, key: str, console, width: int | None = None, height: int = 20) -> None:
     """Draw which rank / file holds which region of tensor ``key``.
 
@@ -401,13 +418,13 @@ def render_layout(index: CheckpointIndex, key: str, console, width: int | None =
 
     entry = index.tensors.get(key)
     if entry is None:
-        raise ConfigError(f"{index.root}: no tensor {key!r}; list keys with 'ckptconv inspect'")
+        raise ConfigError(no_match_message(index, key))
     lay = detect_layout(index).tensors[key]
     shape = entry.shape
     width = width or console.width
     margin = len(str(shape[0])) + 2 if len(shape) >= 2 else 2
-    head = f"{key}  {entry.dtype}  {tuple(shape)}  {len(entry.chunks)} chunks  ({lay.kind})"
-    console.print(Text(head, style="bold"))
+    head = f"{key}  {entry.dtype}  {tuple(shape)}  {plural(len(entry.chunks), 'chunk')}  ({lay.kind})"
+    console.print(Text(head, style="bold"), soft_wrap=True)
     if entry.numel == 0:
         console.print(Text("  (empty tensor: nothing to draw)"))
     else:
@@ -460,10 +477,10 @@ def _legend(console, entry: TensorEntry, lay: TensorLayout) -> None:
     files = {b: f for b, f in ((c.box, c.file) for c in entry.chunks)}
     for i, ((rank, box), sym) in enumerate(zip(lay.owners, symbols)):
         if i == LEGEND_MAX:
-            console.print(Text(f"  ... and {len(symbols) - i} more chunks", style="dim"))
+            console.print(Text(f"  ... and {plural(len(symbols) - i, 'more chunk')}", style="dim"))
             break
         text = Text("  ")
         text.append(f" {sym} ", style=f"bold black on {_COLOURS[i % len(_COLOURS)]}")
         who = f"rank {rank}" if rank is not None else f"chunk {i}"
         text.append(f" {who}  {files.get(box, '?')}  {_box_text(box, entry.shape)}")
-        console.print(text, no_wrap=True, crop=True)
+        console.print(text, soft_wrap=True)

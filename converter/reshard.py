@@ -237,6 +237,8 @@ def _plan(index: CheckpointIndex, layout: TargetLayout, options: RunOptions) -> 
 
 def describe_ranks(layout: TargetLayout, tasks: list[WriteTask]) -> str:
     """The per-rank plan: files, bytes and chunks per rank, then the warnings."""
+    from converter.units import human_bytes, plural
+
     per_rank: dict[int, list[int]] = {r: [0, 0] for r in range(layout.mesh.world_size)}
     for t in tasks:
         per_rank[t.target.rank][0] += 1
@@ -244,6 +246,6 @@ def describe_ranks(layout: TargetLayout, tasks: list[WriteTask]) -> str:
     lines = [f"# target mesh {layout.mesh} ({layout.mesh.world_size} ranks)"]
     for rank, (n, nbytes) in per_rank.items():
         coords = ",".join(f"{d.name}={c}" for d, c in zip(layout.mesh.dims, layout.mesh.coords(rank)))
-        lines.append(f"rank {rank} ({coords}): __{rank}_0.distcp  {n} chunks  {nbytes} bytes")
+        lines.append(f"rank {rank} ({coords}): __{rank}_0.distcp  {plural(n, 'chunk')}  {human_bytes(nbytes)}")
     lines += [f"warning: {w}" for w in layout.warnings]
     return "\n".join(lines)

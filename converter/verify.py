@@ -662,9 +662,11 @@ def _read_all(reader: Any, key: str, entry: Any) -> int:
 
 def render_text(report: VerifyReport) -> str:
     """The human report: a verdict line, then problems, warnings and notes."""
-    what = (f"{report.tensors} tensors, {report.chunks} chunks, {report.objects} objects, "
-            f"{report.bytes_checked / 1e6:.1f} MB checked in {report.seconds:.2f}s")
-    verdict = "ok" if report.ok else f"FAILED ({len(report.problems)} problem{'s' if len(report.problems) != 1 else ''})"
+    from converter.units import human_bytes, plural
+
+    what = (f"{plural(report.tensors, 'tensor')}, {plural(report.chunks, 'chunk')}, {plural(report.objects, 'object')}, "
+            f"{human_bytes(report.bytes_checked)} checked in {report.seconds:.2f}s")
+    verdict = "ok" if report.ok else f"FAILED ({plural(len(report.problems), 'problem')})"
     lines = [f"{verdict}: {report.path} ({report.format}): {what}"]
     for p in report.problems[:SHOW_PROBLEMS]:
         lines.append(f"  problem [{p.check}]: {p.message}")

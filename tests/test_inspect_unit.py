@@ -273,7 +273,7 @@ def _picture(index, key: str, **kw) -> tuple[list[str], list[str]]:
     render_layout(index, key, console, **kw)
     lines = console.export_text().splitlines()
     grid = [ln.split("|", 1)[1] for ln in lines if "|" in ln]
-    legend = [ln for ln in lines if " rank " in ln or " chunk " in ln]
+    legend = [ln for ln in lines[1:] if " rank " in ln or " chunk " in ln]  # lines[0]: the head ("1 chunk")
     return grid, legend
 
 
