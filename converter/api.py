@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 from converter.config import RunOptions, parse_size
+from converter.select import Selection
 from converter.sources import detect_format, open_checkpoint
 from converter.reshard import from_universal
 from converter.hf import export_hf, import_hf
@@ -17,6 +18,6 @@ from converter.verify import VerifyReport, verify
 from converter.diff import DiffReport, diff
 
 __all__ = [
-    "RunOptions", "ConversionResult", "detect_format", "open_checkpoint", "parse_size",
+    "RunOptions", "ConversionResult", "Selection", "detect_format", "open_checkpoint", "parse_size",
     "to_universal", "from_universal", "export_hf", "import_hf", "verify", "VerifyReport", "diff", "DiffReport",
 ]

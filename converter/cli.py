@@ -51,6 +51,27 @@ def run_options(f):
     return f
 
 
+def selection_options(f):
+    """``--keys``, ``--model-only``, ``--optim-only``: which entries a conversion copies."""
+    opts = [
+        click.option("--keys", "keys", multiple=True, metavar="PATTERN",
+                     help="Copy only keys matching a glob ('model.layers.0.*') or 're:REGEX'; repeatable (any matches)."),
+        click.option("--model-only", is_flag=True,
+                     help="Copy model weights and buffers only (no optimizer state, schedulers, step, RNG...)."),
+        click.option("--optim-only", is_flag=True, help="Copy the optimizer entries only (states and param groups)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def make_selection(keys: tuple[str, ...], model_only: bool, optim_only: bool):
+    """The :class:`converter.select.Selection` of the selection options."""
+    from converter.select import selection_from_options
+
+    return selection_from_options(keys, model_only, optim_only)
+
+
 def make_options(workers, memory_budget, overwrite, resume, trust_pickle, dry_run, progress,
                  spool_dir=None) -> RunOptions:
     from converter import knobs
@@ -93,13 +114,16 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--chunk-size", type=SIZE, default=None, help="Target bytes per zarr chunk (default 64MiB).")
+@selection_options
 @run_options
-def to_universal_cmd(src: str, dst: str, chunk_size: int | None, **kw: Any) -> None:
+def to_universal_cmd(src: str, dst: str, chunk_size: int | None, keys: tuple[str, ...], model_only: bool,
+                     optim_only: bool, **kw: Any) -> None:
     """Convert a DCP checkpoint SRC into a universal store DST (Zarr v3)."""
     from converter.api import to_universal
 
+    selection = make_selection(keys, model_only, optim_only)
     options = make_options(**kw)
-    result = to_universal(src, dst, options, chunk_bytes=chunk_size)
+    result = to_universal(src, dst, options, chunk_bytes=chunk_size, selection=selection)
     if result.plan is not None:
         click.echo(result.plan)
         click.echo(dry_run_line(result))
@@ -162,14 +186,17 @@ def _missing_key(message: str) -> list[str]:
 @click.option("--mesh-order", default=None, help="Rank order of the mesh dims, outermost first (default: pp,dp_replicate,dp_shard,cp,tp).")
 @click.option("--plan", "plan_name", default="fsdp", show_default=True, help="Placement plan: fsdp, llama, source, or a plan file (JSON/YAML).")
 @click.option("--dtype", default=None, help="Cast floating-point parameters: bf16, fp16, fp32, fp64 (or bfloat16, float16, ...); float8/int kept. Off by default.")
+@selection_options
 @run_options
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
-                       dtype: str | None, **kw: Any) -> None:
+                       dtype: str | None, keys: tuple[str, ...], model_only: bool, optim_only: bool,
+                       **kw: Any) -> None:
     """Write from SRC (universal store or DCP) the DCP checkpoint a job on --mesh would save."""
     from converter.api import from_universal
 
+    selection = make_selection(keys, model_only, optim_only)
     result = from_universal(src, dst, mesh, plan=plan_name, mesh_order=mesh_order, dtype=dtype,
-                            options=make_options(**kw))
+                            options=make_options(**kw), selection=selection)
     for w in result.warnings:
         click.echo(f"ckptconv: warning: {w}", err=True)
     if result.plan is not None:

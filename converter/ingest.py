@@ -18,6 +18,7 @@ from converter.journal import index_fingerprint, task_id
 from converter.detect import WHOLE, LayoutReport, detect_layout
 from converter.execute import os_errors_as_storage_errors
 from converter.plan import Piece, WriteTask, plan_tensor
+from converter.select import Selection, select_entries
 from converter.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
 from formats.objects import json_view, load_torch_object
@@ -112,11 +113,12 @@ def universal_chunk_bytes(options: RunOptions) -> int:
 @remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
 @os_errors_as_storage_errors("to-universal")
 def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
-                 chunk_bytes: int | None = None) -> ConversionResult:
+                 chunk_bytes: int | None = None, selection: Selection | None = None) -> ConversionResult:
     """Convert the checkpoint at ``src`` into a universal store at ``dst``.
 
     Streams chunk by chunk under ``options.memory_budget``; ``dst`` is marked complete (its
-    ``ckptconv.json`` written) only after every chunk and object is on disk.
+    ``ckptconv.json`` written) only after every chunk and object is on disk. ``selection``
+    (``--keys``, ``--model-only``, ``--optim-only``) copies only the entries it keeps.
     """
     options = options or RunOptions()
     dist = distributed.current()
@@ -125,11 +127,14 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         index = reader.index()
         chunk_bytes = chunk_bytes or universal_chunk_bytes(options)
         paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
-        refs, atoms = group_atoms(paths)
+        refs, atoms = group_atoms(paths)  # of the whole checkpoint: a selection keeps atoms' names
+        selected = select_entries(index, selection or Selection(), refs)
+        index, atoms = selected.restrict(index), selected.restrict_atoms(atoms)
         if options.dry_run:
             return _dry_run(index, dst, chunk_bytes)
         header = {"op": "to-universal", "src": source_label(src), "source": index_fingerprint(index),
-                  "chunk_bytes": chunk_bytes, "tool": __version__}
+                  "chunk_bytes": chunk_bytes, "tool": __version__,
+                  **({} if selection is None or selection.everything else {"selection": selection.to_json()})}
         if options.resume:
             out = check_resume_destination(src, dst)
             if (out / METADATA_FILE).is_file():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +29,7 @@ from converter.execute import os_errors_as_storage_errors
 from converter.mesh import Mesh, parse_mesh
 from converter.plan import Piece, WriteTask, plan_tensor
 from converter.plans import TensorPlacement, get_plan, plan_all, replicated
+from converter.select import Selection, select_entries
 from converter.sources import open_checkpoint
 from converter.ingest import ConversionResult
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
@@ -68,8 +69,10 @@ def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dic
 
 def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mesh, plan_name: str,
                   tp_splits: Mapping[str, int | None], replicated: set[str],
-                  dtype_override: str | None = None) -> TargetLayout:
-    """Pure: the target chunks (key, box, owner rank) for every tensor of ``index`` on ``mesh``."""
+                  dtype_override: str | None = None, keep: Collection[str] | None = None) -> TargetLayout:
+    """Pure: the target chunks (key, box, owner rank) for every tensor of ``index`` on ``mesh``
+    (only the tensors in ``keep`` when given: parameters are still planned from the whole
+    ``index``, so a selected optimizer state follows its parameter's placement)."""
     params = {
         ref.atom: tuple(index.tensors[k].shape)
         for k, ref in refs.items()
@@ -82,6 +85,8 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
     loads: dict[int, int] = {r: 0 for r in range(mesh.world_size)}
     chunks: list[ChunkSpec] = []
     for key, entry in index.tensors.items():
+        if keep is not None and key not in keep:
+            continue
         placement = _placement_for(entry, refs.get(key), params, placements, mesh)
         dtype = _target_dtype(entry, refs.get(key), dtype_override)
         for box, holders in placement.unique_boxes(tuple(entry.shape), mesh):
@@ -168,8 +173,11 @@ class _RankChunkSink:
 @os_errors_as_storage_errors("from-universal")
 def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "fsdp",
                    mesh_order: str | None = None, dtype: str | None = None,
-                   options: RunOptions | None = None) -> ConversionResult:
-    """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``."""
+                   options: RunOptions | None = None, selection: Selection | None = None) -> ConversionResult:
+    """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``.
+
+    ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
+    """
     options = options or RunOptions()
     target_mesh = parse_mesh(mesh, mesh_order)
     if dtype is not None:
@@ -180,13 +188,16 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         index = reader.index()
         refs = _atom_refs(reader, index)
         splits, replicated = _source_hints(reader, index)
-        layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype)
+        selected = select_entries(index, selection or Selection(), refs)
+        layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors)
+        index = selected.restrict(index)  # the whole index planned the parameters; write the selection
         tasks = _plan(index, layout, options)
         if options.dry_run:
             return ConversionResult(str(dst), len(index.tensors), len(index.objects),
                                     sum(target_nbytes(t) for t in tasks), 0.0, plan=describe_ranks(layout, tasks))
         header = {"op": "from-universal", "src": source_label(src), "source": index_fingerprint(index),
                   "mesh": str(target_mesh), "plan": plan, "dtype": dtype,
+                  **({} if selection is None or selection.everything else {"selection": selection.to_json()}),
                   "piece_bytes": options.effective_piece_bytes, "tool": __version__}
         if options.resume:
             out = check_resume_destination(src, dst)
