@@ -345,6 +345,7 @@ def test_dtype_cast_reports_target_bytes(store, tmp_path):
     per_file = _chunk_bytes_per_file(out)
     plan = api.from_universal(store, tmp_path / "dry", "dp2", dtype="bfloat16",
                               options=RunOptions(workers=2, dry_run=True)).plan
-    planned = {ln.split(": ")[1].split()[0]: int(ln.split()[-2]) for ln in plan.splitlines() if ln.startswith("rank ")}
+    planned = {ln.split(": ")[1].split()[0]: int(ln.split("(")[-1].split()[0]) for ln in plan.splitlines()
+               if ln.startswith("rank ")}  # '... 42.3 KiB (43310 bytes)'
     assert planned == per_file
     assert result.bytes == sum(per_file.values())
