@@ -52,11 +52,16 @@ def verify_cmd(path: str, as_json: bool, quick: bool, workers: int | None, trust
 @click.option("--key", "key_pattern", default=None, help="Only keys matching this glob (or 're:REGEX').")
 @click.option("--model", "model_only", is_flag=True,
               help="Model weights only, named by their model FQN (compares a DCP checkpoint with its HF export).")
+@click.option("--map", "key_map", default=None,
+              help="Compare as export-hf --map NAME|FILE would name the weights (torchtitan-llama, identity, a map "
+                   "file): the non-HF side is renamed and q/k rows permuted; implies --model.")
+@click.option("--config", default=None,
+              help="config.json (path or inline JSON) with the head counts for --map (default: a config.json of A or B).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schemas/diff.schema.json).")
 @click.option("--workers", type=int, default=None, help="Comparing threads (default: CPU count, 2..8).")
 @click.option("--trust-pickle", is_flag=True, help="Load non-tensor entries that need arbitrary classes to compare values.")
 def diff_cmd(a: str, b: str, atol: float, rtol: float, key_pattern: str | None, model_only: bool,
-             as_json: bool, workers: int | None, trust_pickle: bool) -> None:
+             key_map: str | None, config: str | None, as_json: bool, workers: int | None, trust_pickle: bool) -> None:
     """Compare checkpoints A and B of any formats, streaming.
 
     Keys on one side only, dtype/shape mismatches, and per tensor: bitwise equal, or how many
@@ -66,7 +71,7 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, key_pattern: str | None, 
     from converter.diff import render_text
 
     report = diff(a, b, atol=atol, rtol=rtol, key_pattern=key_pattern, model_only=model_only,
-                  trust_pickle=trust_pickle, workers=_workers(workers))
+                  trust_pickle=trust_pickle, workers=_workers(workers), key_map=key_map, config=config)
     _emit(report.to_json() if as_json else render_text(report), as_json)
     if not report.same:
         sys.exit(EXIT_FOUND)

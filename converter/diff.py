@@ -358,14 +358,38 @@ def _selected(index: CheckpointIndex, key_pattern: str | None, model_only: bool)
     return tensors, objects
 
 
+def _as_exported(ra: CheckpointReader, rb: CheckpointReader, a: str | os.PathLike, b: str | os.PathLike,
+                 key_map: str, config: Any) -> tuple[CheckpointReader, CheckpointReader]:
+    """Each non-HF side seen through ``key_map`` exactly as export-hf would write it."""
+    from converter.hf import MappedReader, load_config_arg, plan_export, source_config
+    from converter.key_maps import get_key_map
+
+    kmap = get_key_map(key_map)
+    if config is None:  # the export's own config.json (export-hf writes one), else one beside the source
+        config = next((c for c in (source_config(p) for p in (b, a)) if c is not None), None)
+    cfg, _ = load_config_arg(config)
+
+    def view(reader: CheckpointReader) -> CheckpointReader:
+        index = reader.index()
+        if index.format == "hf":
+            return reader
+        return MappedReader(reader, plan_export(index, kmap, None, cfg).sources)
+
+    return view(ra), view(rb)
+
+
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
          key_pattern: str | None = None, model_only: bool = False, trust_pickle: bool = False,
-         workers: int | None = None, slab_elements: int = SLAB_ELEMENTS) -> DiffReport:
+         workers: int | None = None, slab_elements: int = SLAB_ELEMENTS, key_map: str | None = None,
+         config: str | os.PathLike | Mapping[str, Any] | None = None) -> DiffReport:
     """Compare the checkpoints at ``a`` and ``b`` (any formats), streaming.
 
     ``atol``/``rtol``: an element is close when ``|a - b| <= atol + rtol * |b|`` (NaN equals NaN).
     ``key_pattern``: only keys matching a glob (or ``re:REGEX``). ``model_only``: compare model
     weights only, named by their model FQN (so a DCP checkpoint compares with its HF export).
+    ``key_map`` (export-hf's map names and files, e.g. ``torchtitan-llama``): a side that is not a
+    Hugging Face directory is seen as export-hf would write it (HF names, q/k rows permuted, head
+    counts from ``config`` or a ``config.json`` of either side); implies ``model_only``.
     """
     from converter import knobs
 
@@ -378,8 +402,9 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
     try:
         rb = open_checkpoint(b, trust_pickle=trust_pickle)
         try:
-            return _diff(ra, rb, str(a), str(b), atol, rtol, key_pattern, model_only, trust_pickle,
-                         workers or knobs.WORKERS, slab_elements, start)
+            va, vb = (ra, rb) if key_map is None else _as_exported(ra, rb, a, b, key_map, config)
+            return _diff(va, vb, str(a), str(b), atol, rtol, key_pattern, model_only or key_map is not None,
+                         trust_pickle, workers or knobs.WORKERS, slab_elements, start)
         finally:
             rb.close()
     finally:
@@ -435,6 +460,9 @@ def render_text(report: DiffReport, show: int = 50) -> str:
             if len(items) > show:
                 lines.append(f"  ... and {len(items) - show} more (use --json for all)")
 
+    if not report.tensors and report.only_a and report.only_b:
+        lines.append("note: A and B have no key in common; comparing a checkpoint with its Hugging Face export? "
+                     "pass the export's --map (e.g. --map torchtitan-llama)")
     listing("only in A", report.only_a)
     listing("only in B", report.only_b)
     listing("shape mismatch", [f"{t.key}: {t.dtype_a}{list(t.shape_a)} vs {t.dtype_b}{list(t.shape_b)}"
