@@ -30,3 +30,6 @@ JOURNAL_FLUSH_SECONDS = float(os.environ.get("CKPTCONV_JOURNAL_FLUSH_SECONDS", "
 #: ``ckptconv-spool-*`` directory is made under it; None = the system temp dir). It needs room
 #: for the whole output. Env ``CKPTCONV_SPOOL_DIR``; the ``--spool-dir`` option overrides it.
 SPOOL_DIR = os.environ.get("CKPTCONV_SPOOL_DIR") or None
+#: Seconds a ``--plan torchtitan:...`` / ``python:...`` subprocess may take to build and
+#: parallelize the model on the meta device (env ``CKPTCONV_CODE_PLAN_TIMEOUT_S``).
+CODE_PLAN_TIMEOUT_S = int(os.environ.get("CKPTCONV_CODE_PLAN_TIMEOUT_S", "600") or 600)

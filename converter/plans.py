@@ -388,8 +388,16 @@ LLAMA_PLAN = RulePlan(
 )
 
 
-def get_plan(name_or_path: str, source_splits: SourceSplits | Mapping[str, int | None] | None = None) -> PlacementPlan:
-    """A built-in plan (``fsdp``, ``llama``, ``source``) or a plan file."""
+def get_plan(name_or_path: str, source_splits: SourceSplits | Mapping[str, int | None] | None = None,
+             mesh: Mesh | None = None) -> PlacementPlan:
+    """A built-in plan (``fsdp``, ``llama``, ``source``), a plan read from code
+    (``torchtitan:MODEL/FLAVOR``, ``python:MODULE:FUNCTION``; needs ``mesh``) or a plan file."""
+    from converter.code_plans import is_code_plan, load_code_plan
+
+    if is_code_plan(name_or_path):
+        if mesh is None:
+            raise ConfigError(f"--plan {name_or_path}: a plan read from code needs the target mesh")
+        return load_code_plan(name_or_path, mesh)
     if name_or_path == "fsdp":
         return FSDP_PLAN
     if name_or_path == "llama":
@@ -403,7 +411,8 @@ def get_plan(name_or_path: str, source_splits: SourceSplits | Mapping[str, int |
     path = Path(name_or_path)
     if path.suffix.lower() in (".json", ".yaml", ".yml") or path.exists():
         return load_plan_file(path)
-    raise ConfigError(f"--plan {name_or_path!r}: unknown plan; use {', '.join(BUILTIN_PLANS)} or a path to a plan file")
+    raise ConfigError(f"--plan {name_or_path!r}: unknown plan; use {', '.join(BUILTIN_PLANS)}, torchtitan:MODEL/FLAVOR, "
+                      "python:MODULE:FUNCTION or a path to a plan file")
 
 
 def plan_all(

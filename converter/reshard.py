@@ -80,7 +80,7 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
     }
     params |= stateful_atoms(index, refs, params, replicated)
     param_splits = {refs[k].atom: d for k, d in tp_splits.items() if k in refs and refs[k].role == "param"}
-    plan = get_plan(plan_name, source_splits=param_splits)
+    plan = get_plan(plan_name, source_splits=param_splits, mesh=mesh)
     placements, warnings = plan_all(params, plan, mesh)
     loads: dict[int, int] = {r: 0 for r in range(mesh.world_size)}
     chunks: list[ChunkSpec] = []

@@ -225,3 +225,54 @@ def s3_bucket(s3_server):
     boto3.client("s3", endpoint_url=s3_server).create_bucket(
         Bucket=name, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
     return f"s3://{name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# torchtitan 0.3.0's own Trainer checkpoints (tests/titan_support.py), cached like the fixtures above
+
+
+def titan_cache_dir() -> Path:
+    """Where torchtitan checkpoints of this torch version and support source live."""
+    h = hashlib.sha256()
+    for name in ("titan_support.py", "titan_worker.py"):
+        h.update((TESTS_DIR / name).read_bytes())
+    return cache_dir().parent / f"titan-{torch.__version__}-{h.hexdigest()[:16]}"
+
+
+def _titan_get(mesh: str) -> Path:
+    import titan_support
+
+    cache = titan_cache_dir()
+    root = cache / mesh
+    if not _is_intact(root):
+        _remove(root)
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f".tmp-{mesh}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            titan_support.build_checkpoint(mesh, tmp)
+            (tmp / COMPLETE).write_text(json.dumps(_manifest(tmp), indent=1))
+            _set_writable(tmp, False)
+            tmp.chmod(0o755)
+            try:
+                tmp.rename(root)
+            except OSError:
+                if not _is_intact(root):
+                    raise
+            root.chmod(0o555)
+        finally:
+            _remove(tmp)
+    return root
+
+
+@pytest.fixture(scope="session")
+def titan_checkpoint() -> Callable[[str], Path]:
+    """``titan_checkpoint(mesh) -> Path`` of a cached, READ-ONLY directory holding a torchtitan
+    0.3.0 Trainer save on ``mesh`` (``"dp4"``, ``"tp2,dp2"``): ``ckpt/`` (step 2), ``reference.pt``
+    (torch's ``dcp_to_torch_save`` of it), ``train.json`` (losses of steps 1-3). Skips without
+    torchtitan."""
+    import titan_support
+
+    reason = titan_support.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    return _titan_get

@@ -1,0 +1,320 @@
+"""Plans read from a framework's own parallelize code, not from name rules.
+
+``--plan torchtitan:llama3/debugmodel`` builds torchtitan's model (name and flavor from the installed
+torchtitan) on the meta device, starts a fake process group of the target world size in one process
+(``torch.testing._internal.distributed.fake_pg.FakeStore``, backend ``"fake"``: no data, no peers),
+builds torchtitan's device meshes, applies its own ``parallelize_fn`` and reads every DTensor's
+placements and mesh. ``--plan python:MODULE:FUNCTION`` does the same with ``FUNCTION(mesh)``, which
+gets a ``DeviceMesh`` with ckptconv's dim names (``pp, dp_replicate, dp_shard, cp, tp``, those of
+``--mesh``) and returns the model parallelized on meta (or a list of model parts).
+
+Both the parameters (``named_parameters``: the names the optimizer states use) and the model's
+``state_dict`` entries (the names its save hooks write, e.g. torchtitan 0.3.0's ``wq``/``wk``/``wv``
+gathered whole from the fused ``wqkv``) are read. A DTensor mesh dim is matched to the ``--mesh``
+dims it spans by the global ranks along it, so flattened dims (torchtitan's ``fsdp`` = ``dp_shard``
+x ``cp``) need no name table. PP stages come from torchtitan's own pipeline split.
+
+The work runs in a subprocess (``python -m converter.code_plans SPEC MESH``): torch and the framework
+are imported only there, the process group and the framework's module state never touch the
+converter process (which may run under torchrun), and the result is cached per (plan, mesh, versions)
+on disk (``$CKPTCONV_PLAN_CACHE``, default ``~/.cache/ckptconv/plans``) and in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from converter import knobs
+from converter.layout import Placement, Replicate, Shard, StridedShard, parse_placement
+from converter.mesh import Mesh, parse_mesh
+from converter.plans import PipelineSplit, TensorPlacement, replicated
+from formats.base import Shape
+from formats.errors import ConfigError, PlanError
+
+PREFIXES = ("torchtitan:", "python:")
+
+
+def is_code_plan(name: str) -> bool:
+    """Whether ``--plan name`` is read from code."""
+    return isinstance(name, str) and name.startswith(PREFIXES)
+
+
+@dataclass(frozen=True)
+class CodePlan:
+    """Placements read from a parallelized model: FQN -> (shape, placement), and PP owners."""
+
+    name: str
+    table: Mapping[str, tuple[Shape, TensorPlacement]]
+    stages: Mapping[str, int] = field(default_factory=dict)
+    stage_modules: tuple[tuple[str, ...], ...] | None = None
+    stage_ranks: tuple[int, ...] | None = None
+
+    def place(self, param_fqn: str, shape: Shape, mesh: Mesh) -> TensorPlacement:
+        hit = self.table.get(param_fqn)
+        if hit is None:
+            return replicated(mesh)
+        want, placement = hit
+        if tuple(want) != tuple(shape):
+            raise PlanError(
+                f"plan {self.name}: {param_fqn} has shape {tuple(want)} in the model but {tuple(shape)} in the "
+                "checkpoint; pick the model flavor the checkpoint was trained with"
+            )
+        return placement
+
+    def assign_stages(self, fqns: Sequence[str], pp: int) -> tuple[dict[str, int | None], list[str]]:
+        if self.stage_modules is None:
+            return PipelineSplit(last=("norm", "output", "lm_head")).assign(fqns, pp)
+        owner = {m: self.stage_ranks[s] for s, mods in enumerate(self.stage_modules) for m in mods}
+        split = PipelineSplit(module_fqns_per_model_part=self.stage_modules)
+        out = {f: _owner(f, owner) for f in fqns}
+        lost = [f for f, r in out.items() if r is None]
+        warnings = [] if not lost else split.assign(lost, pp)[1]
+        return out, warnings
+
+    def unused_rule_warnings(self, used: set[str]) -> list[str]:
+        return []
+
+
+def _owner(fqn: str, owner: Mapping[str, int]) -> int | None:
+    parts = fqn.split(".")
+    for i in range(len(parts), 0, -1):
+        hit = owner.get(".".join(parts[:i]))
+        if hit is not None:
+            return hit
+    return None
+
+
+# ---------------------------------------------------------------- converter side (no torch)
+
+
+def load_code_plan(spec: str, mesh: Mesh) -> CodePlan:
+    """The plan ``spec`` gives on ``mesh`` (computed in a subprocess, cached)."""
+    return _load(spec, str(mesh), mesh.names)
+
+
+@lru_cache(maxsize=32)
+def _load(spec: str, mesh_text: str, order: tuple[str, ...]) -> CodePlan:
+    mesh = parse_mesh(mesh_text, ",".join(order))
+    doc = _cached_doc(spec, mesh)
+    return plan_from_json(doc, mesh)
+
+
+def _cache_path(spec: str, mesh: Mesh) -> Path | None:
+    if spec.startswith("python:"):
+        return None  # user code may change under the same name
+    base = os.environ.get("CKPTCONV_PLAN_CACHE") or Path.home() / ".cache" / "ckptconv" / "plans"
+    key = json.dumps([spec, str(mesh), _versions()])
+    return Path(base) / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def _versions() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for pkg in ("torch", "torchtitan"):
+        try:
+            out.append(f"{pkg}={version(pkg)}")
+        except PackageNotFoundError:
+            out.append(f"{pkg}=none")
+    return out
+
+
+def _cached_doc(spec: str, mesh: Mesh) -> dict:
+    path = _cache_path(spec, mesh)
+    if path is not None and path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    doc = _run_subprocess(spec, mesh)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(doc))
+            tmp.replace(path)
+        except OSError:
+            pass  # a cache we cannot write is only slower
+    return doc
+
+
+def _run_subprocess(spec: str, mesh: Mesh) -> dict:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)  # never join the converter's own torchrun job
+    cmd = [sys.executable, "-m", "converter.code_plans", spec, str(mesh), ",".join(mesh.names)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=knobs.CODE_PLAN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise PlanError(f"--plan {spec}: building the model's plan took over {knobs.CODE_PLAN_TIMEOUT_S} s; "
+                        "check that the model builds on the meta device") from None
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        last = lines[-1] if lines else f"exit status {proc.returncode}"
+        last = last.removeprefix("ckptconv-plan: ")
+        raise PlanError(last if last.startswith("--plan") else f"--plan {spec} on mesh {mesh}: {last}")
+    out = proc.stdout.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def plan_from_json(doc: Mapping[str, Any], mesh: Mesh) -> CodePlan:
+    """A :class:`CodePlan` from the subprocess's JSON answer."""
+    table = {}
+    for fqn, row in doc["table"].items():
+        placements = tuple(parse_placement(p) for p in row["placements"])
+        dims = tuple(tuple(g) for g in row["dims"])
+        table[fqn] = (tuple(row["shape"]), TensorPlacement(placements, None, dims, "model"))
+    stages = doc.get("pp")
+    return CodePlan(
+        doc["name"],
+        table,
+        stage_modules=None if not stages else tuple(tuple(m) for m in stages["modules"]),
+        stage_ranks=None if not stages else tuple(stages["ranks"]),
+    )
+
+
+# ---------------------------------------------------------------- subprocess side (torch, framework)
+
+
+def _placement_text(p: Any) -> str:
+    from torch.distributed.tensor import Replicate as TReplicate, Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(p, _StridedShard):
+        return f"_S({p.dim},{int(p.split_factor)})"
+    if isinstance(p, TShard):
+        return f"S({p.dim})"
+    if isinstance(p, TReplicate):
+        return "R"
+    raise PlanError(f"placement {p!r} is not a parameter layout (Shard, _StridedShard or Replicate)")
+
+
+def mesh_dim_groups(rank_grid: Any, mesh: Mesh) -> list[tuple[str, ...]]:
+    """The ``--mesh`` dims each dim of a DTensor's device mesh spans, from the global ranks along it.
+
+    ``rank_grid`` is the device mesh's tensor of global ranks. A DTensor dim of size n whose ranks
+    step by s spans the consecutive ``--mesh`` dims whose sizes multiply to n and whose innermost
+    stride is s (size-1 dims span nothing).
+    """
+    names, sizes = mesh.names, mesh.shape
+    strides = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+    out = []
+    for d in range(rank_grid.ndim):
+        n = rank_grid.shape[d]
+        if n == 1:
+            out.append(())
+            continue
+        idx = [0] * rank_grid.ndim
+        idx[d] = 1
+        step = int(rank_grid[tuple(idx)]) - int(rank_grid[(0,) * rank_grid.ndim])
+        out.append(_group(n, step, names, sizes, strides))
+    return out
+
+
+def _group(n: int, step: int, names, sizes, strides) -> tuple[str, ...]:
+    for last in range(len(names)):
+        if strides[last] != step:
+            continue
+        prod, first = 1, last
+        while first >= 0 and prod < n:
+            prod *= sizes[first]
+            first -= 1
+        if prod == n:
+            return tuple(x for x, s in zip(names[first + 1 : last + 1], sizes[first + 1 : last + 1]) if s > 1)
+    raise PlanError(
+        f"a model mesh dim of {n} ranks stepping by {step} matches no dims of the target mesh; "
+        "the framework numbers ranks in another order than --mesh (check --mesh-order)"
+    )
+
+
+def _entry(t: Any, mesh: Mesh) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return {"shape": list(t.shape), "placements": [], "dims": []}
+    groups = mesh_dim_groups(t.device_mesh.mesh, mesh)
+    placements, dims = [], []
+    for p, g in zip(t.placements, groups):
+        if not g:
+            continue
+        placements.append(_placement_text(p))
+        dims.append(list(g))
+    return {"shape": list(t.shape), "placements": placements, "dims": dims}
+
+
+def read_model(parts: Sequence[Any], mesh: Mesh) -> dict[str, dict]:
+    """FQN -> placements of every parameter and every ``state_dict`` entry of the model parts."""
+    table: dict[str, dict] = {}
+    for part in parts:
+        for fqn, p in part.named_parameters():
+            table[fqn] = _entry(p, mesh)
+        for fqn, t in part.state_dict().items():
+            if hasattr(t, "shape"):
+                table.setdefault(fqn, _entry(t, mesh))
+    return table
+
+
+def _init_fake_world(world: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def _python_plan(target: str, mesh: Mesh) -> dict:
+    import importlib
+
+    module, _, func = target.partition(":")
+    if not module or not func:
+        raise ConfigError(f"--plan python:{target}: write python:MODULE:FUNCTION")
+    fn = getattr(importlib.import_module(module), func, None)
+    if fn is None:
+        raise ConfigError(f"--plan python:{target}: {module} has no function {func}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _init_fake_world(mesh.world_size)
+    dm = init_device_mesh("cpu", mesh.shape, mesh_dim_names=mesh.names)
+    built = fn(dm)
+    parts = list(built) if isinstance(built, (list, tuple)) else [built]
+    return {"name": f"python:{target}", "table": read_model(parts, mesh)}
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m converter.code_plans SPEC MESH ORDER``: print the plan as one JSON line."""
+    spec, mesh_text, order = argv
+    try:
+        mesh = parse_mesh(mesh_text, order)
+        if spec.startswith("torchtitan:"):
+            from converter.titan_plans import torchtitan_plan
+
+            doc = torchtitan_plan(spec[len("torchtitan:"):], mesh)
+        elif spec.startswith("python:"):
+            doc = _python_plan(spec[len("python:"):], mesh)
+        else:
+            raise ConfigError(f"--plan {spec!r}: code plans start with torchtitan: or python:")
+    except Exception as e:  # one line for the parent, which raises PlanError with it
+        if os.environ.get("CKPTCONV_DEBUG"):
+            raise
+        from formats.errors import CkptConvError
+
+        text = str(e).splitlines()[0] if str(e) else ""
+        print(f"ckptconv-plan: {text if isinstance(e, CkptConvError) else f'{type(e).__name__}: {text}'}", file=sys.stderr)
+        return 2
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""One torchrun rank of torchtitan's own Trainer (CPU, gloo): ``torchrun ... titan_worker.py JOB.json``.
+
+JOB keys: ``mesh`` ("dp4", "tp2,dp2"), ``dump`` (the Trainer's dump folder; checkpoints go to
+``dump/checkpoint/step-N``), ``steps``, ``save_interval`` (or null), ``exclude`` (torchtitan's
+``checkpoint.exclude_from_loading``), ``reference`` (a ``torch.save`` file of the full source state,
+from torch's ``dcp_to_torch_save``: the state right after loading is compared with it),
+``skip_compare`` (flattened key prefixes not compared), ``out`` (this rank writes ``out.<rank>.json``).
+
+Each rank reports the losses of the steps it ran, the bytes ``CheckpointManager.load`` read from each
+checkpoint file (counted in torch's ``FileSystemReader.read_data``), and the keys whose loaded value
+differs from the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import titan_support  # noqa: E402
+
+
+def _count_reads(counter: dict[str, dict[str, int]]) -> None:
+    """Count the bytes each load reads per file, split by whether the key is sharded (saved in more
+    than one chunk) or whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    real = FileSystemReader.read_data
+
+    def read_data(self, plan, planner):
+        meta = planner.metadata.state_dict_metadata
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            md = meta.get(item.storage_index.fqn)
+            kind = "sharded" if isinstance(md, TensorStorageMetadata) and len(md.chunks) > 1 else "whole"
+            counter[kind][os.path.basename(info.relative_path)] += info.length
+        return real(self, plan, planner)
+
+    FileSystemReader.read_data = read_data
+
+
+def _state_dict(trainer) -> dict:
+    """The flattened state CheckpointManager saves/loads, as plain values (Statefuls expanded)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    sd = trainer.checkpointer._flattened_model_states_sd()
+    sd = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in sd.items()}
+    flat, _ = flatten_state_dict(sd)
+    return flat
+
+
+def _local_of(full, value):
+    """The part of the full reference tensor ``value`` (a DTensor or tensor) holds."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(value, DTensor):
+        return full, value
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    idx = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return full[idx], value.to_local()
+
+
+def _compare(trainer, reference: str, skip: list[str]) -> tuple[list[str], int]:
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    ref, _ = flatten_state_dict(torch.load(reference, weights_only=False))
+    got = _state_dict(trainer)
+    bad, compared = [], 0
+    keys = set(ref) | set(got)
+    for key in sorted(keys):
+        if any(key.startswith(p) for p in skip):
+            continue
+        if key not in ref or key not in got:
+            bad.append(f"{key}: only in {'loaded' if key in got else 'reference'}")
+            continue
+        r, g = ref[key], got[key]
+        if isinstance(g, torch.Tensor):
+            r, g = _local_of(r, g)
+            same = r.dtype == g.dtype and r.shape == g.shape and torch.equal(r.view(torch.uint8) if r.numel() and r.dtype.is_floating_point else r, g.view(torch.uint8) if g.numel() and g.dtype.is_floating_point else g)
+        else:
+            same = r == g
+        compared += 1
+        if not same:
+            bad.append(f"{key}: differs")
+    return bad, compared
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(os.environ["RANK"])
+    config, _ = titan_support.trainer_config(
+        job["mesh"], job["dump"], job["steps"], save_interval=job.get("save_interval"), exclude=tuple(job.get("exclude", ()))
+    )
+    reads: dict[str, dict[str, int]] = {"sharded": defaultdict(int), "whole": defaultdict(int)}
+    _count_reads(reads)
+    trainer = config.build()
+    titan_support.force_sum_reduction(trainer.model_parts)
+    losses: dict[int, float] = {}
+    real_log = trainer.metrics_processor.log
+
+    def log(step, global_avg_loss, *a, **k):
+        losses[step] = float(global_avg_loss)
+        return real_log(step, global_avg_loss, *a, **k)
+
+    trainer.metrics_processor.log = log
+    report: dict = {"rank": rank}
+    real_load = trainer.checkpointer.load
+
+    def load(step: int = -1) -> bool:
+        loaded = real_load(step)
+        report["loaded"] = loaded
+        report["loaded_step"] = trainer.step
+        if loaded and job.get("reference"):
+            report["mismatch"], report["compared"] = _compare(trainer, job["reference"], job.get("skip_compare", []))
+        return loaded
+
+    trainer.checkpointer.load = load
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    report["losses"] = {str(k): v for k, v in losses.items()}
+    report["reads"] = {k: dict(v) for k, v in reads.items()}
+    Path(f"{job['out']}.{rank}.json").write_text(json.dumps(report))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
