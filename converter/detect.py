@@ -15,8 +15,11 @@ guess from these facts (see ``/work/shared/notes/dcp-format.md``, "Layouts seen"
   arbitrary ranks of the replica group.
 - PP: different tensors are sharded over disjoint rank sets (one per stage).
 
-Ambiguities, stated rather than guessed: HSDP (replicate x shard) leaves the same boxes as FSDP
-over the shard group (only the number of ranks that wrote files differs); pure TP column-wise
+- HSDP (replicate x shard): the boxes of FSDP over the shard group, each written by one replica's
+  rank at the shard's dp_shard position; told from PP by what the rank groups hold (PP stages:
+  disjoint modules; replicas: the same modules, see :func:`find_stages`).
+
+Ambiguities, stated rather than guessed: pure TP column-wise
 with no FSDP has rank order == offset order, exactly like FSDP, and is only recognized as TP when
 another tensor of the same stage is split on dim 1; without rank information (universal store, HF)
 chunks are storage chunks, not a training layout.
@@ -167,21 +170,51 @@ def rank_groups(index: CheckpointIndex) -> tuple[tuple[int, ...], ...]:
 
 
 def find_stages(index: CheckpointIndex) -> tuple[tuple[int, ...], ...]:
-    """Pipeline stages: rank groups that are equal, contiguous blocks (``pp`` is the outer dim).
+    """Pipeline stages: rank groups that are equal, contiguous blocks (``pp`` is the outer dim)
+    and hold disjoint modules.
 
     Several groups that are not such blocks come from dedup, not PP: under HSDP a shard is written
     by whichever replica was least loaded, so tensors land on mixed rank sets ({0, 3} and {1, 2}
-    for 2 x 2); they are merged into one stage. HSDP whose dedup happened to pick contiguous
-    blocks would look exactly like PP x FSDP: metadata cannot tell them apart.
+    for 2 x 2); they are merged into one stage. Dedup often picks whole replicas ({0, 1} for one
+    tensor, {2, 3} for the next: equal shards keep a replica's ranks equally loaded), which gives
+    contiguous blocks too; what tells them apart is what the groups hold: PP stages hold disjoint
+    modules (``layers.3`` and all its optimizer state on one stage), HSDP replicas hold the same
+    modules (``layers.0.attention.wq`` on one replica, ``layers.0.attention.wk`` on the other).
     """
     groups = rank_groups(index)
     if len(groups) < 2:
         return groups
     n = len(groups[0])
     blocks = all(g == tuple(range(g[0], g[0] + n)) and g[0] % n == 0 for g in groups)
-    if blocks:
+    if blocks and not groups_share_modules(index, groups):
         return groups
     return (tuple(sorted(r for g in groups for r in g)),)
+
+
+def module_of(atom: str) -> str:
+    """The module a parameter belongs to at PP granularity: up to its first numeric component
+    (``layers.3.attention.wq.weight`` -> ``layers.3``), else its first component (``tok_embeddings``)."""
+    parts = atom.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+def groups_share_modules(index: CheckpointIndex, groups: Sequence[tuple[int, ...]]) -> bool:
+    """Whether tensors of one module (parameters with their optimizer states, see :func:`module_of`)
+    are sharded over different rank groups: then the groups are replicas, not PP stages."""
+    from converter.atoms import group_atoms
+
+    paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
+    refs = group_atoms(paths)[0]
+    group_of = {r: i for i, g in enumerate(groups) for r in g}
+    seen: dict[str, int] = {}
+    for t in _sharded(index):
+        g = group_of.get(t.chunks[0].rank)
+        if g is not None and seen.setdefault(module_of(refs[t.key].atom), g) != g:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -193,6 +226,7 @@ class _Mesh:
     dp: int  # ranks per TP group (FSDP shards x HSDP replicas) when tp > 1, else ``shards``
     shards: int  # largest number of dim-0 parts among the stage's tensors
     fsdp: int = 0  # FSDP shards of an HSDP x TP stage (0: not HSDP x TP)
+    hsdp: bool = False  # no TP; every shard written by a rank of its dp_shard position (HSDP's signature)
 
     @property
     def replicas(self) -> int:
@@ -219,10 +253,30 @@ def _stage_mesh(ranks: tuple[int, ...], entries: list[TensorEntry]) -> _Mesh:
             seq = [local[c.rank] for c in _order(t.chunks)]
             tp = max(tp, tp_major_factor(seq) or 1)
     dp = max(1, len(ranks) // tp) if tp > 1 else shards
+    replicas = tp == 1 and 1 < shards < len(ranks) and len(ranks) % shards == 0 and _shard_positions_match(ranks, entries, shards)
+    if replicas:
+        return _Mesh(ranks, tp, dp, shards, 0, True)
     # HSDP x TP: fewer FSDP shards than ranks per TP group, and every dim-0-only tensor is either
     # FSDP-sharded (fsdp parts) or column-wise TP x FSDP (fsdp * tp parts)
     hsdp = tp > 1 and 0 < fsdp < dp and dp % fsdp == 0 and only0 <= {fsdp, fsdp * tp}
     return _Mesh(ranks, tp, dp, shards, fsdp if hsdp else 0)
+
+
+def _shard_positions_match(ranks: tuple[int, ...], entries: list[TensorEntry], shards: int) -> bool:
+    """HSDP (dp_replicate outer, dp_shard inner): the i-th dim-0 shard of every tensor split in
+    ``shards`` parts was written by a rank at dp_shard position i (stage-local rank % shards == i),
+    whichever replica dedup picked; every tensor sharded is split on dim 0 alone."""
+    local = {r: i for i, r in enumerate(ranks)}
+    for t in entries:
+        dims = split_dims(t)
+        if set(dims) != {0}:
+            return False
+        if dims[0] != shards:
+            continue
+        live = [c for c in _order(t.chunks)]
+        if any(local[c.rank] % shards != i for i, c in enumerate(live)):
+            return False
+    return True
 
 
 def _tp_inner_dim(dims: Mapping[int, int]) -> int | None:
@@ -321,6 +375,10 @@ def _stage_summary(mesh: _Mesh, layouts: Mapping[str, TensorLayout]) -> tuple[st
         return "TP", f"over {mesh.tp} ranks; {detail}", {"tp": mesh.tp}
     if mesh.shards < n:
         guess = {"dp_replicate": n // mesh.shards, "dp_shard": mesh.shards} if n % mesh.shards == 0 else {"dp": mesh.shards}
+        if mesh.hsdp:
+            r = n // mesh.shards
+            return "HSDP", (f"dim 0 over {mesh.shards} shards x {r} replicas (dp_replicate{r} x dp_shard{mesh.shards}; "
+                            f"{n} ranks wrote files)"), guess
         return "FSDP", (
             f"dim 0 over {mesh.shards} shards ({n} ranks wrote files: HSDP with {n // mesh.shards} "
             "replicas or another replicated mesh dim - not distinguishable from metadata)"
@@ -359,7 +417,8 @@ def _summarize(index, ws, stages, meshes, layouts):
     else:
         per = "; ".join(f"stage {i}: {p[0]} {p[1]}" for i, p in enumerate(parts))
     mesh = {"pp": len(stages), **parts[0][2]}
-    notes.append("PP guessed from disjoint rank blocks; HSDP whose dedup picked the same writers looks identical")
+    notes.append("PP: disjoint rank blocks holding disjoint modules (HSDP replicas would hold the same modules); "
+                 "a model whose every module is whole on one block cannot show the difference")
     return f"{head}: {len(stages)} stages (ranks {groups}); {per}", mesh, tuple(notes)
 
 
