@@ -186,17 +186,20 @@ def _missing_key(message: str) -> list[str]:
 @click.option("--mesh-order", default=None, help="Rank order of the mesh dims, outermost first (default: pp,dp_replicate,dp_shard,cp,tp).")
 @click.option("--plan", "plan_name", default="fsdp", show_default=True, help="Placement plan: fsdp, llama, source, torchtitan:MODEL/FLAVOR or python:MODULE:FUNCTION (read from the model's own parallelize code), or a plan file (JSON/YAML).")
 @click.option("--dtype", default=None, help="Cast floating-point parameters: bf16, fp16, fp32, fp64 (or bfloat16, float16, ...); float8/int kept. Off by default.")
+@click.option("--drop-dataloader-state", "drop_dataloader", is_flag=True,
+              help="Leave out the per-rank dataloader state (needed when the DP degree changes: torchtitan cannot reshard it); "
+                   "torchtitan gets an empty one per new DP rank and restarts its data.")
 @selection_options
 @run_options
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
-                       dtype: str | None, keys: tuple[str, ...], model_only: bool, optim_only: bool,
-                       **kw: Any) -> None:
+                       dtype: str | None, drop_dataloader: bool, keys: tuple[str, ...], model_only: bool,
+                       optim_only: bool, **kw: Any) -> None:
     """Write from SRC (universal store or DCP) the DCP checkpoint a job on --mesh would save."""
     from converter.api import from_universal
 
     selection = make_selection(keys, model_only, optim_only)
     result = from_universal(src, dst, mesh, plan=plan_name, mesh_order=mesh_order, dtype=dtype,
-                            options=make_options(**kw), selection=selection)
+                            options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader)
     for w in result.warnings:
         click.echo(f"ckptconv: warning: {w}", err=True)
     if result.plan is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from converter.atoms import AtomRef, group_atoms
+from converter.dataloader_state import plan_objects
 from converter import __version__
 from converter.remote import remote_destination
 from converter.config import RunOptions, check_destination, check_resume_destination
@@ -173,10 +174,13 @@ class _RankChunkSink:
 @os_errors_as_storage_errors("from-universal")
 def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "fsdp",
                    mesh_order: str | None = None, dtype: str | None = None,
-                   options: RunOptions | None = None, selection: Selection | None = None) -> ConversionResult:
+                   options: RunOptions | None = None, selection: Selection | None = None,
+                   drop_dataloader: bool = False) -> ConversionResult:
     """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``.
 
     ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
+    ``drop_dataloader`` leaves the per-rank dataloader state out (and writes torchtitan an empty one
+    for the target's DP degree; see :mod:`converter.dataloader_state`).
     """
     options = options or RunOptions()
     target_mesh = parse_mesh(mesh, mesh_order)
@@ -191,25 +195,29 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         selected = select_entries(index, selection or Selection(), refs)
         layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors)
         index = selected.restrict(index)  # the whole index planned the parameters; write the selection
+        object_specs, index, notes = plan_objects(index, reader.read_object_bytes, target_mesh, drop_dataloader)
+        layout = replace(layout, chunks=tuple(c for c in layout.chunks if c.key in index.tensors),
+                         warnings=layout.warnings + tuple(notes))
         tasks = _plan(index, layout, options)
         if options.dry_run:
-            return ConversionResult(str(dst), len(index.tensors), len(index.objects),
+            return ConversionResult(str(dst), len(index.tensors), len(object_specs),
                                     sum(target_nbytes(t) for t in tasks), 0.0, plan=describe_ranks(layout, tasks))
         header = {"op": "from-universal", "src": source_label(src), "source": index_fingerprint(index),
                   "mesh": str(target_mesh), "plan": plan, "dtype": dtype,
                   **({} if selection is None or selection.everything else {"selection": selection.to_json()}),
+                  **({"drop_dataloader": True} if drop_dataloader else {}),
                   "piece_bytes": options.effective_piece_bytes, "tool": __version__}
         if options.resume:
             out = check_resume_destination(src, dst)
             if (out / ".metadata").is_file() and not has_journal(out):
-                return ConversionResult(str(out), len(index.tensors), len(index.objects), 0, 0.0,
+                return ConversionResult(str(out), len(index.tensors), len(object_specs), 0, 0.0,
                                         warnings=layout.warnings)
             journal = dist.journal(out, header, resume=True)
         else:
             out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
             journal = dist.journal(out, header, resume=False)
-        objects = [ObjectSpec(k, reader.read_object_bytes(k), 0) for k in index.objects]
-        planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: tuple(o.path) for k, o in index.objects.items()}
+        objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
+        planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
         writer = DCPWriter(out, layout.chunks, objects, planner_data, target_mesh.world_size)
         try:
             # rank 0 creates and sizes every file; the other ranks then open them without truncating
@@ -230,7 +238,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             writer.close()
             raise
         journal.remove()
-        return ConversionResult(str(out), len(index.tensors), len(index.objects), written, stats.seconds,
+        return ConversionResult(str(out), len(index.tensors), len(object_specs), written, stats.seconds,
                                 warnings=layout.warnings)
     finally:
         reader.close()

@@ -191,7 +191,9 @@ def _define_data_classes():
     class SyntheticTokens(IterableDataset, Stateful):
         """Sample ``i`` of every global batch is a fixed token sequence; rank ``r`` of ``D`` yields
         the samples ``r*b .. r*b+b-1`` of each global batch (``b = GLOBAL_BATCH / D``), so the global
-        batch is identical whatever the DP degree. The state counts the batches served."""
+        batch is identical whatever the DP degree, and every step sees the same batch, so the next
+        step's loss compares whether the dataloader state was kept or dropped. The state counts the
+        batches served."""
 
         def __init__(self, dp_rank: int, dp_world: int, seq_len: int, vocab: int) -> None:
             self.local = GLOBAL_BATCH // dp_world
@@ -200,7 +202,7 @@ def _define_data_classes():
             self.served = 0
 
         def _sample(self, i: int, step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-            g = torch.Generator().manual_seed(1000 * (step % 4) + i)
+            g = torch.Generator().manual_seed(1000 + i)
             toks = torch.randint(2, self.vocab, (self.seq_len + 1,), generator=g)
             pos = torch.arange(self.seq_len)
             return {"input": toks[:-1], "positions": pos}, toks[1:]
