@@ -189,17 +189,21 @@ def _missing_key(message: str) -> list[str]:
 @click.option("--drop-dataloader-state", "drop_dataloader", is_flag=True,
               help="Leave out the per-rank dataloader state (needed when the DP degree changes: torchtitan cannot reshard it); "
                    "torchtitan gets an empty one per new DP rank and restarts its data.")
+@click.option("--config", default=None,
+              help="Model config.json (path or inline JSON) with the attention head counts a TP split must divide "
+                   "(default: SRC/config.json when present).")
 @selection_options
 @run_options
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
-                       dtype: str | None, drop_dataloader: bool, keys: tuple[str, ...], model_only: bool,
+                       dtype: str | None, drop_dataloader: bool, config: str | None, keys: tuple[str, ...], model_only: bool,
                        optim_only: bool, **kw: Any) -> None:
     """Write from SRC (universal store or DCP) the DCP checkpoint a job on --mesh would save."""
     from converter.api import from_universal
 
     selection = make_selection(keys, model_only, optim_only)
     result = from_universal(src, dst, mesh, plan=plan_name, mesh_order=mesh_order, dtype=dtype,
-                            options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader)
+                            options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader,
+                            config=config)
     for w in result.warnings:
         click.echo(f"ckptconv: warning: {w}", err=True)
     if result.plan is not None:

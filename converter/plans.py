@@ -516,3 +516,65 @@ def load_plan_file(path: str | Path) -> RulePlan:
     """Read, validate and compile a plan file (JSON, or YAML with pyyaml)."""
     path = Path(path)
     return plan_from_doc(_read_plan_file(path), f"plan file {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# attention head counts: a TP split must keep whole heads
+
+
+@dataclass(frozen=True)
+class HeadCounts:
+    """Attention (query) and KV head counts of the model, and where they came from."""
+
+    heads: int
+    kv_heads: int
+    source: str
+
+
+#: Attention projections by FQN -> which head counts their TP split divides (q/o: query heads,
+#: k/v: KV heads, fused qkv: both); torchtitan and HF names.
+_HEAD_PARAMS = re.compile(r"(?:^|\.)(?:attention|self_attn)\.(?:qkv_linear\.)?"
+                          r"(?P<p>wqkv|wq|wk|wv|wo|q_proj|k_proj|v_proj|o_proj)\.(?:weight|bias)$")
+_HEAD_KIND = {"wq": ("heads",), "q_proj": ("heads",), "wo": ("heads",), "o_proj": ("heads",),
+              "wk": ("kv_heads",), "k_proj": ("kv_heads",), "wv": ("kv_heads",), "v_proj": ("kv_heads",),
+              "wqkv": ("heads", "kv_heads")}
+
+
+def head_counts(config: Mapping[str, Any] | None, where: str) -> HeadCounts | None:
+    """Head counts from a model config (HF ``num_attention_heads`` / ``num_key_value_heads`` or
+    torchtitan ``n_heads`` / ``n_kv_heads``; KV heads default to the heads); None when absent."""
+    if not config:
+        return None
+    heads = config.get("num_attention_heads", config.get("n_heads"))
+    kv = config.get("num_key_value_heads", config.get("n_kv_heads")) or heads
+    if heads is None:
+        return None
+    for name, v in (("attention heads", heads), ("KV heads", kv)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{where}: {name} must be a positive integer (got {v!r})")
+    return HeadCounts(heads, kv, where)
+
+
+def _tp_placement(p: TensorPlacement, mesh: Mesh) -> Placement | None:
+    groups = p.dims if p.dims is not None else tuple((n,) for n in mesh.names if n != "pp")
+    return next((pl for pl, g in zip(p.placements, groups) if "tp" in g), None)
+
+
+def check_head_split(placements: Mapping[str, TensorPlacement], mesh: Mesh, heads: HeadCounts | None) -> None:
+    """Refuse a TP degree that does not divide the head counts of a TP-split attention projection
+    (the job could not run it: each rank must hold whole heads)."""
+    tp = mesh.size("tp")
+    if heads is None or tp <= 1:
+        return
+    for fqn, p in placements.items():
+        m = _HEAD_PARAMS.search(fqn)
+        if m is None or isinstance(_tp_placement(p, mesh), (Replicate, type(None))):
+            continue
+        for kind in _HEAD_KIND[m.group("p")]:
+            n = getattr(heads, kind)
+            if n % tp:
+                label = "attention heads" if kind == "heads" else "KV heads"
+                raise PlanError(
+                    f"{fqn}: its {n} {label} are not divisible by tp{tp} (rule {p.rule!r}: heads must split "
+                    f"evenly; head counts from {heads.source}); pick a tp that divides it"
+                )

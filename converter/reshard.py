@@ -17,6 +17,8 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from dataclasses import dataclass, field, replace
 
+from typing import Any
+
 import numpy as np
 
 from converter.atoms import AtomRef, group_atoms
@@ -29,7 +31,7 @@ from converter import distributed
 from converter.execute import os_errors_as_storage_errors
 from converter.mesh import Mesh, parse_mesh
 from converter.plan import Piece, WriteTask, plan_tensor
-from converter.plans import TensorPlacement, get_plan, plan_all, replicated
+from converter.plans import HeadCounts, TensorPlacement, check_head_split, get_plan, plan_all, replicated
 from converter.select import Selection, select_entries
 from converter.sources import open_checkpoint
 from converter.ingest import ConversionResult
@@ -70,10 +72,12 @@ def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dic
 
 def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mesh, plan_name: str,
                   tp_splits: Mapping[str, int | None], replicated: set[str],
-                  dtype_override: str | None = None, keep: Collection[str] | None = None) -> TargetLayout:
+                  dtype_override: str | None = None, keep: Collection[str] | None = None,
+                  heads: HeadCounts | None = None) -> TargetLayout:
     """Pure: the target chunks (key, box, owner rank) for every tensor of ``index`` on ``mesh``
     (only the tensors in ``keep`` when given: parameters are still planned from the whole
-    ``index``, so a selected optimizer state follows its parameter's placement)."""
+    ``index``, so a selected optimizer state follows its parameter's placement). With ``heads``
+    known, a TP degree that does not divide them is refused."""
     params = {
         ref.atom: tuple(index.tensors[k].shape)
         for k, ref in refs.items()
@@ -83,6 +87,7 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
     param_splits = {refs[k].atom: d for k, d in tp_splits.items() if k in refs and refs[k].role == "param"}
     plan = get_plan(plan_name, source_splits=param_splits, mesh=mesh)
     placements, warnings = plan_all(params, plan, mesh)
+    check_head_split(placements, mesh, heads)
     loads: dict[int, int] = {r: 0 for r in range(mesh.world_size)}
     chunks: list[ChunkSpec] = []
     for key, entry in index.tensors.items():
@@ -175,12 +180,15 @@ class _RankChunkSink:
 def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "fsdp",
                    mesh_order: str | None = None, dtype: str | None = None,
                    options: RunOptions | None = None, selection: Selection | None = None,
-                   drop_dataloader: bool = False) -> ConversionResult:
+                   drop_dataloader: bool = False,
+                   config: str | os.PathLike | Mapping | None = None) -> ConversionResult:
     """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``.
 
     ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
     ``drop_dataloader`` leaves the per-rank dataloader state out (and writes torchtitan an empty one
     for the target's DP degree; see :mod:`converter.dataloader_state`).
+    ``config`` (a config.json path, inline JSON or a mapping; default: ``src/config.json`` when
+    present) gives the attention head counts a TP split must divide.
     """
     options = options or RunOptions()
     target_mesh = parse_mesh(mesh, mesh_order)
@@ -193,7 +201,9 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         refs = _atom_refs(reader, index)
         splits, replicated = _source_hints(reader, index)
         selected = select_entries(index, selection or Selection(), refs)
-        layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors)
+        heads = _head_counts(src, config)
+        layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors,
+                               heads=heads)
         index = selected.restrict(index)  # the whole index planned the parameters; write the selection
         object_specs, index, notes = plan_objects(index, reader.read_object_bytes, target_mesh, drop_dataloader)
         layout = replace(layout, chunks=tuple(c for c in layout.chunks if c.key in index.tensors),
@@ -242,6 +252,20 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                                 warnings=layout.warnings)
     finally:
         reader.close()
+
+
+def _head_counts(src: str | os.PathLike, config: Any) -> HeadCounts | None:
+    """The model's head counts from ``config``, else from a config.json beside the source."""
+    from converter.hf import load_config_arg, source_config
+    from converter.plans import head_counts
+
+    if config is None:
+        config = source_config(src)
+        where = f"{source_label(src)}/config.json"
+    else:
+        where = "--config" if isinstance(config, Mapping) or str(config).lstrip().startswith("{") else str(config)
+    doc, _ = load_config_arg(config)
+    return head_counts(doc, where)
 
 
 def _plan(index: CheckpointIndex, layout: TargetLayout, options: RunOptions) -> list[WriteTask]:
