@@ -45,6 +45,9 @@ def run_options(f):
         click.option("--progress/--no-progress", default=None, help="Progress on stderr: a bar on a terminal, else a line every 5 s (default on; --no-progress: none)."),
         click.option("--spool-dir", default=None, help="Local directory to stage a URL destination before upload "
                      "(default: $CKPTCONV_SPOOL_DIR or the temp dir; needs room for the whole output)."),
+        click.option("--no-verify-source", "no_verify_source", is_flag=True,
+                     help="Skip checking each source chunk's stored checksum (DCP zip CRC-32, universal xxh3) "
+                          "while copying it (default: checked; a mismatch stops the run)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -73,14 +76,14 @@ def make_selection(keys: tuple[str, ...], model_only: bool, optim_only: bool):
 
 
 def make_options(workers, memory_budget, overwrite, resume, trust_pickle, dry_run, progress,
-                 spool_dir=None) -> RunOptions:
+                 spool_dir=None, no_verify_source=False) -> RunOptions:
     from converter import knobs
 
     return RunOptions(
         workers=knobs.WORKERS if workers is None else workers,  # 0 is refused, not the default
         memory_budget=knobs.MEMORY_BUDGET if memory_budget is None else memory_budget,
         overwrite=overwrite, resume=resume, trust_pickle=trust_pickle, dry_run=dry_run, progress=progress,
-        spool_dir=spool_dir,
+        spool_dir=spool_dir, verify_source=not no_verify_source,
     )
 
 

@@ -60,8 +60,11 @@ def verify_cmd(path: str, as_json: bool, quick: bool, workers: int | None, trust
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schemas/diff.schema.json).")
 @click.option("--workers", type=int, default=None, help="Comparing threads (default: CPU count, 2..8).")
 @click.option("--trust-pickle", is_flag=True, help="Load non-tensor entries that need arbitrary classes to compare values.")
+@click.option("--no-verify-source", "no_verify", is_flag=True,
+              help="Do not check each chunk's stored checksum (DCP CRC-32, store xxh3) while reading; compare anyway.")
 def diff_cmd(a: str, b: str, atol: float, rtol: float, key_pattern: str | None, model_only: bool,
-             key_map: str | None, config: str | None, as_json: bool, workers: int | None, trust_pickle: bool) -> None:
+             key_map: str | None, config: str | None, as_json: bool, workers: int | None, trust_pickle: bool,
+             no_verify: bool) -> None:
     """Compare checkpoints A and B of any formats, streaming.
 
     Keys on one side only, dtype/shape mismatches, and per tensor: bitwise equal, or how many
@@ -71,7 +74,8 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, key_pattern: str | None, 
     from converter.diff import render_text
 
     report = diff(a, b, atol=atol, rtol=rtol, key_pattern=key_pattern, model_only=model_only,
-                  trust_pickle=trust_pickle, workers=_workers(workers), key_map=key_map, config=config)
+                  trust_pickle=trust_pickle, workers=_workers(workers), key_map=key_map, config=config,
+                  verify_source=not no_verify)
     _emit(report.to_json() if as_json else render_text(report), as_json)
     if not report.same:
         sys.exit(EXIT_FOUND)

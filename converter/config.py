@@ -39,6 +39,8 @@ class RunOptions:
     dry_run: bool = False
     resume: bool = False
     spool_dir: str | None = None
+    #: check each source chunk's stored checksum (DCP zip CRC-32, universal xxh3) as it is copied
+    verify_source: bool = True
 
     def __post_init__(self) -> None:
         if self.resume and self.overwrite:

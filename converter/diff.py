@@ -381,7 +381,7 @@ def _as_exported(ra: CheckpointReader, rb: CheckpointReader, a: str | os.PathLik
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
          key_pattern: str | None = None, model_only: bool = False, trust_pickle: bool = False,
          workers: int | None = None, slab_elements: int = SLAB_ELEMENTS, key_map: str | None = None,
-         config: str | os.PathLike | Mapping[str, Any] | None = None) -> DiffReport:
+         config: str | os.PathLike | Mapping[str, Any] | None = None, verify_source: bool = True) -> DiffReport:
     """Compare the checkpoints at ``a`` and ``b`` (any formats), streaming.
 
     ``atol``/``rtol``: an element is close when ``|a - b| <= atol + rtol * |b|`` (NaN equals NaN).
@@ -390,6 +390,8 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
     ``key_map`` (export-hf's map names and files, e.g. ``torchtitan-llama``): a side that is not a
     Hugging Face directory is seen as export-hf would write it (HF names, q/k rows permuted, head
     counts from ``config`` or a ``config.json`` of either side); implies ``model_only``.
+    ``verify_source``: check each chunk's stored checksum as it is read (a damaged chunk is an
+    error, exit status 2, not a difference).
     """
     from converter import knobs
 
@@ -398,9 +400,9 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
     if slab_elements < 1:
         raise ConfigError("slab size must be positive")
     start = time.perf_counter()
-    ra = open_checkpoint(a, trust_pickle=trust_pickle)
+    ra = open_checkpoint(a, trust_pickle=trust_pickle, verify=verify_source)
     try:
-        rb = open_checkpoint(b, trust_pickle=trust_pickle)
+        rb = open_checkpoint(b, trust_pickle=trust_pickle, verify=verify_source)
         try:
             va, vb = (ra, rb) if key_map is None else _as_exported(ra, rb, a, b, key_map, config)
             return _diff(va, vb, str(a), str(b), atol, rtol, key_pattern, model_only or key_map is not None,

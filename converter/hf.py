@@ -331,7 +331,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     dtype = normalize_dtype(dtype)
     cfg, cfg_raw = load_config_arg(config)
     dist = distributed.current()
-    reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
+    reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
         index = reader.index()
         plan = plan_export(index, kmap, dtype, cfg)
@@ -447,7 +447,7 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     else:
         cfg, _ = load_config_arg(config)
     dist = distributed.current()
-    reader = open_checkpoint(src)
+    reader = open_checkpoint(src, verify=options.verify_source)
     try:
         index = reader.index()
         sources, paths = plan_import(index, kmap, cfg, prefix)

@@ -122,7 +122,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
     """
     options = options or RunOptions()
     dist = distributed.current()
-    reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
+    reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
         index = reader.index()
         chunk_bytes = chunk_bytes or universal_chunk_bytes(options)

@@ -195,7 +195,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     if dtype is not None:
         dtype = cast_dtype(dtype)
     dist = distributed.current()
-    reader = open_checkpoint(src, trust_pickle=options.trust_pickle)
+    reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
         index = reader.index()
         refs = _atom_refs(reader, index)

@@ -53,17 +53,21 @@ def _format_of(st, names: list[str]) -> str:  # noqa: ANN001 - a formats.storage
     )
 
 
-def open_checkpoint(path: str | os.PathLike, trust_pickle: bool = False) -> CheckpointReader:
-    """A reader for the checkpoint at ``path``, whatever its format."""
+def open_checkpoint(path: str | os.PathLike, trust_pickle: bool = False, verify: bool = False) -> CheckpointReader:
+    """A reader for the checkpoint at ``path``, whatever its format.
+
+    ``verify``: check each chunk's stored integrity data (DCP zip CRC-32, universal xxh3_64) as it
+    is read, once per chunk; every conversion passes ``RunOptions.verify_source`` (on by default).
+    """
     fmt = detect_format(path)
     if fmt == "universal":
         from formats.universal import UniversalReader
 
-        return UniversalReader(path)
+        return UniversalReader(path, verify=verify)
     if fmt == "dcp":
         from formats.dcp import DCPReader
 
-        return DCPReader(path, trust_pickle=trust_pickle)
+        return DCPReader(path, trust_pickle=trust_pickle, verify=verify)
     from formats.hf import HFReader  # type: ignore[import-not-found]
 
-    return HFReader(path)
+    return HFReader(path, verify=verify)

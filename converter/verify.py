@@ -441,12 +441,15 @@ def _strays(root: Path, meta: Any, index: Any) -> list[str]:
 def _read_json(path: Path) -> Any:
     from formats.errors import CorruptCheckpointError
 
+    from formats.fsutil import loads_json, read_error
+
     try:
-        return json.loads(path.read_bytes())
+        raw = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
         raise CorruptCheckpointError(f"{path}: missing ({e.strerror}); the store is damaged: reconvert it") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path}: not JSON ({e}); the store is damaged: reconvert it") from None
+    except OSError as e:  # a symlink loop, a name too long
+        raise read_error(path, e) from None
+    return loads_json(raw, f"{path}: not JSON", fix="the store is damaged: reconvert it")
 
 
 def _check_group_json(root: Path, group: Path) -> list[Problem]:

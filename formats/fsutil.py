@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from formats.errors import DestinationError
+from formats.errors import CorruptCheckpointError, DestinationError
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -37,22 +37,69 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def short(text: object, limit: int = 160) -> str:
+    """``text`` for a one-line message: cut in the middle (with ``...``) past ``limit`` characters."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-(limit // 2):]}"
+
+
+def os_reason(exc: BaseException) -> str:
+    """A short reason for an error raised while resolving or opening a path (no path in it)."""
+    if isinstance(exc, RuntimeError) and "loop" in str(exc).lower():
+        return "symlink loop"
+    if isinstance(exc, OSError):
+        import errno
+
+        if exc.errno == errno.ELOOP:
+            return "symlink loop"
+        return exc.strerror or type(exc).__name__
+    return f"{type(exc).__name__}: {short(str(exc).splitlines()[0] if str(exc) else '', 80)}"
+
+
+def _join_problem(root: str | os.PathLike, relative: str, noun: str) -> tuple[Path | None, str]:
+    """``(root / relative resolved, "")`` or ``(None, why it is refused)``: the one rule for every
+    file a checkpoint names (and every file ckptconv writes): no absolute paths, ``..``, empty
+    parts, NUL or control characters, nothing that resolves (through symlinks) outside ``root``
+    (``noun`` names it in the reason), no symlink loops."""
+    if not relative or any(ord(c) < 32 for c in relative) or os.path.isabs(relative):
+        return None, "not a safe relative name (empty, absolute or with control characters)"
+    parts = Path(relative).parts
+    if any(p in ("..", "") for p in parts):
+        return None, f"'..' leads outside {noun}"
+    try:
+        root_resolved = Path(root).resolve()
+        target = (root_resolved / relative).resolve()
+    except (RuntimeError, OSError) as e:  # 3.11 raises RuntimeError("Symlink loop ...")
+        return None, f"cannot resolve it ({os_reason(e)})"
+    if target != root_resolved and root_resolved not in target.parents:
+        return None, f"it resolves outside {noun} (a symlink out of it)"
+    return target, ""
+
+
 def safe_join(root: str | os.PathLike, relative: str) -> Path:
     """``root / relative``, refusing anything that would land outside ``root``.
 
-    Rejects absolute paths, ``..`` components, NUL and control characters, and paths that resolve
-    (through symlinks) outside ``root``.
+    Rejects absolute paths, ``..`` components, NUL and control characters, symlink loops and
+    paths that resolve (through symlinks) outside ``root`` (DestinationError).
     """
-    if not relative or any(ord(c) < 32 for c in relative) or os.path.isabs(relative):
-        raise DestinationError(f"refusing unsafe relative path {relative!r} under {root}")
-    parts = Path(relative).parts
-    if any(p in ("..", "") for p in parts):
-        raise DestinationError(f"refusing path {relative!r}: it leaves {root}")
-    root_resolved = Path(root).resolve()
-    target = (root_resolved / relative).resolve()
-    if target != root_resolved and root_resolved not in target.parents:
-        raise DestinationError(f"refusing path {relative!r}: it resolves outside {root}")
-    return target
+    path, why = _join_problem(root, relative, short(root))
+    if path is None:
+        raise DestinationError(f"refusing path {short(repr(relative))} under {short(root)}: {why}")
+    return path
+
+
+def source_path(root: str | os.PathLike, relative: str, what: str = "") -> Path:
+    """The path of a file a checkpoint's metadata names (``relative`` to the checkpoint ``root``),
+    under the rule of :func:`safe_join`: the one check every reader applies before reading a file.
+
+    A refused name raises CorruptCheckpointError naming the file and ``what`` (e.g. ``key 'w'``).
+    """
+    path, why = _join_problem(root, relative, "the checkpoint directory")
+    if path is None:
+        where = short(os.path.join(os.fspath(root), relative)) + (f": {what}" if what else "")
+        raise CorruptCheckpointError(f"{where}: refusing to read it: {why}; the checkpoint is damaged or was "
+                                     "tampered with")
+    return path
 
 
 def read_exact_into(fd: int, buf: memoryview, offset: int) -> int:
@@ -119,3 +166,37 @@ def pooled_buffer(slot: str, nbytes: int) -> np.ndarray:
         bufs[slot] = None  # free the smaller one before allocating
         buf = bufs[slot] = np.empty(max(nbytes, 1), dtype=np.uint8)
     return buf[:nbytes]
+
+
+def loads_json(raw: bytes | str, where: str, error: type[Exception] = CorruptCheckpointError,
+               fix: str = "the file is damaged") -> object:
+    """``json.loads`` whose failures (bad syntax, bad UTF-8, nesting deep enough to exhaust
+    Python's recursion limit) are one ``error`` naming ``where`` and ``fix``."""
+    import json
+
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise error(f"{short(where)}: JSON nested too deeply to read; {fix}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise error(f"{short(where)}: unreadable JSON ({short(e, 120)}); {fix}") from None
+
+
+def read_error(path: object, exc: OSError, what: str = "") -> Exception:
+    """The one-line ckptconv error for an OSError raised while reading a checkpoint's file
+    ``path``: a missing file (CheckpointNotFoundError), a path the checkpoint should never name
+    (symlink loop, name too long, a directory: CorruptCheckpointError), or another OS failure
+    (StorageError: permissions, I/O errors). ``what`` (e.g. ``key 'w'``) is added after the path."""
+    import errno
+
+    from formats.errors import CheckpointNotFoundError, CkptConvError, StorageError
+
+    if isinstance(exc, CkptConvError):
+        return exc
+    where = short(path) + (f": {what}" if what else "")
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointNotFoundError(f"{where}: no such file; copy the whole checkpoint")
+    if exc.errno in (errno.ELOOP, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR):
+        return CorruptCheckpointError(f"{where}: cannot read it ({os_reason(exc)}); the checkpoint names a bad "
+                                      "path: it is damaged or was tampered with")
+    return StorageError(f"{where}: cannot read it ({os_reason(exc)}); check the file's permissions and the storage")

@@ -43,7 +43,7 @@ from formats.errors import (
     PlanError,
     UnsupportedError,
 )
-from formats.fsutil import atomic_write_bytes, fsync_dir, safe_join
+from formats.fsutil import atomic_write_bytes, fsync_dir, loads_json, read_error, safe_join, short, source_path
 from formats.storage import RandomFile, Storage, check_relative, close_file, open_storage, read_into
 
 if TYPE_CHECKING:
@@ -122,10 +122,8 @@ def parse_header(raw: bytes, file_size: int, where: str, file: str = "") -> StHe
     Checks what safetensors checks: JSON object, known dtypes, sizes matching shapes, offsets
     covering the data section exactly (no gaps, no overlaps, nothing past the end).
     """
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _bad(where, f"header is not JSON ({e})") from None
+    doc = loads_json(raw, f"{where}: header", InvalidCheckpointError,
+                     "the file is not a valid safetensors file: re-export it")
     if not isinstance(doc, dict):
         raise _bad(where, "header is not a JSON object")
     data_start = 8 + len(raw)
@@ -149,9 +147,10 @@ def parse_header(raw: bytes, file_size: int, where: str, file: str = "") -> StHe
     return StHeader(file, file_size, data_start, metadata, tensors)
 
 
-def read_header(path: Path, file: str = "", storage: Storage | None = None) -> StHeader:
+def read_header(path: Path, file: str = "", storage: Storage | None = None, what: str = "") -> StHeader:
     """Read and validate the header of the safetensors file at ``path`` (or, with ``storage``,
-    the file named ``file`` in it: local or URL, two ranged reads)."""
+    the file named ``file`` in it: local or URL, two ranged reads). ``what`` says who named the
+    file, in errors."""
     try:
         fd: int | RandomFile
         if storage is not None and not storage.is_local:
@@ -161,7 +160,9 @@ def read_header(path: Path, file: str = "", storage: Storage | None = None) -> S
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             size = os.fstat(fd).st_size
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: no such safetensors file; check the path or the index") from None
+        raise CheckpointNotFoundError(f"{short(path)}: no such safetensors file; check the path or the index") from None
+    except OSError as e:  # a symlink loop, a name too long, permissions
+        raise read_error(path, e, what) from None
     try:
         head = bytearray(8)
         head = head[: read_into(fd, memoryview(head), 0)]
@@ -191,13 +192,14 @@ def read_index(path: Path, storage: Storage | None = None) -> tuple[dict[str, st
     """``(weight_map, metadata)`` of a ``model.safetensors.index.json``, validated (with
     ``storage``: the index file in it, local or URL)."""
     remote = storage is not None and not storage.is_local
-    size = storage.size(INDEX_FILE) if remote else path.stat().st_size
-    if size > MAX_INDEX_BYTES:
-        raise InvalidCheckpointError(f"{path}: {size} bytes is over the {MAX_INDEX_BYTES} byte limit for an index")
     try:
-        doc = json.loads((storage.read_bytes(INDEX_FILE) if remote else path.read_bytes()).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise InvalidCheckpointError(f"{path}: malformed index JSON ({e}); re-export the checkpoint") from None
+        size = storage.size(INDEX_FILE) if remote else path.stat().st_size
+        if size > MAX_INDEX_BYTES:
+            raise InvalidCheckpointError(f"{path}: {size} bytes is over the {MAX_INDEX_BYTES} byte limit for an index")
+        raw = storage.read_bytes(INDEX_FILE) if remote else path.read_bytes()
+    except OSError as e:
+        raise read_error(path, e) from None
+    doc = loads_json(raw, f"{path}: malformed index", InvalidCheckpointError, "re-export the checkpoint")
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise InvalidCheckpointError(f"{path}: index has no \"weight_map\" object; re-export the checkpoint")
     wmap = doc["weight_map"]
@@ -236,7 +238,10 @@ class HFReader:
     entries.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = False) -> None:
+        """``verify`` is accepted for symmetry with the other readers: safetensors records no
+        checksums, so what can be checked (header, sizes, exact coverage of the data, each file's
+        size still matching its header when it is opened for reading) is always checked."""
         self._storage = open_storage(path)
         self.root = self._storage.root
         self._names = None if self._storage.is_local else self._storage.list()
@@ -271,12 +276,13 @@ class HFReader:
         headers: dict[str, StHeader] = {}
         for f in files:
             try:
-                path = safe_join(self.root, f) if self._storage.is_local else self.root / check_relative(self.root, f)
+                path = (source_path(self.root, f, f"named by {INDEX_FILE}") if self._storage.is_local
+                        else self.root / check_relative(self.root, f))
             except DestinationError:
                 raise InvalidCheckpointError(
-                    f"{self.root / INDEX_FILE}: names file {f!r}, outside the checkpoint directory; fix the index"
+                    f"{self.root / INDEX_FILE}: names file {short(repr(f))}, outside the checkpoint directory; fix the index"
                 ) from None
-            headers[f] = read_header(path, f, self._storage)
+            headers[f] = read_header(path, f, self._storage, f"named by {INDEX_FILE}" if wmap is not None else "")
         if wmap is None:
             wmap = {name: files[0] for name in headers[files[0]].tensors}
             sharded = False
@@ -320,11 +326,18 @@ class HFReader:
             if fd is None and not self._storage.is_local:
                 fd = self._fds[file] = self._storage.open_random(file)
             if fd is None:
-                path = safe_join(self.root, file)
+                path = source_path(self.root, file)
                 try:
                     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 except FileNotFoundError:
                     raise CheckpointNotFoundError(f"{path}: file disappeared") from None
+                except OSError as e:
+                    raise read_error(path, e) from None
+                size, expected = os.fstat(fd).st_size, self._index.info["files"].get(file)
+                if expected is not None and size != expected:  # safetensors has no checksums: sizes at least
+                    os.close(fd)
+                    raise CorruptCheckpointError(f"{path}: {size} bytes now, {expected} when its header was read; the "
+                                                 "file changed during the conversion: rerun it")
                 self._fds[file] = fd
             return fd
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from formats.errors import CheckpointNotFoundError, ConfigError, DestinationError, StorageError
-from formats.fsutil import read_exact_into, safe_join
+from formats.fsutil import read_error, read_exact_into, safe_join
 
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS",
@@ -158,6 +158,8 @@ class LocalFile:
             self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{path}: file disappeared") from None
+        except OSError as e:
+            raise read_error(path, e) from None
         self.size = os.fstat(self.fd).st_size
 
     def readinto(self, view: memoryview, offset: int) -> int:
@@ -203,15 +205,20 @@ class LocalStorage:
             return path.stat().st_size
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise CheckpointNotFoundError(f"{path}: no such file") from None
+        except OSError as e:  # a name too long, a loop: one line naming the file
+            raise read_error(path, e) from None
 
     def read_bytes(self, relative: str, start: int | None = None, end: int | None = None) -> bytes:
         """The bytes ``[start, end)`` of a (small) file."""
         path = self.path(relative)
-        if start is None and end is None:
-            return path.read_bytes()
-        with open(path, "rb") as f:
-            f.seek(start or 0)
-            return f.read(-1 if end is None else max(0, end - (start or 0)))
+        try:
+            if start is None and end is None:
+                return path.read_bytes()
+            with open(path, "rb") as f:
+                f.seek(start or 0)
+                return f.read(-1 if end is None else max(0, end - (start or 0)))
+        except OSError as e:
+            raise read_error(path, e) from None
 
     def open_random(self, relative: str) -> LocalFile:
         return LocalFile(self.path(relative))

@@ -38,7 +38,9 @@ from formats.errors import (
     IncompleteCheckpointError,
     InvalidCheckpointError,
 )
-from formats.fsutil import atomic_write_bytes, fsync_dir, pooled_buffer, start_writeback, safe_join
+from formats.fsutil import (atomic_write_bytes, fsync_dir, loads_json, pooled_buffer, read_error, short,
+                            source_path, start_writeback)
+from formats.integrity import ChunkChecks
 from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
 from formats.universal_meta import (
     METADATA_FILE,
@@ -338,11 +340,12 @@ def read_metadata(root: str | os.PathLike | Storage) -> UniversalMetadata:
                 "did not finish): rerun to-universal with --overwrite"
             )
         raise InvalidCheckpointError(f"{root}: not a ckptconv universal store (no {METADATA_FILE})")
+    doc = loads_json(st.read_bytes(METADATA_FILE), str(meta_path), fix="the store is damaged: reconvert it")
     try:
-        doc = json.loads(st.read_bytes(METADATA_FILE))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{meta_path}: unreadable JSON ({e}); the store is damaged: reconvert it") from None
-    return UniversalMetadata.from_json(doc, str(meta_path))
+        return UniversalMetadata.from_json(doc, str(meta_path))
+    except RecursionError:  # a document nested just under the parser's limit, deeper than the schema's
+        raise CorruptCheckpointError(f"{meta_path}: JSON nested too deeply to read; the store is damaged: "
+                                     "reconvert it") from None
 
 
 #: OS errors that mean a file of the store is not where its metadata says (a damaged layout).
@@ -352,14 +355,16 @@ _LAYOUT_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 def _inside(root: Path, relative: str, top: str, key: str, where: Path) -> Path:
     """``root / relative``, which must lie under ``root / top`` (no '..', absolute paths, or
     symlinks out of the store); ``root`` may be a URL."""
-    try:
-        path = safe_join(root, relative) if not is_url(root) else root / check_relative(root, relative)
-    except DestinationError:
-        path = None
-    if path is None or not relative.startswith(top + "/"):
-        raise CorruptCheckpointError(f"{where}: key {key!r} names {relative!r}, outside {top}/ of the store; "
+    if not relative.startswith(top + "/"):
+        raise CorruptCheckpointError(f"{where}: key {key!r} names {short(repr(relative))}, outside {top}/ of the store; "
                                      "the metadata is damaged: reconvert it")
-    return path
+    if not is_url(root):
+        return source_path(root, relative, f"key {key!r}")  # the rule of every reader: no way out, no loops
+    try:
+        return root / check_relative(root, relative)
+    except DestinationError:
+        raise CorruptCheckpointError(f"{where}: key {key!r} names {short(repr(relative))}, outside {top}/ of the "
+                                     "store; the metadata is damaged: reconvert it") from None
 
 
 def _check_record(root: Path, key: str, r: TensorRecord, where: Path, st: Storage | None = None) -> None:
@@ -390,6 +395,8 @@ def _check_record(root: Path, key: str, r: TensorRecord, where: Path, st: Storag
             size = st.size(first)
     except _LAYOUT_ERRORS as e:
         raise bad(f"chunk file {first} is missing ({e.strerror or 'not found'})") from None
+    except OSError as e:  # a symlink loop, a name too long
+        raise read_error(root / first, e, f"key {key!r}") from None
     if size != full:
         raise bad(f"chunk file {first} has {size} bytes, a chunk needs {full}")
 
@@ -402,9 +409,14 @@ ROWS_BATCH_BYTES = 4 << 20
 class UniversalReader:
     """The universal store's :class:`formats.base.CheckpointReader`."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, verify: bool = False) -> None:
+        """``verify``: check every chunk's xxh3_64 (recorded in ``ckptconv.json``) as it is read,
+        once per chunk (:mod:`formats.integrity`); a mismatch raises CorruptCheckpointError naming
+        the file, key and chunk."""
         self._storage = open_storage(root)
         self.root = self._storage.root
+        self._checks = ChunkChecks() if verify else None
+        self._paths: dict[str, Path] = {}  # chunk file -> its checked local path
         self.meta = read_metadata(self._storage)
         where = self.root / METADATA_FILE
         if not self._storage.is_local:  # one listing for the chunk checks, not a request per tensor
@@ -445,13 +457,50 @@ class UniversalReader:
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
         """Read ``region`` of one chunk; row slabs are read with a single pread."""
         record = self.meta.tensors[key]
-        data = self._read_chunk_part(record, chunk, region)
+        result: list[np.ndarray] = []
+
+        def read_checked() -> None:  # the whole chunk: check the bytes just read
+            result.append(np.ascontiguousarray(self._read_chunk_part(record, chunk, region)))
+            self._compare(key, record, chunk, xxhash.xxh3_64_hexdigest(memoryview(result[0]).cast("B")))
+
+        self._check(key, record, chunk, region, read_checked)
+        data = result[0] if result else self._read_chunk_part(record, chunk, region)
         return from_storage_array(data, record.dtype)
 
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` (writable bytes, exactly the region's size) with ``region`` in C order;
         a region of whole chunk rows is read straight into ``out`` (one pread, no copy)."""
         record = self.meta.tensors[key]
+
+        def read_checked() -> None:  # the whole chunk: check the bytes just read
+            self._read_into(record, chunk, region, out)
+            self._compare(key, record, chunk, xxhash.xxh3_64_hexdigest(memoryview(out).cast("B")))
+
+        if not self._check(key, record, chunk, region, read_checked):
+            self._read_into(record, chunk, region, out)
+
+    def _check(self, key: str, record: TensorRecord, chunk: ChunkRef, region: Box, read_checked) -> bool:
+        """Check the chunk's xxh3_64 if this reader verifies and nobody checked it yet: by
+        ``read_checked()`` (which reads the region and checks the bytes it read) when the region
+        is the whole chunk, else by a streamed pass over the chunk file. True when
+        ``read_checked`` ran (the region is read)."""
+        checks = self._checks
+        if checks is None or checks.done(chunk.locator):
+            return False
+        if region == chunk.box:
+            return checks.once(chunk.locator, read_checked)
+        checks.once(chunk.locator, lambda: self._compare(key, record, chunk, self._stream_checksum(record, chunk)))
+        return False
+
+    def _compare(self, key: str, record: TensorRecord, chunk: ChunkRef, actual: str) -> None:
+        cid = chunk_id(chunk.locator[1])
+        expected = record.checksums.get(cid, "")
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{self.root / chunk.file}: key {key!r} chunk {cid}: xxh3_64 {actual} != recorded {expected}; the "
+                "chunk's bytes are damaged: reconvert the store (--no-verify-source copies them anyway)")
+
+    def _read_into(self, record: TensorRecord, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         cshape = record.chunk_shape
         if not cshape or region.sizes[0] <= 1 or region.sizes[1:] == cshape[1:]:
             batches = [(0, region)]  # one row, or whole rows: one read straight into ``out``
@@ -468,6 +517,62 @@ class UniversalReader:
             if data is not None:
                 np.copyto(np.frombuffer(view, dtype=data.dtype).reshape(data.shape), data)
 
+    def _stream_checksum(self, record: TensorRecord, chunk: ChunkRef) -> str:
+        """xxh3_64 of a chunk's logical bytes (C order, without the edge padding), read in slabs
+        of whole chunk rows of at most ROWS_BATCH_BYTES (one pooled buffer)."""
+        hasher = xxhash.xxh3_64()
+        cshape, sizes = record.chunk_shape, chunk.box.sizes
+        if not cshape:
+            hasher.update(memoryview(np.ascontiguousarray(self._read_chunk_part(record, chunk, chunk.box))).cast("B"))
+            return hasher.hexdigest()
+        itemsize = np.dtype(record.storage_dtype).itemsize
+        row = math.prod(cshape[1:]) * itemsize
+        step = max(1, ROWS_BATCH_BYTES // max(1, row))
+        inner = Box(tuple(0 for _ in cshape[1:]), tuple(sizes[1:]))
+        for r0 in range(0, sizes[0], step):
+            n = min(step, sizes[0] - r0)
+            rows = Box((chunk.box.offsets[0] + r0, *chunk.box.offsets[1:]), (n, *cshape[1:]))
+            buf = pooled_buffer("universal-check", n * row)
+            self._read_rows(record, chunk, rows, memoryview(buf))
+            if tuple(sizes[1:]) == tuple(cshape[1:]):
+                hasher.update(memoryview(buf))
+            else:  # an edge chunk in an inner dim: the logical part of each row
+                part = buf.view(record.storage_dtype).reshape((n, *cshape[1:]))[(slice(None), *inner.slices())]
+                hasher.update(memoryview(np.ascontiguousarray(part)).cast("B"))
+        return hasher.hexdigest()
+
+    def _read_rows(self, record: TensorRecord, chunk: ChunkRef, rows: Box, into: memoryview) -> None:
+        """Read whole stored rows (``rows`` spans full chunk rows, global coords) into ``into``."""
+        local0 = rows.offsets[0] - chunk.box.offsets[0]
+        row = len(into) // max(1, rows.sizes[0])
+        self._pread(record, chunk, into, local0 * row)
+
+    def _file(self, chunk: ChunkRef) -> Path:
+        """The checked local path of a chunk file: inside the store (the rule of every reader)."""
+        path = self._paths.get(chunk.file)
+        if path is None:
+            path = self._paths[chunk.file] = source_path(self.root, chunk.file)
+        return path
+
+    def _pread(self, record: TensorRecord, chunk: ChunkRef, into: memoryview, offset: int) -> None:
+        """Fill ``into`` from ``offset`` of the chunk file; errors name the file and key."""
+        path = self.root / chunk.file
+        try:
+            fd = os.open(self._file(chunk), os.O_RDONLY) if self._storage.is_local else self._storage.open_random(chunk.file)
+            try:
+                got = read_into(fd, into, offset)
+            finally:
+                close_file(fd)
+        except _LAYOUT_ERRORS as e:
+            raise CorruptCheckpointError(
+                f"{path}: chunk file missing for key {record.array!r} ({e.strerror or 'not found'}); the store is "
+                "damaged: reconvert it") from None
+        except OSError as e:
+            raise read_error(path, e, f"key {record.array!r}") from None
+        if got != len(into):
+            raise CorruptCheckpointError(f"{path}: chunk file truncated ({offset + got} of {offset + len(into)} bytes); "
+                                         "reconvert the store")
+
     def _read_chunk_part(self, record: TensorRecord, chunk: ChunkRef, region: Box,
                          into: memoryview | None = None) -> np.ndarray | None:
         """The region's stored array; with ``into`` (the region's bytes), rows that hold exactly
@@ -477,30 +582,18 @@ class UniversalReader:
         local = region.relative_to(chunk.box)
         whole_rows = not cshape or (all(o == 0 for o in local.offsets[1:]) and local.sizes[1:] == cshape[1:])
         direct = into is not None and whole_rows
-        path = self.root / chunk.file
         row = math.prod(cshape[1:]) * storage.itemsize if cshape else storage.itemsize
         # rows [r0, r1) of the chunk hold the region; read just them
         r0 = local.offsets[0] if cshape else 0
         r1 = r0 + local.sizes[0] if cshape else 1
         nbytes = (r1 - r0) * row
-        try:
-            fd = os.open(path, os.O_RDONLY) if self._storage.is_local else self._storage.open_random(chunk.file)
-            try:
-                if direct:
-                    arr = np.frombuffer(into, dtype=storage)
-                elif into is not None:  # rows copied out into ``into`` right away: a pooled buffer
-                    arr = pooled_buffer("universal-rows", nbytes).view(storage)
-                else:
-                    arr = np.empty(nbytes // storage.itemsize, dtype=storage)
-                got = read_into(fd, memoryview(arr).cast("B"), r0 * row)
-            finally:
-                close_file(fd)
-        except _LAYOUT_ERRORS as e:
-            raise CorruptCheckpointError(
-                f"{path}: chunk file missing for key {record.array!r} ({e.strerror or 'not found'}); the store is damaged: reconvert it"
-            ) from None
-        if got != nbytes:
-            raise CorruptCheckpointError(f"{path}: chunk file truncated ({got} of {nbytes} bytes); reconvert the store")
+        if direct:
+            arr = np.frombuffer(into, dtype=storage)
+        elif into is not None:  # rows copied out into ``into`` right away: a pooled buffer
+            arr = pooled_buffer("universal-rows", nbytes).view(storage)
+        else:
+            arr = np.empty(nbytes // storage.itemsize, dtype=storage)
+        self._pread(record, chunk, memoryview(arr).cast("B"), r0 * row)
         if direct:
             return None
         if not cshape:
@@ -512,18 +605,19 @@ class UniversalReader:
     def chunk_checksum(self, key: str, chunk: ChunkRef) -> tuple[str, str]:
         """(expected, actual) xxh3_64 of a chunk's logical bytes."""
         record = self.meta.tensors[key]
-        data = self._read_chunk_part(record, chunk, chunk.box)
-        actual = xxhash.xxh3_64_hexdigest(memoryview(np.ascontiguousarray(data)).cast("B"))
-        return record.checksums.get(chunk_id(chunk.locator[1]), ""), actual
+        return record.checksums.get(chunk_id(chunk.locator[1]), ""), self._stream_checksum(record, chunk)
 
     def read_object_bytes(self, key: str) -> bytes:
         rec = self.meta.objects[key]
         path = self.root / rec.file
         try:
-            data = path.read_bytes() if self._storage.is_local else self._storage.read_bytes(rec.file)
+            local = source_path(self.root, rec.file, f"key {key!r}") if self._storage.is_local else None
+            data = local.read_bytes() if local is not None else self._storage.read_bytes(rec.file)
         except _LAYOUT_ERRORS as e:
             raise CorruptCheckpointError(f"{path}: object file missing for key {key!r} ({e.strerror or 'not found'}); "
                                          "reconvert the store") from None
+        except OSError as e:
+            raise read_error(path, e, f"key {key!r}") from None
         if xxhash.xxh3_64_hexdigest(data) != rec.checksum:
             raise CorruptCheckpointError(f"{path}: checksum mismatch for object {key!r}; the store is damaged: reconvert it")
         return data

@@ -39,7 +39,7 @@ class UniversalStorageReader(StorageReader):
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__()
         self.path = os.fspath(path)
-        self.reader = UniversalReader(self.path)
+        self.reader = UniversalReader(self.path, verify=True)  # every chunk's xxh3, once, as it is read
         self._chunks: dict[tuple[str, tuple[int, ...]], ChunkRef] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:

@@ -41,7 +41,7 @@ MAX_DATA_PKL_BYTES = 64 << 20
 #: Bytes read at each end of an item when parsing its zip structure (one pread for small items).
 _HEAD_BYTES = 4096
 _TAIL_BYTES = 64 << 10
-_CRC_BLOCK = 16 << 20
+_CRC_BLOCK = 4 << 20  # CRC passes read this much at a time (one pooled buffer per thread)
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")
 _ZSTD = "stream.zstd"
 
@@ -431,12 +431,16 @@ def read_region_array(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Sh
 
 def read_region(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) -> torch.Tensor:
     """:func:`read_region_array` as a torch tensor of the chunk's dtype (imports torch)."""
-    data = read_region_array(at, read, offsets, sizes)
+    return as_tensor(read_region_array(at, read, offsets, sizes), at.dtype)
+
+
+def as_tensor(data: np.ndarray, dtype: str) -> torch.Tensor:
+    """A bit array (storage dtype) as a torch tensor of ``dtype`` (imports torch)."""
     if not data.size:  # numpy gives empty arrays zero strides; torch's own are C strides
         import torch
 
-        return torch.empty(sizes, dtype=by_name(at.dtype).torch_dtype)
-    return from_storage_array(data, at.dtype)
+        return torch.empty(data.shape, dtype=by_name(dtype).torch_dtype)
+    return from_storage_array(data, dtype)
 
 
 def read_region_into(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape, out: memoryview) -> None:
@@ -463,18 +467,49 @@ def read_region_into(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Sha
     np.copyto(np.frombuffer(out, dtype=np.uint8).view(view.dtype).reshape(sizes), view)
 
 
-def verify_crc(at: ArchiveTensor, read: ReadAt, where: str) -> None:
-    """Check the zip CRC-32 of the chunk's storage bytes (``torch.load`` never does)."""
-    crc, pos, end = 0, at.data_start, at.data_start + at.data_length
-    while pos < end:
-        n = min(_CRC_BLOCK, end - pos)
-        crc = zlib.crc32(read(pos, n), crc)
-        pos += n
+def stores_exactly(at: ArchiveTensor) -> bool:
+    """True when the chunk's storage bytes are exactly the chunk in C order (no storage offset,
+    no extra storage, dense C strides): a read of the whole chunk then reads exactly the bytes the
+    zip CRC-32 covers, so it can be checked on them without another read."""
+    numel = math.prod(at.size)
+    return (at.storage_offset == 0 and at.data_length == numel * at.itemsize
+            and (numel == 0 or _is_c_contiguous(at.size, at.stride)))
+
+
+def check_crc(at: ArchiveTensor, crc: int, where: str) -> None:
+    """Compare the CRC-32 of the chunk's storage bytes with the one its zip entry records."""
     if crc != at.data_crc:
         raise CorruptCheckpointError(
-            f"{where}: CRC-32 mismatch in the chunk data ({crc:08x} != {at.data_crc:08x}); "
-            "the bytes are damaged"
+            f"{where}: CRC-32 mismatch in the chunk data ({crc:08x} != {at.data_crc:08x}); the bytes are "
+            "damaged: restore the file from a good copy (--no-verify-source copies them anyway)"
         )
+
+
+def storage_crc(at: ArchiveTensor, read: ReadAt) -> int:
+    """The CRC-32 of the chunk's storage bytes, read in bounded blocks (one pooled buffer)."""
+    from formats.fsutil import pooled_buffer
+    from formats.integrity import crc32
+
+    data = getattr(read, "data", None)
+    if data is not None:  # a decoded item in memory: no copy
+        return crc32(memoryview(data)[at.data_start: at.data_start + at.data_length])
+    crc, pos, end = 0, at.data_start, at.data_start + at.data_length
+    fill = getattr(read, "read_into", None)
+    while pos < end:
+        n = min(_CRC_BLOCK, end - pos)
+        if fill is not None:
+            block = memoryview(pooled_buffer("crc", n))
+            fill(pos, block)
+        else:
+            block = read(pos, n)
+        crc = crc32(block, crc)
+        pos += n
+    return crc
+
+
+def verify_crc(at: ArchiveTensor, read: ReadAt, where: str) -> None:
+    """Check the zip CRC-32 of the chunk's storage bytes (``torch.load`` never does)."""
+    check_crc(at, storage_crc(at, read), where)
 
 
 def check_transforms(transforms: Sequence[str], where: str) -> None:

@@ -42,10 +42,12 @@ from formats.errors import (
     IncompleteCheckpointError,
     InvalidCheckpointError,
     PlanError,
+    StorageError,
     UnsupportedError,
 )
 from formats.dtypes import BY_NAME, by_name, itemsize_of
-from formats.fsutil import safe_join
+from formats.fsutil import read_error, short, source_path
+from formats.integrity import ChunkChecks, crc32
 from formats.storage import RandomFile, Storage, open_storage
 
 if TYPE_CHECKING:
@@ -206,6 +208,8 @@ def _check_files(st: Storage, refs: Iterable[tuple[str, StorageInfo]]) -> dict[s
     root = st.root
     for rel, (end, key) in sorted(need.items()):
         try:
+            if st.is_local:  # the one rule of every reader: inside the checkpoint, no loops
+                source_path(root, rel, f"key {key!r}")
             sizes[rel] = st.size(rel)
         except DestinationError:
             raise CorruptCheckpointError(
@@ -213,8 +217,10 @@ def _check_files(st: Storage, refs: Iterable[tuple[str, StorageInfo]]) -> dict[s
             ) from None
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(
-                f"{root}: file {rel} is missing (needed by key {key!r}); copy the whole checkpoint"
+                f"{root}: file {short(rel)} is missing (needed by key {key!r}); copy the whole checkpoint"
             ) from None
+        except (CorruptCheckpointError, StorageError) as e:  # a name too long, a loop: name the key too
+            raise type(e)(f"{e} (file named by key {key!r})") from None
         if sizes[rel] < end:
             raise CorruptCheckpointError(
                 f"{root / rel}: file is truncated ({sizes[rel]} bytes; key {key!r} needs {end}); "
@@ -284,13 +290,16 @@ class DCPReader:
     """Reads a DCP checkpoint directory: index from metadata, tensor regions on demand.
 
     ``trust_pickle`` makes :meth:`load_object` accept any pickle (arbitrary code: only for
-    checkpoints you trust). Use as a context manager or call :meth:`close`.
+    checkpoints you trust). ``verify`` checks every chunk's zip CRC-32 as it is read, once per
+    chunk (:mod:`formats.integrity`): a mismatch raises CorruptCheckpointError naming the file,
+    key and chunk. Use as a context manager or call :meth:`close`.
     """
 
-    def __init__(self, path: str | os.PathLike, trust_pickle: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, trust_pickle: bool = False, verify: bool = False) -> None:
         self._storage = open_storage(path)
         self.root = self._storage.root
         self.trust_pickle = trust_pickle
+        self._checks = ChunkChecks() if verify else None
         if self._storage.is_local and not self.root.exists():
             raise CheckpointNotFoundError(f"{self.root}: no such checkpoint directory")
         if not self._storage.is_dir():
@@ -371,11 +380,13 @@ class DCPReader:
             if fd is None and not self._storage.is_local:
                 fd = self._fds[relative_path] = self._storage.open_random(relative_path)
             if fd is None:
-                path = safe_join(self.root, relative_path)
+                path = source_path(self.root, relative_path)
                 try:
                     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 except FileNotFoundError:
                     raise CheckpointNotFoundError(f"{path}: file disappeared") from None
+                except OSError as e:
+                    raise read_error(path, e) from None
                 self._fds[relative_path] = fd
             return fd
 
@@ -420,15 +431,22 @@ class DCPReader:
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
         """A new contiguous tensor holding ``region`` (global coords, inside ``chunk.box``).
         Imports torch; :meth:`read_region_array` and :meth:`read_region_into` do not."""
-        local = self._local(key, chunk, region)
-        parsed, read = self._chunk(key, chunk)
-        return archive.read_region(parsed, read, local.offsets, local.sizes)
+        return archive.as_tensor(self.read_region_array(key, chunk, region), self._tensor(key).dtype)
 
     def read_region_array(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
         """A new C-contiguous numpy bit array (storage dtype of :mod:`formats.dtypes`) holding
         ``region`` (global coords, inside ``chunk.box``)."""
         local = self._local(key, chunk, region)
         parsed, read = self._chunk(key, chunk)
+        result: list[np.ndarray] = []
+
+        def read_checked() -> None:  # the whole chunk, stored exactly: check the bytes just read
+            result.append(archive.read_region_array(parsed, read, local.offsets, local.sizes))
+            archive.check_crc(parsed, crc32(memoryview(result[0]).cast("B")), self._where(key, chunk))
+
+        self._check(key, chunk, region, parsed, read, read_checked)
+        if result:
+            return result[0]
         return archive.read_region_array(parsed, read, local.offsets, local.sizes)
 
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
@@ -436,7 +454,30 @@ class DCPReader:
         reading straight into it when the region is one dense run of the stored chunk."""
         local = self._local(key, chunk, region)
         parsed, read = self._chunk(key, chunk)
-        archive.read_region_into(parsed, read, local.offsets, local.sizes, out)
+
+        def read_checked() -> None:  # the whole chunk, stored exactly: check the bytes just read
+            archive.read_region_into(parsed, read, local.offsets, local.sizes, out)
+            archive.check_crc(parsed, crc32(memoryview(out).cast("B")), self._where(key, chunk))
+
+        if not self._check(key, chunk, region, parsed, read, read_checked):
+            archive.read_region_into(parsed, read, local.offsets, local.sizes, out)
+
+    def _check(self, key: str, chunk: ChunkRef, region: Box, parsed: archive.ArchiveTensor,
+               read: archive.ReadAt, read_checked) -> bool:
+        """Check the chunk's CRC-32 if this reader verifies and nobody checked it yet: by
+        ``read_checked()`` (which reads the region and checks the bytes it read) when the region
+        is the whole chunk stored exactly, else by a streamed pass over its storage bytes. True
+        when ``read_checked`` ran (the region is read)."""
+        checks = self._checks
+        if checks is None or checks.done(chunk.locator):
+            return False
+        if region == chunk.box and archive.stores_exactly(parsed):
+            return checks.once(chunk.locator, read_checked)
+        checks.once(chunk.locator, lambda: archive.verify_crc(parsed, read, self._where(key, chunk)))
+        return False
+
+    def _where(self, key: str, chunk: ChunkRef) -> str:
+        return f"{self.root / chunk.file}: key {key!r} chunk at {list(chunk.box.offsets)}"
 
     def chunk_archive(self, key: str, chunk: ChunkRef) -> archive.ArchiveTensor:
         """The parsed archive of a chunk (dtype, stride, where its storage bytes start)."""
@@ -445,8 +486,7 @@ class DCPReader:
     def verify_chunk_crc(self, key: str, chunk: ChunkRef) -> None:
         """Check the zip CRC-32 of a chunk's stored bytes; CorruptCheckpointError on mismatch."""
         parsed, read = self._chunk(key, chunk)
-        where = f"{self.root / chunk.file}: key {key!r} chunk at {list(chunk.box.offsets)}"
-        archive.verify_crc(parsed, read, where)
+        archive.verify_crc(parsed, read, self._where(key, chunk))
 
     def read_object_bytes(self, key: str) -> bytes:
         """The ``torch.save`` bytes of a non-tensor entry (stream transforms undone)."""

@@ -1,0 +1,392 @@
+"""Conversions check every source chunk as they copy it, stay inside the checkpoint, and fail cleanly.
+
+Sources are the real 4-rank FSDP2 fixture (``dcp.save`` of model + AdamW state) and our store and
+HF export of it. A flipped byte in the tensor data of a ``.distcp`` chunk (its zip CRC-32, which
+``torch.load`` never checks) or of a store chunk (its xxh3_64 in ``ckptconv.json``) stops every
+conversion reading it with one line naming the file, the key and the chunk, exit status 2, and
+nothing published; ``--no-verify-source`` copies it anyway. Each chunk is checked once per run,
+whether a read covers it whole (checked on the bytes read) or in parts (one streamed pass).
+
+Then the paths: a store chunk that is a symlink out of the store is refused like the DCP and HF
+readers refuse theirs; symlink loops, JSON nested past Python's recursion limit and over-long
+names recorded in metadata are each one line, exit status 2, naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from cli_runner import run_cli
+from converter import api
+from converter.config import RunOptions
+from formats.dcp import DCPReader
+from formats.dcp import archive
+from formats.errors import CorruptCheckpointError
+from formats.hf import HFReader
+from formats.integrity import ChunkChecks
+from formats.universal import UniversalReader
+
+KEY = "model.layers.1.feed_forward.w1.weight"  # (96, 32) fp32: four 24-row FSDP chunks
+STORE_CHUNK = "4096"  # bytes: store chunks of 32 rows, so dp3 / tp targets read parts of them
+
+
+def one_line_error(result: tuple[int, str, str], *needles: str) -> str:
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptconv: error: "), err
+    assert "Traceback" not in out + err and "internal error" not in err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def ok(result: tuple[int, str, str]) -> None:
+    code, out, err = result
+    assert code == 0, (code, out, err)
+
+
+def flip_byte(path: Path, pos: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def flip_dcp_chunk(ckpt: Path, key: str, index: int = 1) -> Path:
+    """Flip a byte in the middle of the stored tensor data of chunk ``index`` of ``key``; its file."""
+    with DCPReader(ckpt) as reader:
+        chunk = reader.index().tensors[key].chunks[index]
+        at = reader.chunk_archive(key, chunk)
+    flip_byte(ckpt / chunk.file, chunk.locator.offset + at.data_start + at.data_length // 2)
+    return ckpt / chunk.file
+
+
+def store_chunk_file(store: Path, key: str, index: int = 0) -> Path:
+    reader = UniversalReader(store)
+    try:
+        return store / reader.index().tensors[key].chunks[index].file
+    finally:
+        reader.close()
+
+
+@pytest.fixture(scope="module")
+def store(dcp_checkpoint, tmp_path_factory) -> Path:
+    """The fsdp4 fixture as a universal store with small chunks (shared read-only)."""
+    dst = tmp_path_factory.mktemp("integrity") / "uni"
+    ok(run_cli("to-universal", str(dcp_checkpoint("fsdp4")), str(dst), "--chunk-size", STORE_CHUNK))
+    return dst
+
+
+@pytest.fixture()
+def store_copy(store, tmp_path) -> Path:
+    return Path(shutil.copytree(store, tmp_path / "uni-copy"))
+
+
+# ------------------------------------------------------------------------------------------------
+# point 1: a flipped source byte stops every conversion
+
+
+@pytest.mark.parametrize("args", [(), ("--chunk-size", "1000")], ids=["whole-chunks", "partial-reads"])
+def test_to_universal_refuses_a_flipped_dcp_byte(dcp_checkpoint_copy, tmp_path, args):
+    ckpt = dcp_checkpoint_copy("fsdp4")
+    file = flip_dcp_chunk(ckpt, KEY)
+    out = tmp_path / "uni"
+    one_line_error(run_cli("to-universal", str(ckpt), str(out), *args), "CRC-32", str(file), repr(KEY),
+                   "chunk at [24, 0]", "--no-verify-source")
+    assert not (out / "ckptconv.json").exists()
+    ok(run_cli("to-universal", str(ckpt), str(tmp_path / "skipped"), *args, "--no-verify-source"))
+    assert (tmp_path / "skipped" / "ckptconv.json").is_file()
+    # the damage was copied as asked: the store's own checksums now certify the flipped byte
+    assert api.verify(tmp_path / "skipped").ok
+
+
+def test_from_universal_from_dcp_refuses_a_flipped_dcp_byte(dcp_checkpoint_copy, tmp_path):
+    ckpt = dcp_checkpoint_copy("fsdp4")
+    file = flip_dcp_chunk(ckpt, KEY)
+    out = tmp_path / "dp3"
+    one_line_error(run_cli("from-universal", str(ckpt), str(out), "--mesh", "dp3"), "CRC-32", str(file), repr(KEY))
+    assert not (out / ".metadata").exists()
+    ok(run_cli("from-universal", str(ckpt), str(tmp_path / "skipped"), "--mesh", "dp3", "--no-verify-source"))
+    assert (tmp_path / "skipped" / ".metadata").is_file()
+
+
+def test_export_hf_from_dcp_refuses_a_flipped_dcp_byte(dcp_checkpoint_copy, tmp_path):
+    ckpt = dcp_checkpoint_copy("fsdp4")
+    file = flip_dcp_chunk(ckpt, KEY)
+    one_line_error(run_cli("export-hf", str(ckpt), str(tmp_path / "hf")), "CRC-32", str(file), repr(KEY))
+    assert not list((tmp_path / "hf").glob("*.safetensors")) if (tmp_path / "hf").exists() else True
+    ok(run_cli("export-hf", str(ckpt), str(tmp_path / "skipped"), "--no-verify-source"))
+
+
+@pytest.mark.parametrize("mesh", [("--mesh", "dp3"), ("--mesh", "tp2,dp2", "--plan", "llama")],
+                         ids=["dp3", "tp2dp2"])
+def test_from_universal_refuses_a_flipped_store_byte(store_copy, tmp_path, mesh):
+    file = store_chunk_file(store_copy, KEY)
+    flip_byte(file, 100)
+    out = tmp_path / "out"
+    one_line_error(run_cli("from-universal", str(store_copy), str(out), *mesh), "xxh3_64", str(file), repr(KEY),
+                   "chunk 0.0")
+    assert not (out / ".metadata").exists()
+    ok(run_cli("from-universal", str(store_copy), str(tmp_path / "skipped"), *mesh, "--no-verify-source"))
+
+
+def test_export_hf_refuses_a_flipped_store_byte(store_copy, tmp_path):
+    file = store_chunk_file(store_copy, KEY)
+    flip_byte(file, 5)
+    out = tmp_path / "hf"
+    one_line_error(run_cli("export-hf", str(store_copy), str(out)), "xxh3_64", str(file), repr(KEY))
+    assert not (out / "model.safetensors").exists()
+    ok(run_cli("export-hf", str(store_copy), str(tmp_path / "skipped"), "--no-verify-source"))
+    assert (tmp_path / "skipped" / "model.safetensors").is_file()
+
+
+def test_diff_names_the_damaged_chunk(store_copy, dcp_checkpoint):
+    file = store_chunk_file(store_copy, KEY)
+    flip_byte(file, 5)
+    one_line_error(run_cli("diff", str(dcp_checkpoint("fsdp4")), str(store_copy)), "xxh3_64", str(file))
+    code, out, _ = run_cli("diff", str(dcp_checkpoint("fsdp4")), str(store_copy), "--no-verify-source")
+    assert code == 1 and KEY in out
+
+
+def test_sound_sources_convert_with_verification(store, dcp_checkpoint, tmp_path):
+    """The default (checked) path writes what torch's own reader reads as the source."""
+    from oracle import assert_same_value, torch_reference
+
+    out = tmp_path / "tp"
+    ok(run_cli("from-universal", str(store), str(out), "--mesh", "tp2,dp2", "--plan", "llama"))
+    assert_same_value(torch_reference(out), torch_reference(dcp_checkpoint("fsdp4")))
+
+
+# ------------------------------------------------------------------------------------------------
+# each chunk is checked once, whole reads inline, partial reads by one streamed pass
+
+
+def _spy(monkeypatch) -> dict[object, int]:
+    """Count how often each chunk's check ran (successfully)."""
+    ran: dict[object, int] = {}
+    once = ChunkChecks.once
+
+    def counting(self, chunk, check):
+        did = once(self, chunk, check)
+        if did:
+            ran[chunk] = ran.get(chunk, 0) + 1
+        return did
+
+    monkeypatch.setattr(ChunkChecks, "once", counting)
+    return ran
+
+
+@pytest.mark.parametrize("conversion", ["to-universal-partial", "from-universal-dp3", "dcp-reshard", "export-hf"])
+def test_each_source_chunk_is_checked_once_per_run(conversion, store, dcp_checkpoint, tmp_path, monkeypatch):
+    ran = _spy(monkeypatch)
+    ckpt = dcp_checkpoint("fsdp4")
+    opts = RunOptions(workers=4)
+    if conversion == "to-universal-partial":
+        src = ckpt
+        api.to_universal(ckpt, tmp_path / "o", opts, chunk_bytes=1000)
+    elif conversion == "from-universal-dp3":
+        src = store
+        api.from_universal(store, tmp_path / "o", "dp3", options=opts)
+    elif conversion == "dcp-reshard":
+        src = ckpt
+        api.from_universal(ckpt, tmp_path / "o", "tp2,dp2", plan="llama", options=opts)
+    else:
+        src = store
+        api.export_hf(store, tmp_path / "o", options=opts)
+    reader = api.open_checkpoint(src)
+    chunks = {c.locator: key for key, e in reader.index().tensors.items() for c in e.chunks if c.box.numel}
+    if conversion == "export-hf":
+        chunks = {loc: k for loc, k in chunks.items() if k.startswith("model.")}
+    assert set(ran) == set(chunks)
+    assert set(ran.values()) == {1}
+
+
+def test_dcp_reader_checks_inline_or_streamed_once(dcp_checkpoint, monkeypatch):
+    streamed, inline = [], []
+    monkeypatch.setattr(archive, "verify_crc", lambda at, read, where, f=archive.verify_crc: (streamed.append(where), f(at, read, where))[1])
+    monkeypatch.setattr(archive, "check_crc", lambda at, crc, where, f=archive.check_crc: (inline.append(where), f(at, crc, where))[1])
+    from formats.base import Box
+
+    with DCPReader(dcp_checkpoint("fsdp4"), verify=True) as reader:
+        a, b = reader.index().tensors[KEY].chunks[:2]
+        whole = reader.read_region_array(KEY, a, a.box)  # whole chunk: checked on the bytes read
+        assert len(inline) == 1 and not streamed
+        reader.read_region_array(KEY, a, a.box)
+        assert len(inline) == 1
+        rows = [Box((b.box.offsets[0] + r, 0), (1, 32)) for r in range(b.box.sizes[0])]
+        for r in rows:  # partial reads: one streamed pass, the first time
+            reader.read_region_array(KEY, b, r)
+        assert len(streamed) == 1 and len(inline) == 2
+    with DCPReader(dcp_checkpoint("fsdp4")) as plain:
+        assert (plain.read_region_array(KEY, a, a.box) == whole).all()
+
+
+def test_hf_file_changed_after_its_header_was_read(dcp_checkpoint, tmp_path):
+    """safetensors has no checksums; a file whose size no longer matches its header is refused."""
+    hf = tmp_path / "hf"
+    ok(run_cli("export-hf", str(dcp_checkpoint("fsdp4")), str(hf)))
+    reader = HFReader(hf)
+    with open(hf / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 8)
+    e = reader.index().tensors["output.weight"]
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors.*changed"):
+        reader.read_region(e.key, e.chunks[0], e.chunks[0].box)
+
+
+# ------------------------------------------------------------------------------------------------
+# point 9: one rule for every reader, no reading through symlinks out of the checkpoint
+
+
+def test_store_chunk_symlink_out_of_the_store_is_refused(store_copy, tmp_path):
+    file = store_chunk_file(store_copy, KEY)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(file.read_bytes())  # same size and bytes: only the link is wrong
+    file.unlink()
+    file.symlink_to(outside)
+    for args in [("inspect", str(store_copy), "--stats", KEY),
+                 ("from-universal", str(store_copy), str(tmp_path / "dp3"), "--mesh", "dp3"),
+                 ("export-hf", str(store_copy), str(tmp_path / "hf"))]:
+        one_line_error(run_cli(*args), str(file), "outside the checkpoint directory")
+    assert not (tmp_path / "dp3" / ".metadata").exists() and not (tmp_path / "hf" / "model.safetensors").exists()
+    assert not api.verify(store_copy).ok
+
+
+def test_store_symlinks_inside_the_store_are_followed(store_copy, tmp_path):
+    file = store_chunk_file(store_copy, KEY)
+    moved = store_copy / "moved.bin"
+    file.rename(moved)
+    file.symlink_to(moved)
+    ok(run_cli("from-universal", str(store_copy), str(tmp_path / "dp3"), "--mesh", "dp3"))
+
+
+def test_dcp_and_hf_files_symlinked_out_are_refused(dcp_checkpoint_copy, tmp_path):
+    ckpt = dcp_checkpoint_copy("fsdp4")
+    distcp = ckpt / "__1_0.distcp"
+    shutil.move(distcp, tmp_path / "elsewhere.distcp")
+    distcp.symlink_to(tmp_path / "elsewhere.distcp")
+    one_line_error(run_cli("inspect", str(ckpt)), "__1_0.distcp", "outside the checkpoint directory")
+    one_line_error(run_cli("to-universal", str(ckpt), str(tmp_path / "u")), "__1_0.distcp", "outside")
+    hf = tmp_path / "hf"
+    ok(run_cli("export-hf", str(dcp_checkpoint_copy("fsdp4")), str(hf)))
+    shutil.move(hf / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    (hf / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    one_line_error(run_cli("inspect", str(hf)), "model.safetensors", "outside the checkpoint directory")
+
+
+# ------------------------------------------------------------------------------------------------
+# point 10: clean one-line errors for symlink loops, deep JSON and over-long names
+
+
+def _loop(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    path.symlink_to(path.name)
+
+
+def test_symlink_loops_in_a_store(store_copy, tmp_path):
+    chunk = store_chunk_file(store_copy, KEY, 1)  # read when copied (the first chunk is checked on open)
+    first = store_chunk_file(store_copy, "model.output.weight")
+    _loop(chunk)
+    one_line_error(run_cli("inspect", str(store_copy), "--stats", KEY), str(chunk), "symlink loop")
+    one_line_error(run_cli("from-universal", str(store_copy), str(tmp_path / "o"), "--mesh", "dp2"), "symlink loop")
+    _loop(first)
+    one_line_error(run_cli("inspect", str(store_copy)), str(first), "symlink loop")
+    array = first.parents[2]
+    _loop(array)
+    one_line_error(run_cli("inspect", str(store_copy)), "symlink loop")
+    _loop(store_copy / "ckptconv.json")
+    one_line_error(run_cli("inspect", str(store_copy)), str(store_copy))
+
+
+def test_symlink_loops_in_dcp_and_hf(dcp_checkpoint_copy, tmp_path):
+    ckpt = dcp_checkpoint_copy("fsdp4")
+    _loop(ckpt / "__2_0.distcp")
+    one_line_error(run_cli("inspect", str(ckpt)), "__2_0.distcp", "symlink loop")
+    one_line_error(run_cli("to-universal", str(ckpt), str(tmp_path / "u")), "__2_0.distcp", "symlink loop")
+    _loop(ckpt / ".metadata")
+    one_line_error(run_cli("inspect", str(ckpt)), ".metadata")
+    hf = tmp_path / "hf"
+    ok(run_cli("export-hf", str(dcp_checkpoint_copy("fsdp4")), str(hf), "--max-shard-size", "20kB"))
+    shard = sorted(hf.glob("model-*.safetensors"))[0]
+    _loop(shard)
+    one_line_error(run_cli("inspect", str(hf)), shard.name, "symlink loop")
+    one_line_error(run_cli("import-hf", str(hf), str(tmp_path / "u2")), shard.name, "symlink loop")
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [100_000, 900])
+def test_deeply_nested_store_json(store_copy, tmp_path, depth):
+    meta = store_copy / "ckptconv.json"
+    doc = json.loads(meta.read_text())
+    meta.write_text(json.dumps(doc)[:-1] + ', "x": ' + _deep(depth) + "}")
+    one_line_error(run_cli("inspect", str(store_copy)), str(meta))
+    one_line_error(run_cli("from-universal", str(store_copy), str(tmp_path / "o"), "--mesh", "dp2"), str(meta))
+    meta.write_text(_deep(depth))
+    one_line_error(run_cli("inspect", str(store_copy)), str(meta))
+
+
+def test_deeply_nested_zarr_json_is_a_verify_problem(store_copy):
+    array_json = store_chunk_file(store_copy, KEY).parents[2] / "zarr.json"
+    array_json.write_text(_deep(100_000))
+    code, out, err = run_cli("verify", str(store_copy))
+    assert code == 1 and "Traceback" not in out + err and "internal error" not in err, (code, out, err)
+    assert "zarr.json" in out
+
+
+@pytest.mark.parametrize("where", ["header", "index"])
+def test_deeply_nested_hf_json(dcp_checkpoint, tmp_path, where):
+    hf = tmp_path / "hf"
+    ok(run_cli("export-hf", str(dcp_checkpoint("fsdp4")), str(hf), "--max-shard-size", "20kB"))
+    if where == "index":
+        bad = hf / "model.safetensors.index.json"
+        bad.write_text(_deep(100_000))
+    else:
+        bad = sorted(hf.glob("model-*.safetensors"))[0]
+        text = _deep(100_000).encode()
+        bad.write_bytes(len(text).to_bytes(8, "little") + text)
+    one_line_error(run_cli("inspect", str(hf)), bad.name)
+    one_line_error(run_cli("import-hf", str(hf), str(tmp_path / "u")), bad.name)
+
+
+@pytest.mark.parametrize("name", ["x" * 5000, "/".join(["d" * 200] * 30) + "/__0_0.distcp"],
+                         ids=["long-name", "long-path"])
+def test_over_long_relative_path_in_dcp_metadata(dcp_checkpoint_copy, tmp_path, name):
+    ckpt = dcp_checkpoint_copy("fsdp4")
+    md = pickle.loads((ckpt / ".metadata").read_bytes())  # the fixture's own file: trusted
+    index = next(i for i in md.storage_data if i.fqn == KEY)
+    info = md.storage_data[index]
+    md.storage_data[index] = _StorageInfo(name, info.offset, info.length)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    for args in [("inspect", str(ckpt)), ("to-universal", str(ckpt), str(tmp_path / "u")),
+                 ("from-universal", str(ckpt), str(tmp_path / "o"), "--mesh", "dp2")]:
+        line = one_line_error(run_cli(*args), repr(KEY))
+        assert len(line) < 1000
+    code, out, err = run_cli("verify", str(ckpt))
+    assert code == 1 and "Traceback" not in out + err and "internal error" not in err
+
+
+def test_over_long_file_name_in_hf_index(dcp_checkpoint, tmp_path):
+    hf = tmp_path / "hf"
+    ok(run_cli("export-hf", str(dcp_checkpoint("fsdp4")), str(hf), "--max-shard-size", "20kB"))
+    index = hf / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"][next(iter(doc["weight_map"]))] = "y" * 5000 + ".safetensors"
+    index.write_text(json.dumps(doc))
+    line = one_line_error(run_cli("inspect", str(hf)), "model.safetensors.index.json")
+    assert len(line) < 1000
+    one_line_error(run_cli("import-hf", str(hf), str(tmp_path / "u")))
+    assert os.path.isdir(hf)
