@@ -271,6 +271,14 @@ def _run(argv: list[str] | None) -> object:
     except KeyboardInterrupt:
         click.echo("ckptconv: interrupted", err=True)
         sys.exit(130)
+    except OSError as e:  # a path the readers did not foresee (permissions, loops, long names): the user's to fix
+        if debug:
+            raise
+        from formats.fsutil import os_reason, short
+
+        where = f"{short(e.filename)}: " if e.filename else ""
+        click.echo(f"ckptconv: error: {where}{os_reason(e)}; check the path and its permissions", err=True)
+        sys.exit(EXIT_ERROR)
     except Exception as e:  # noqa: BLE001 - last line of defence: one line, no traceback
         if debug:
             raise

@@ -449,7 +449,7 @@ def _read_json(path: Path) -> Any:
         raise CorruptCheckpointError(f"{path}: missing ({e.strerror}); the store is damaged: reconvert it") from None
     except OSError as e:  # a symlink loop, a name too long
         raise read_error(path, e) from None
-    return loads_json(raw, f"{path}: not JSON", fix="the store is damaged: reconvert it")
+    return loads_json(raw, str(path), fix="the store is damaged: reconvert it")
 
 
 def _check_group_json(root: Path, group: Path) -> list[Problem]:

@@ -61,8 +61,10 @@ def _join_problem(root: str | os.PathLike, relative: str, noun: str) -> tuple[Pa
     file a checkpoint names (and every file ckptconv writes): no absolute paths, ``..``, empty
     parts, NUL or control characters, nothing that resolves (through symlinks) outside ``root``
     (``noun`` names it in the reason), no symlink loops."""
-    if not relative or any(ord(c) < 32 for c in relative) or os.path.isabs(relative):
-        return None, "not a safe relative name (empty, absolute or with control characters)"
+    if os.path.isabs(relative):
+        return None, f"an absolute path leads outside {noun}"
+    if not relative or any(ord(c) < 32 for c in relative):
+        return None, "not a safe relative name (empty or with control characters)"
     parts = Path(relative).parts
     if any(p in ("..", "") for p in parts):
         return None, f"'..' leads outside {noun}"
@@ -96,7 +98,9 @@ def source_path(root: str | os.PathLike, relative: str, what: str = "") -> Path:
     """
     path, why = _join_problem(root, relative, "the checkpoint directory")
     if path is None:
-        where = short(os.path.join(os.fspath(root), relative)) + (f": {what}" if what else "")
+        plain = relative and not os.path.isabs(relative) and all(ord(c) >= 32 for c in relative)
+        where = short(os.path.join(os.fspath(root), relative)) if plain else f"{short(root)} (names {short(repr(relative))})"
+        where += f": {what}" if what else ""
         raise CorruptCheckpointError(f"{where}: refusing to read it: {why}; the checkpoint is damaged or was "
                                      "tampered with")
     return path
@@ -177,9 +181,9 @@ def loads_json(raw: bytes | str, where: str, error: type[Exception] = CorruptChe
     try:
         return json.loads(raw)
     except RecursionError:
-        raise error(f"{short(where)}: JSON nested too deeply to read; {fix}") from None
+        raise error(f"{short(where)}: not JSON ckptconv can read (nested too deeply); {fix}") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise error(f"{short(where)}: unreadable JSON ({short(e, 120)}); {fix}") from None
+        raise error(f"{short(where)}: not JSON ({short(e, 120)}); {fix}") from None
 
 
 def read_error(path: object, exc: OSError, what: str = "") -> Exception:

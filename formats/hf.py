@@ -122,7 +122,7 @@ def parse_header(raw: bytes, file_size: int, where: str, file: str = "") -> StHe
     Checks what safetensors checks: JSON object, known dtypes, sizes matching shapes, offsets
     covering the data section exactly (no gaps, no overlaps, nothing past the end).
     """
-    doc = loads_json(raw, f"{where}: header", InvalidCheckpointError,
+    doc = loads_json(raw, f"{where} (header)", InvalidCheckpointError,
                      "the file is not a valid safetensors file: re-export it")
     if not isinstance(doc, dict):
         raise _bad(where, "header is not a JSON object")
@@ -199,7 +199,7 @@ def read_index(path: Path, storage: Storage | None = None) -> tuple[dict[str, st
         raw = storage.read_bytes(INDEX_FILE) if remote else path.read_bytes()
     except OSError as e:
         raise read_error(path, e) from None
-    doc = loads_json(raw, f"{path}: malformed index", InvalidCheckpointError, "re-export the checkpoint")
+    doc = loads_json(raw, f"{path} (malformed index)", InvalidCheckpointError, "re-export the checkpoint")
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise InvalidCheckpointError(f"{path}: index has no \"weight_map\" object; re-export the checkpoint")
     wmap = doc["weight_map"]

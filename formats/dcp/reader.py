@@ -207,9 +207,9 @@ def _check_files(st: Storage, refs: Iterable[tuple[str, StorageInfo]]) -> dict[s
     sizes = {}
     root = st.root
     for rel, (end, key) in sorted(need.items()):
+        if st.is_local:  # the one rule of every reader: inside the checkpoint, no loops
+            source_path(root, rel, f"key {key!r}")
         try:
-            if st.is_local:  # the one rule of every reader: inside the checkpoint, no loops
-                source_path(root, rel, f"key {key!r}")
             sizes[rel] = st.size(rel)
         except DestinationError:
             raise CorruptCheckpointError(
