@@ -151,7 +151,7 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
     from converter.sources import open_checkpoint
     from converter.stats import tensor_stats
 
-    reader = open_checkpoint(path, trust_pickle=trust_pickle)
+    reader = open_checkpoint(path, trust_pickle=trust_pickle, verify=bool(stats_keys))  # --stats reads: check them
     try:
         index = reader.index()
         stats = []
