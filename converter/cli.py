@@ -195,25 +195,55 @@ def _missing_key(message: str) -> list[str]:
 @click.option("--config", default=None,
               help="Model config.json (path or inline JSON) with the attention head counts a TP split must divide "
                    "(default: SRC/config.json when present).")
+@click.option("--json", "as_json", is_flag=True,
+              help="With --dry-run: print the target plan as JSON (schemas/target-plan.schema.json).")
+@click.option("--layout", "layout_key", default=None, metavar="KEY",
+              help="With --dry-run: draw which rank/file will hold which region of KEY (a key, glob or 're:REGEX'), "
+                   "the picture 'inspect --layout' draws of the output.")
 @selection_options
 @run_options
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
-                       dtype: str | None, drop_dataloader: bool, config: str | None, keys: tuple[str, ...], model_only: bool,
+                       dtype: str | None, drop_dataloader: bool, config: str | None, as_json: bool,
+                       layout_key: str | None, keys: tuple[str, ...], model_only: bool,
                        optim_only: bool, **kw: Any) -> None:
     """Write from SRC (universal store or DCP) the DCP checkpoint a job on --mesh would save."""
     from converter.api import from_universal
 
     selection = make_selection(keys, model_only, optim_only)
+    if (as_json or layout_key is not None) and not kw.get("dry_run"):
+        from formats.errors import ConfigError
+
+        raise ConfigError(f"{'--json' if as_json else '--layout'} shows the plan of a dry run: add --dry-run "
+                          f"(after the conversion, use 'ckptconv inspect {dst} --layout KEY')")
     result = from_universal(src, dst, mesh, plan=plan_name, mesh_order=mesh_order, dtype=dtype,
                             options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader,
                             config=config)
     for w in result.warnings:
         click.echo(f"ckptconv: warning: {w}", err=True)
+    if result.preview is not None and (as_json or layout_key is not None):
+        _show_preview(result.preview, as_json, layout_key)
+        return
     if result.plan is not None:
         click.echo(result.plan)
         click.echo(dry_run_line(result))
         return
     click.echo(result_line(result))
+
+
+def _show_preview(doc: dict, as_json: bool, layout_key: str | None) -> None:
+    """``--dry-run --json`` / ``--dry-run --layout KEY``: the plan document, or the target picture."""
+    if as_json:
+        _echo_json(doc)
+        return
+    from rich.console import Console
+
+    from converter.inspect import layout_keys, render_layout
+    from converter.preview import preview_index
+
+    index = preview_index(doc)
+    console = Console()
+    for key in layout_keys(index, layout_key):
+        render_layout(index, key, console)
 
 
 @cli.command("demo")

@@ -38,6 +38,7 @@ class ConversionResult:
     seconds: float
     plan: str | None = None
     warnings: tuple[str, ...] = ()
+    preview: dict | None = None  # from-universal --dry-run: the target plan (schemas/target-plan.schema.json)
 
 
 class _ChunkSink:

@@ -49,6 +49,7 @@ class TargetLayout:
     chunks: tuple[ChunkSpec, ...]
     warnings: tuple[str, ...] = ()
     placements: Mapping[str, TensorPlacement] = field(default_factory=dict)
+    key_placements: Mapping[str, TensorPlacement] = field(default_factory=dict)  # per tensor key
 
 
 def _atom_refs(reader: CheckpointReader, index: CheckpointIndex) -> dict[str, AtomRef]:
@@ -90,16 +91,17 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
     check_head_split(placements, mesh, heads)
     loads: dict[int, int] = {r: 0 for r in range(mesh.world_size)}
     chunks: list[ChunkSpec] = []
+    by_key: dict[str, TensorPlacement] = {}
     for key, entry in index.tensors.items():
         if keep is not None and key not in keep:
             continue
-        placement = _placement_for(entry, refs.get(key), params, placements, mesh)
+        placement = by_key[key] = _placement_for(entry, refs.get(key), params, placements, mesh)
         dtype = _target_dtype(entry, refs.get(key), dtype_override)
         for box, holders in placement.unique_boxes(tuple(entry.shape), mesh):
             owner = min(holders, key=lambda r: (loads[r], r))
             loads[owner] += box.numel * by_name(dtype).itemsize
             chunks.append(ChunkSpec(key, dtype, tuple(entry.shape), box, owner))
-    return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements)
+    return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key)
 
 
 def stateful_atoms(index: CheckpointIndex, refs: Mapping[str, AtomRef], params: Mapping[str, tuple],
@@ -210,8 +212,12 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                          warnings=layout.warnings + tuple(notes))
         tasks = _plan(index, layout, options)
         if options.dry_run:
-            return ConversionResult(str(dst), len(index.tensors), len(object_specs),
-                                    sum(target_nbytes(t) for t in tasks), 0.0, plan=describe_ranks(layout, tasks))
+            from converter.preview import build_preview, render_preview
+
+            doc = build_preview(source_label(src), str(dst), plan, layout, tasks, index,
+                                [(k, r) for k, _, _, r in object_specs])
+            return ConversionResult(str(dst), len(index.tensors), len(object_specs), doc["totals"]["bytes"], 0.0,
+                                    plan=render_preview(doc), preview=doc)
         header = {"op": "from-universal", "src": source_label(src), "source": index_fingerprint(index),
                   "mesh": str(target_mesh), "plan": plan, "dtype": dtype,
                   **({} if selection is None or selection.everything else {"selection": selection.to_json()}),

@@ -1,0 +1,147 @@
+"""``from-universal --dry-run``: the target checkpoint before anything is written.
+
+:func:`build_preview` turns the pure plan (target layout + copy tasks) into one JSON document
+(``schemas/target-plan.schema.json``): the mesh and every rank's file, chunks and bytes; per
+tensor key its placement on each mesh dim, every distinct box with the rank whose file will hold
+it (and every rank that holds the same box), and the source files that box is read from; the
+non-tensor entries and their files. :func:`render_preview` prints it as text and
+:func:`preview_index` rebuilds the target's index from it, so ``--dry-run --layout KEY`` draws
+exactly the picture ``inspect --layout KEY`` draws for the written output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
+from formats.dtypes import by_name
+
+SCHEMA_NAME = "target-plan"
+SCHEMA_ID = "ckptconv.target-plan/1"
+
+
+def rank_file(rank: int) -> str:
+    """The DCP file a rank writes (``formats.dcp.writer``'s naming)."""
+    from formats.dcp.writer import default_file_name
+
+    return default_file_name(rank)
+
+
+def placement_name(p: Any) -> str:
+    """torch's name of a placement: ``Shard(0)``, ``_StridedShard(dim=0, sf=2)``, ``Replicate()``."""
+    from converter.layout import Shard, StridedShard
+
+    if isinstance(p, StridedShard):
+        return f"_StridedShard(dim={p.dim}, sf={p.split_factor})"
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    return "Replicate()"
+
+
+def _placement_json(placement: Any, mesh: Any) -> list[dict[str, Any]]:
+    groups = placement.dims if placement.dims is not None else tuple((n,) for n in mesh.names if n != "pp")
+    return [{"mesh_dims": list(g), "placement": placement_name(p)} for p, g in zip(placement.placements, groups)]
+
+
+def _box_json(box: Box) -> dict[str, list[int]]:
+    return {"offsets": list(box.offsets), "sizes": list(box.sizes)}
+
+
+def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterable[Any],
+                  index: CheckpointIndex, objects: Sequence[tuple[str, int]]) -> dict[str, Any]:
+    """The dry-run document (JSON-able; see the module docstring). ``layout`` is the
+    :class:`converter.reshard.TargetLayout`, ``tasks`` its copy tasks, ``objects`` the non-tensor
+    entries as ``(key, rank file)``."""
+    mesh = layout.mesh
+    sources: dict[tuple[str, tuple, tuple], set[str]] = {}
+    for t in tasks:
+        files = sources.setdefault((t.key, t.box.offsets, t.box.sizes), set())
+        files.update(c.src.file for p in t.pieces for c in p.copies)
+    per_rank = {r: [0, 0] for r in range(mesh.world_size)}
+    by_key: dict[str, list[Any]] = {}
+    for spec in layout.chunks:
+        by_key.setdefault(spec.key, []).append(spec)
+    tensors = []
+    for key, specs in by_key.items():
+        entry = index.tensors[key]
+        placement = layout.key_placements[key]
+        holders = {(b.offsets, b.sizes): h for b, h in placement.unique_boxes(tuple(entry.shape), mesh)}
+        chunks = []
+        for s in specs:
+            nbytes = s.box.numel * by_name(s.dtype).itemsize
+            per_rank[s.rank][0] += 1
+            per_rank[s.rank][1] += nbytes
+            chunks.append({"rank": s.rank, "file": rank_file(s.rank), **_box_json(s.box), "bytes": nbytes,
+                           "holders": sorted(holders.get((s.box.offsets, s.box.sizes), (s.rank,))),
+                           "sources": sorted(sources.get((key, s.box.offsets, s.box.sizes), ()))})
+        tensors.append({"key": key, "dtype": specs[0].dtype, "source_dtype": entry.dtype, "shape": list(entry.shape),
+                        "placement": _placement_json(placement, mesh), "pp_stage": placement.pp_stage,
+                        "rule": placement.rule, "chunks": chunks})
+    ranks = [{"rank": r, "coords": dict(zip(mesh.names, mesh.coords(r))), "file": rank_file(r),
+              "chunks": n, "bytes": b} for r, (n, b) in per_rank.items()]
+    return {
+        "schema": SCHEMA_ID,
+        "src": src,
+        "dst": dst,
+        "plan": plan_name,
+        "mesh": {"spec": str(mesh), "dims": [{"name": d.name, "size": d.size} for d in mesh.dims],
+                 "world_size": mesh.world_size},
+        "ranks": ranks,
+        "tensors": tensors,
+        "objects": [{"key": k, "file": rank_file(r)} for k, r in objects],
+        "warnings": list(layout.warnings),
+        "totals": {"tensors": len(tensors), "objects": len(objects), "bytes": sum(b for _, b in per_rank.values()),
+                   "files": mesh.world_size + 1},
+    }
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def render_preview(doc: Mapping[str, Any], per_key: bool = True) -> str:
+    """The dry-run as text: one line per rank, then (``per_key``) one block per tensor key."""
+    from converter.inspect import _box_text
+    from converter.units import human_bytes, plural
+
+    mesh = doc["mesh"]
+    lines = [f"# target mesh {mesh['spec']} ({mesh['world_size']} ranks), plan {doc['plan']}"]
+    for r in doc["ranks"]:
+        coords = ",".join(f"{k}={v}" for k, v in r["coords"].items())
+        lines.append(f"rank {r['rank']} ({coords}): {r['file']}  {plural(r['chunks'], 'chunk')}  "
+                     f"{human_bytes(r['bytes'])} ({r['bytes']} bytes)")
+    if per_key and doc["tensors"]:
+        lines.append("# per key: placement on each mesh dim; each box, the rank whose file holds it "
+                     "(and the other ranks that hold it), <- the source files it is read from")
+        for t in doc["tensors"]:
+            cast = f" (from {t['source_dtype']})" if t["source_dtype"] != t["dtype"] else ""
+            stage = f"  pp stage {t['pp_stage']}" if t["pp_stage"] is not None else ""
+            lines.append(f"{t['key']}  {t['dtype']}{cast}  {tuple(t['shape'])}  {plural(len(t['chunks']), 'chunk')}"
+                         f"{stage}")
+            place = "  ".join(f"{'+'.join(p['mesh_dims'])}: {p['placement']}" for p in t["placement"]) or "replicated"
+            lines.append(f"    placement: {place}  (rule: {t['rule'] or '-'})")
+            for c in t["chunks"]:
+                box = Box(tuple(c["offsets"]), tuple(c["sizes"]))
+                others = [h for h in c["holders"] if h != c["rank"]]
+                also = f" (also on {_ranks_text(others)})" if others else ""
+                lines.append(f"    rank {c['rank']}{also}: {_box_text(box, tuple(t['shape']))}  "
+                             f"<- {', '.join(c['sources']) or '-'}")
+    if doc["objects"]:
+        files = sorted({o["file"] for o in doc["objects"]})
+        lines.append(f"# {plural(len(doc['objects']), 'non-tensor entry', 'non-tensor entries')} in {', '.join(files)}")
+    lines += [f"warning: {w}" for w in doc["warnings"]]
+    return "\n".join(lines)
+
+
+def preview_index(doc: Mapping[str, Any]) -> CheckpointIndex:
+    """The index of the checkpoint the dry run describes (what its ``.metadata`` will say)."""
+    tensors = {}
+    for t in doc["tensors"]:
+        chunks = tuple(ChunkRef(Box(tuple(c["offsets"]), tuple(c["sizes"])), c["file"], None, c["rank"])
+                       for c in t["chunks"])
+        tensors[t["key"]] = TensorEntry(t["key"], t["dtype"], tuple(t["shape"]), chunks, (t["key"],))
+    objects = {o["key"]: ObjectEntry(o["key"], (o["key"],), o["file"], None) for o in doc["objects"]}
+    return CheckpointIndex("dcp", doc["dst"], tensors, objects, {"world_size": doc["mesh"]["world_size"]})
