@@ -9,7 +9,9 @@ import click
 
 from converter.cli import SIZE, dry_run_line, make_options, result_line, run_options
 
-MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k RoPE permutation), or a JSON "
+MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k RoPE permutation; exports older and "
+            "torchtitan 0.3.0 names, fused qkv_linear.wqkv split; imports older names), torchtitan-llama3 (imports "
+            "torchtitan 0.3.0 names: qkv_linear.wq/wk/wv, lm_head), or a JSON "
             "map file {\"hf.name.{}.x\": \"native.{}.x\", \"dropped.hf.key\": null} or "
             "{\"map\": {...}, \"drop\": [native keys], \"transforms\": {native key: \"rope:<config field>\"}}.")
 

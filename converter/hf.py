@@ -34,7 +34,7 @@ from converter.config import RunOptions, check_destination, check_resume_destina
 from converter import distributed
 from converter.execute import os_errors_as_storage_errors
 from converter.journal import index_fingerprint, task_id
-from converter.key_maps import (CONFIG_FILLERS, KeyMap, get_key_map, heads_for, parse_transform,
+from converter.key_maps import (CONFIG_FILLERS, KeyMap, fused_qkv_rows, get_key_map, heads_for, parse_transform,
                                 rename_all, rope_permutation)
 from converter.plan import Piece, WriteTask, describe, plan_tensor
 from converter.sources import detect_format, open_checkpoint
@@ -75,9 +75,9 @@ def permuted_chunks(chunks: Sequence[ChunkRef], perm: np.ndarray, key: str) -> t
     ``perm[t]``: runs of target rows whose source rows fall in one row segment of the source
     chunks, times each source chunk covering that segment (pure)."""
     perm = np.asarray(perm, dtype=np.int64)
-    rows = len(perm)
+    rows = len(perm)  # target rows: all the source's (a permutation) or some (a part of a fused tensor)
     live = [c for c in chunks if c.box.numel]
-    cuts = sorted({0, rows} | {c.box.offsets[0] for c in live} | {c.box.ends[0] for c in live})
+    cuts = sorted({0} | {c.box.offsets[0] for c in live} | {c.box.ends[0] for c in live})
     seg = np.searchsorted(np.asarray(cuts[1:-1], dtype=np.int64), perm, side="right")
     starts = [0] + (np.flatnonzero(seg[1:] != seg[:-1]) + 1).tolist()
     out = []
@@ -111,7 +111,8 @@ class MappedReader:
             else:
                 chunks = permuted_chunks(e.chunks, src.perm, src.key)
             path = (paths or {}).get(target, (target,))
-            tensors[target] = TensorEntry(target, e.dtype, e.shape, chunks, path)
+            shape = e.shape if src.perm is None else (len(src.perm), *e.shape[1:])
+            tensors[target] = TensorEntry(target, e.dtype, tuple(shape), chunks, path)
         self._index = CheckpointIndex(src_index.format, src_index.root, tensors, {}, src_index.info)
 
     def index(self) -> CheckpointIndex:
@@ -262,19 +263,56 @@ def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
     fqn_key = {fqn: key for key, fqn in weights.items()}
     if len(fqn_key) != len(weights):
         raise InvalidCheckpointError(f"{index.root}: two keys hold the same model weight; cannot export")
-    names = rename_all(list(fqn_key), kmap.exporter(), kmap.name, "export")
     shapes = {fqn: tuple(index.tensors[k].shape) for fqn, k in fqn_key.items()}
+    parts = _fused_parts(kmap, shapes)  # part fqn -> (fused fqn, part number)
     filler = CONFIG_FILLERS.get(kmap.name)
     if config is not None and filler is not None:
-        config = filler(shapes, config)
+        config = filler(_part_shapes(shapes, parts, config, kmap.name), config)
+    natives = [p for fqn in fqn_key for p in ([q for q, (f, _) in parts.items() if f == fqn] or [fqn])]
+    names = rename_all(natives, kmap.exporter(), kmap.name, "export")
     sources, specs = {}, []
     for fqn, hf in names.items():
-        key = fqn_key[fqn]
-        entry = index.tensors[key]
-        sources[hf] = Source(key, _perm_for(kmap, fqn, entry.shape, config, to_hf=True))
+        fused, part = parts.get(fqn, (fqn, None))
+        entry = index.tensors[fqn_key[fused]]
+        rows = None if part is None else _fused_rows(shapes[fused], config, kmap.name, fused)[part]
+        shape = entry.shape if rows is None else (len(rows), *entry.shape[1:])
+        perm = _perm_for(kmap, fqn, shape, config, to_hf=True)
+        if rows is not None:
+            perm = rows if perm is None else rows[perm]
+        sources[hf] = Source(fqn_key[fused], perm)
         target = dtype if dtype is not None and entry.dtype in CASTABLE else entry.dtype
-        specs.append(TensorSpec(hf, target, tuple(entry.shape)))
+        specs.append(TensorSpec(hf, target, tuple(shape)))
     return ExportPlan(sources, tuple(specs), None if config is None else dict(config))
+
+
+def _fused_parts(kmap: KeyMap, shapes: Mapping[str, tuple]) -> dict[str, tuple[str, int]]:
+    """Native name of each part of a fused tensor -> (the fused tensor's name, part number)."""
+    out = {}
+    for fqn in shapes:
+        names = kmap.fused_parts(fqn)
+        for i, name in enumerate(names or ()):
+            if name in shapes:
+                raise InvalidCheckpointError(f"the checkpoint holds both {fqn!r} and its part {name!r}; cannot export both")
+            out[name] = (fqn, i)
+    return out
+
+
+def _fused_rows(shape: tuple, config: Mapping[str, Any] | None, map_name: str, key: str) -> tuple[np.ndarray, ...]:
+    """The source rows of q, k, v in a fused ``wqkv`` (head counts from the config)."""
+    n_heads = heads_for("num_attention_heads", config, map_name, key)
+    n_kv = heads_for("num_key_value_heads", config, map_name, key)
+    return fused_qkv_rows(int(shape[0]), n_heads, n_kv, key)
+
+
+def _part_shapes(shapes: Mapping[str, tuple], parts: Mapping[str, tuple[str, int]],
+                 config: Mapping[str, Any], map_name: str) -> dict[str, tuple]:
+    """``shapes`` with each fused tensor replaced by its parts' shapes (for the config filler)."""
+    out = {f: s for f, s in shapes.items() if not any(f == fused for fused, _ in parts.values())}
+    for name, (fused, i) in parts.items():
+        if isinstance(config.get("num_attention_heads"), int):
+            rows = _fused_rows(shapes[fused], config, map_name, fused)[i]
+            out[name] = (len(rows), *shapes[fused][1:])
+    return out
 
 
 class _HFSink:

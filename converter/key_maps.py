@@ -137,6 +137,10 @@ class KeyMap:
     drop: tuple[str, ...] = ()
     transforms: Mapping[str, str] = field(default_factory=dict)
     identity: bool = False
+    #: extra native -> HF names accepted on export only (another framework version's names)
+    export_aliases: Mapping[str, str] = field(default_factory=dict)
+    #: fused native tensors split on export: template -> the native names of its parts (in order)
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def importer(self) -> Renamer | None:
         """HF name -> native name (None: identity)."""
@@ -151,9 +155,19 @@ class KeyMap:
             if native in table:
                 raise ConfigError(f"key map {self.name!r}: {native!r} is the target of two HF names; the map cannot be inverted")
             table[native] = hf
+        for native, hf in self.export_aliases.items():
+            table.setdefault(native, hf)
         for native in self.drop:
             table.setdefault(native, None)
         return table
+
+    def fused_parts(self, native_key: str) -> tuple[str, ...] | None:
+        """The native names a fused tensor splits into on export (None: not fused)."""
+        for pattern, parts in self.fused.items():
+            m = Template(pattern).regex().fullmatch(native_key)
+            if m:
+                return tuple(Template(p).fill(m.groups()) for p in parts)
+        return None
 
     def exporter(self) -> Renamer | None:
         """Native name -> HF name (None: identity)."""
@@ -183,6 +197,28 @@ class _DropOnly(Renamer):
 
 
 _L = "layers.{}."
+_QKV = _L + "attention.qkv_linear."
+#: torchtitan 0.3.0's Llama names (its Llama3StateDictAdapter): the model's save hook writes the fused
+#: ``qkv_linear.wqkv`` as ``qkv_linear.wq/wk/wv``; the output projection is ``lm_head``.
+_TITAN_030_EXPORT = {
+    _QKV + "wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    _QKV + "wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+    _QKV + "wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_TITAN_OLD_EXPORT = {
+    _L + "attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    _L + "attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+    _L + "attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "output.weight": "lm_head.weight",
+}
+_ROPE = {
+    _L + "attention.wq.weight": "rope:num_attention_heads",
+    _L + "attention.wk.weight": "rope:num_key_value_heads",
+    _QKV + "wq.weight": "rope:num_attention_heads",
+    _QKV + "wk.weight": "rope:num_key_value_heads",
+}
+_FUSED = {_QKV + "wqkv.weight": (_QKV + "wq.weight", _QKV + "wk.weight", _QKV + "wv.weight")}
 TORCHTITAN_LLAMA = KeyMap(
     "torchtitan-llama",
     from_hf={
@@ -201,13 +237,25 @@ TORCHTITAN_LLAMA = KeyMap(
         "lm_head.weight": "output.weight",
     },
     drop=("freqs_cis",),
-    transforms={
-        _L + "attention.wq.weight": "rope:num_attention_heads",
-        _L + "attention.wk.weight": "rope:num_key_value_heads",
+    transforms=_ROPE,
+    export_aliases=_TITAN_030_EXPORT,
+    fused=_FUSED,
+)
+#: torchtitan 0.3.0's own adapter table both ways (import-hf writes the names 0.3.0 loads); the export
+#: also takes the older names.
+TORCHTITAN_LLAMA3 = KeyMap(
+    "torchtitan-llama3",
+    from_hf={
+        **{k: v for k, v in TORCHTITAN_LLAMA.from_hf.items() if v not in _TITAN_OLD_EXPORT},
+        **{hf: native for native, hf in _TITAN_030_EXPORT.items()},
     },
+    drop=("freqs_cis",),
+    transforms=_ROPE,
+    export_aliases=_TITAN_OLD_EXPORT,
+    fused=_FUSED,
 )
 IDENTITY = KeyMap("identity", identity=True)
-BUILTIN_MAPS: dict[str, KeyMap] = {m.name: m for m in (IDENTITY, TORCHTITAN_LLAMA)}
+BUILTIN_MAPS: dict[str, KeyMap] = {m.name: m for m in (IDENTITY, TORCHTITAN_LLAMA, TORCHTITAN_LLAMA3)}
 
 
 def get_key_map(name_or_path: str | KeyMap | None) -> KeyMap:
@@ -322,8 +370,9 @@ def llama_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, Any]) 
     w1 = shapes.get("layers.0.feed_forward.w1.weight")
     if w1 is not None:
         derived["intermediate_size"] = int(w1[0])
-    derived["tie_word_embeddings"] = "output.weight" not in shapes
-    wq, wk = shapes.get("layers.0.attention.wq.weight"), shapes.get("layers.0.attention.wk.weight")
+    derived["tie_word_embeddings"] = "output.weight" not in shapes and "lm_head.weight" not in shapes
+    wq = shapes.get("layers.0.attention.wq.weight") or shapes.get("layers.0.attention.qkv_linear.wq.weight")
+    wk = shapes.get("layers.0.attention.wk.weight") or shapes.get("layers.0.attention.qkv_linear.wk.weight")
     n_heads = cfg.get("num_attention_heads")
     if isinstance(n_heads, int) and wq is not None and wk is not None and n_heads > 0:
         head_dim = cfg.get("head_dim") or int(wq[0]) // n_heads
@@ -336,4 +385,18 @@ def llama_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, Any]) 
     return cfg
 
 
-CONFIG_FILLERS = {"torchtitan-llama": llama_config}
+CONFIG_FILLERS = {"torchtitan-llama": llama_config, "torchtitan-llama3": llama_config}
+
+
+def fused_qkv_rows(rows: int, n_heads: int, n_kv_heads: int, key: str = "") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of q, k and v in torchtitan's fused ``wqkv`` (``FusedQKVLinear``: rows grouped per KV
+    head, ``[n_kv, n_heads / n_kv + 2, head_dim]``: the group's q heads, then its k, then its v)."""
+    if n_kv_heads <= 0 or n_heads % n_kv_heads or rows % (n_kv_heads * (n_heads // n_kv_heads + 2)):
+        raise ConfigError(
+            f"{key or 'wqkv'}: {rows} fused rows do not split into {n_heads} q heads and {n_kv_heads} k/v heads; "
+            "check num_attention_heads / num_key_value_heads in the config"
+        )
+    hpk = n_heads // n_kv_heads
+    hd = rows // (n_kv_heads * (hpk + 2))
+    idx = np.arange(rows, dtype=np.int64).reshape(n_kv_heads, hpk + 2, hd)
+    return idx[:, :hpk].reshape(-1), idx[:, hpk].reshape(-1), idx[:, hpk + 1].reshape(-1)

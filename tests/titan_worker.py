@@ -67,6 +67,13 @@ def _local_of(full, value):
     return full[idx], value.to_local()
 
 
+def _bits(t):
+    """The tensor's bytes (bit-exact comparison: NaN payloads and -0.0 count)."""
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def _compare(trainer, reference: str, skip: list[str]) -> tuple[list[str], int]:
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -84,7 +91,7 @@ def _compare(trainer, reference: str, skip: list[str]) -> tuple[list[str], int]:
         r, g = ref[key], got[key]
         if isinstance(g, torch.Tensor):
             r, g = _local_of(r, g)
-            same = r.dtype == g.dtype and r.shape == g.shape and torch.equal(r.view(torch.uint8) if r.numel() and r.dtype.is_floating_point else r, g.view(torch.uint8) if g.numel() and g.dtype.is_floating_point else g)
+            same = r.dtype == g.dtype and r.shape == g.shape and torch.equal(_bits(r), _bits(g))
         else:
             same = r == g
         compared += 1

@@ -1,0 +1,128 @@
+"""HF export/import of torchtitan 0.3.0 Llama against torchtitan's own ``Llama3StateDictAdapter``.
+
+Fast: a DCP holding one layer with the fused ``qkv_linear.wqkv`` (built by torchtitan's own
+``FusedQKVLinear`` load hook) and one with the split ``qkv_linear.wq/wk/wv`` (what its save hook
+writes) exports tensor for tensor as the adapter's ``to_hf`` of the split weights; import-hf with
+``--map torchtitan-llama3`` gives back 0.3.0's names bit for bit. Slow: the Trainer's real save,
+byte-identical to the adapter's output saved by safetensors, and the import loaded back by
+torchtitan's own Trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+import titan_support
+from cli_runner import run_cli
+
+pytestmark = pytest.mark.skipif(titan_support.skip_reason() is not None, reason=str(titan_support.skip_reason()))
+HEADS = {"num_attention_heads": 16}
+
+
+def _adapter():
+    titan_support.apply_cpu_patches()
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    return Llama3StateDictAdapter(model_registry("debugmodel").model, None)
+
+
+def _model_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """debugmodel-shaped weights of two layers in 0.3.0's saved names (split q/k/v)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {"tok_embeddings.weight": torch.randn(2048, 256, generator=g), "norm.weight": torch.randn(256, generator=g),
+          "lm_head.weight": torch.randn(2048, 256, generator=g)}
+    for i in range(2):
+        p = f"layers.{i}."
+        for name, shape in (("attention.qkv_linear.wq.weight", (256, 256)), ("attention.qkv_linear.wk.weight", (256, 256)),
+                            ("attention.qkv_linear.wv.weight", (256, 256)), ("attention.wo.weight", (256, 256)),
+                            ("feed_forward.w1.weight", (768, 256)), ("feed_forward.w2.weight", (256, 768)),
+                            ("feed_forward.w3.weight", (768, 256)), ("attention_norm.weight", (256,)),
+                            ("ffn_norm.weight", (256,))):
+            sd[p + name] = torch.randn(*shape, generator=g)
+    return sd
+
+
+def _fuse_layer0(sd: dict) -> dict:
+    """Layer 0 as the live model holds it: torchtitan's own FusedQKVLinear load hook fuses wq/wk/wv."""
+    titan_support.apply_cpu_patches()
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    out = dict(sd)
+    module = types.SimpleNamespace(head_dim=16, heads_per_kv=1)
+    FusedQKVLinear._merge_qkv_on_load(module, out, "layers.0.attention.qkv_linear.")
+    assert "layers.0.attention.qkv_linear.wqkv.weight" in out
+    return out
+
+
+def test_export_fused_and_split_equals_torchtitans_adapter(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    split = _model_state()
+    dcp.save(_fuse_layer0(split), checkpoint_id=str(tmp_path / "ckpt"))
+    code, _, err = run_cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--map", "torchtitan-llama",
+                           "--config", json.dumps(HEADS))
+    assert code == 0, err
+    want = _adapter().to_hf(split)
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["num_key_value_heads"] == 16
+    # back: 0.3.0's own names, bit for bit (the fused layer comes back split, as its save hook writes it)
+    code, _, err = run_cli("import-hf", str(tmp_path / "hf"), str(tmp_path / "uni"), "--map", "torchtitan-llama3")
+    assert code == 0, err
+    code, _, err = run_cli("export-hf", str(tmp_path / "uni"), str(tmp_path / "native"))
+    assert code == 0, err
+    back = load_file(tmp_path / "native" / "model.safetensors")
+    assert set(back) == set(split)
+    assert all(torch.equal(back[k], split[k]) for k in split)
+
+
+def test_export_fused_needs_head_counts(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_fuse_layer0(_model_state()), checkpoint_id=str(tmp_path / "ckpt"))
+    code, _, err = run_cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--map", "torchtitan-llama")
+    assert code == 2 and "num_attention_heads" in err and "--config" in err
+    code, _, err = run_cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf2"), "--map", "torchtitan-llama",
+                           "--config", '{"num_attention_heads": 16, "num_key_value_heads": 3}')
+    assert code == 2 and "do not split" in err
+
+
+@pytest.mark.slow
+def test_trainer_save_exports_byte_identical_to_adapter(titan_checkpoint, tmp_path):
+    from safetensors.torch import save_file
+
+    src = titan_checkpoint("tp2,dp2")
+    code, _, err = run_cli("export-hf", str(src / "ckpt"), str(tmp_path / "hf"), "--map", "torchtitan-llama",
+                           "--config", json.dumps(HEADS))
+    assert code == 0, err
+    ref = torch.load(src / "reference.pt", weights_only=False)
+    want = _adapter().to_hf({k: v for k, v in ref.items() if isinstance(v, torch.Tensor)})
+    save_file({k: v.contiguous() for k, v in want.items()}, tmp_path / "adapter.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (tmp_path / "adapter.safetensors").read_bytes()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+@pytest.mark.slow
+def test_import_hf_loads_in_torchtitan_trainer(titan_checkpoint, tmp_path):
+    """export-hf, import-hf --map torchtitan-llama3, from-universal to dp2 as torchtitan's step-0
+    (model-only) checkpoint: its own Trainer loads it and every model weight equals the source."""
+    src = titan_checkpoint("dp4")
+    for args in (("export-hf", str(src / "ckpt"), str(tmp_path / "hf"), "--map", "torchtitan-llama", "--config", json.dumps(HEADS)),
+                 ("import-hf", str(tmp_path / "hf"), str(tmp_path / "uni"), "--map", "torchtitan-llama3"),
+                 ("from-universal", str(tmp_path / "uni"), str(tmp_path / "job" / "checkpoint" / "step-0"), "--mesh", "dp2",
+                  "--plan", "torchtitan:llama3/debugmodel")):
+        code, _, err = run_cli(*args)
+        assert code == 0, err
+    job = {"mesh": "dp2", "dump": str(tmp_path / "job"), "steps": 1, "reference": str(src / "reference.pt"),
+           "skip_compare": ["optimizer", "lr_scheduler", "dataloader", "train_state"]}
+    for rep in titan_support.run_job(job, tmp_path / "run"):
+        assert rep["loaded"] and rep["loaded_step"] == 0
+        assert rep["mismatch"] == [] and rep["compared"] >= 57
