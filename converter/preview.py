@@ -108,13 +108,13 @@ def render_preview(doc: Mapping[str, Any], per_key: bool = True) -> str:
     from converter.units import human_bytes, plural
 
     mesh = doc["mesh"]
-    lines = [f"# target mesh {mesh['spec']} ({mesh['world_size']} ranks), plan {doc['plan']}"]
+    lines = [f"# target mesh {mesh['spec']} ({mesh['world_size']} ranks)"]
     for r in doc["ranks"]:
         coords = ",".join(f"{k}={v}" for k, v in r["coords"].items())
         lines.append(f"rank {r['rank']} ({coords}): {r['file']}  {plural(r['chunks'], 'chunk')}  "
                      f"{human_bytes(r['bytes'])} ({r['bytes']} bytes)")
     if per_key and doc["tensors"]:
-        lines.append("# per key: placement on each mesh dim; each box, the rank whose file holds it "
+        lines.append(f"# per key (plan {doc['plan']}): placement on each mesh dim; each box, the rank whose file holds it "
                      "(and the other ranks that hold it), <- the source files it is read from")
         for t in doc["tensors"]:
             cast = f" (from {t['source_dtype']})" if t["source_dtype"] != t["dtype"] else ""
