@@ -17,6 +17,7 @@ from converter.config import RunOptions, parse_size
 from formats.errors import CkptConvError
 
 EXIT_ERROR = 2
+_IMPORTED = __import__("time").time()
 EXIT_INTERNAL = 3
 
 
@@ -96,11 +97,55 @@ def dry_run_line(result: Any) -> str:
 
 
 def result_line(result: Any) -> str:
-    """The end-of-run summary of a conversion (one line on stdout)."""
-    from converter.units import human_bytes, plural
+    """The end-of-run summary of a conversion (one line on stdout): what was written (entries,
+    bytes, files), the target mesh and world size, the processes that did it, the wall time since
+    this process started (what ``time`` reports, start-up included) and the rate over it."""
+    from converter import distributed
+    from converter.units import human_bytes, human_rate, plural
 
-    return (f"wrote {result.dst}: {plural(result.tensors, 'tensor')}, {plural(result.objects, 'object')}, "
-            f"{human_bytes(result.bytes)} in {result.seconds:.2f}s")
+    files = count_files(result.dst)
+    where = f" in {plural(files, 'file')}" if files is not None else ""
+    parts = [f"wrote {result.dst}: {plural(result.tensors, 'tensor')}, {plural(result.objects, 'object')}, "
+             f"{human_bytes(result.bytes)}{where}"]
+    if getattr(result, "mesh", None):
+        parts.append(f"mesh {result.mesh} (world size {result.world_size})")
+    wall = process_seconds()
+    procs = distributed.env_world()[1]
+    parts.append(f"{plural(procs, 'process', 'processes')}, {wall:.2f} s wall, {human_rate(result.bytes, wall)}")
+    return "; ".join(parts)
+
+
+def process_seconds() -> float:
+    """Seconds since this process started, as ``time`` measures it: on Linux from the kernel's
+    own clocks (``/proc/uptime`` minus the process start in ``/proc/self/stat``, both since boot:
+    psutil's start time adds the whole-second rounding of the boot time), else psutil's, else
+    since this module was imported."""
+    import os
+    import time
+
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a summary must never fail a finished conversion
+        return time.time() - _IMPORTED
+
+
+def count_files(dst: str) -> int | None:
+    """Files under a local output directory (None for a URL or a missing path)."""
+    import os
+
+    if "://" in str(dst) or not os.path.isdir(dst):
+        return None
+    return sum(len(names) for _, _, names in os.walk(dst))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -206,7 +206,8 @@ class Dist:
         recording = _RecordingSink(sink)
         stats, error = ExecStats(), None
         try:
-            stats = execute(mine, reader, recording, journal=journal, **kw)
+            prefix = f"[rank {self.rank}/{self.world}]" if self.active else ""
+            stats = execute(mine, reader, recording, journal=journal, progress_prefix=prefix, **kw)
             sink.sync()
         except BaseException as e:  # noqa: BLE001 - re-raised by agree on every rank
             error = e

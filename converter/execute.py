@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from converter import knobs
 from converter.plan import Piece, WriteTask
 from formats.base import Box, CheckpointReader
 from formats.dtypes import by_name, to_storage_array
@@ -220,8 +221,8 @@ def _fill_piece_tensors(reader: CheckpointReader, task: WriteTask, piece: Piece)
     return buf
 
 
-#: Seconds between plain progress lines when stderr is not a terminal.
-PROGRESS_LINE_SECONDS = 5.0
+#: Seconds between plain progress lines when stderr is not a terminal (``knobs``; tests patch it here).
+PROGRESS_LINE_SECONDS = knobs.PROGRESS_LINE_SECONDS
 
 
 def _fmt_bytes(n: float) -> str:
@@ -230,30 +231,45 @@ def _fmt_bytes(n: float) -> str:
     return human_bytes(n)
 
 
+def _rate_column():
+    """A rich column with the transfer rate in binary units (rich's own says MB/s)."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{_fmt_bytes(speed)}/s", style="progress.data.speed")
+
+    return RateColumn()
+
+
 class _Progress:
     """Bytes done, rate and ETA on stderr.
 
     On a terminal: a rich progress bar (unless ``enabled`` is False). Otherwise, unless
-    ``enabled`` is False: a plain line such as ``converting: 1.2/2.0 GiB, 410.5 MiB/s, ETA 2 s``
-    every :data:`PROGRESS_LINE_SECONDS` (the first one after that long, so short runs print
-    nothing).
+    ``enabled`` is False: a plain line such as ``converting: 1.2/2.0 GiB (60 %), 410.5 MiB/s,
+    ETA 2 s`` every :data:`PROGRESS_LINE_SECONDS` (the first one after that long, so short runs
+    print nothing), and once the run completes a last line at 100 %. Under torchrun
+    (``prefix`` like ``[rank 1/4]``) every rank prints plain lines of its own share, prefixed, so
+    no rank's numbers appear to undo another's (a bar per process would overwrite each other).
     """
 
-    def __init__(self, total: int, label: str, enabled: bool | None) -> None:
+    def __init__(self, total: int, label: str, enabled: bool | None, prefix: str = "") -> None:
         self._bar = None
         self._lines = False
-        self._label, self._total, self._done = label, total, 0
+        self._printed: int | None = None  # bytes done at the last line printed
+        self._label, self._total, self._done = (f"{prefix} {label}" if prefix else label), total, 0
         self._lock = threading.Lock()
         self._start = self._last = time.monotonic()
         if enabled is False or not total:
             return
-        if sys.stderr.isatty():
+        if sys.stderr.isatty() and not prefix:
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                                       TimeRemainingColumn, TransferSpeedColumn)
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(
-                TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                TextColumn(label), BarColumn(), DownloadColumn(binary_units=True), _rate_column(),
                 TimeRemainingColumn(), console=Console(stderr=True), transient=False,
             )
             self._task = self._bar.add_task(label, total=total)
@@ -262,6 +278,8 @@ class _Progress:
             self._lines = True
 
     def advance(self, n: int) -> None:
+        if n <= 0:
+            return
         if self._bar is not None:
             with self._lock:
                 self._bar.advance(self._task, n)
@@ -275,18 +293,29 @@ class _Progress:
                 self._line(now)
 
     def _line(self, now: float) -> None:
-        rate = self._done / max(now - self._start, 1e-9)
-        eta = (self._total - self._done) / rate if rate else float("inf")
+        elapsed = max(now - self._start, 1e-9)
+        rate = self._done / elapsed
         total = _fmt_bytes(self._total)
         unit = total.split()[-1]
         scale = {"TiB": 1 << 40, "GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}.get(unit, 1)
-        print(f"{self._label}: {self._done / scale:.1f}/{total}, {_fmt_bytes(rate)}/s, "
-              f"ETA {eta:.0f} s",
-              file=sys.stderr, flush=True)
+        pct = 100.0 * self._done / self._total
+        if self._done >= self._total:
+            tail = f"done in {elapsed:.1f} s"
+        else:
+            tail = f"ETA {(self._total - self._done) / rate:.0f} s" if rate else "ETA ?"
+        pct = min(pct, 99.0) if self._done < self._total else 100.0  # 100 % only when complete
+        # one write per line: under torchrun the ranks share stderr, and a line must not be split
+        sys.stderr.write(f"{self._label}: {self._done / scale:.1f}/{total} ({pct:.0f} %), {_fmt_bytes(rate)}/s, {tail}\n")
+        sys.stderr.flush()
+        self._printed = self._done
 
     def stop(self) -> None:
+        """End the display; a run that printed lines and completed ends on its 100 % line."""
         if self._bar is not None:
             self._bar.stop()
+        elif self._lines and self._printed is not None and self._printed < self._total <= self._done:
+            with self._lock:
+                self._line(time.monotonic())
 
 
 def execute(
@@ -299,6 +328,7 @@ def execute(
     progress: bool | None = None,
     label: str = "converting",
     journal: Journal | None = None,
+    progress_prefix: str = "",
 ) -> ExecStats:
     """Run every task not already in ``journal``; the first failure stops the run and is re-raised.
 
@@ -308,7 +338,7 @@ def execute(
     stats = ExecStats()
     budget = MemoryBudget(memory_budget)
     todo = [t for t in tasks if journal is None or not journal.is_done(t)]
-    bar = _Progress(sum(t.nbytes for t in tasks), label, progress)
+    bar = _Progress(sum(t.nbytes for t in tasks), label, progress, progress_prefix)
     bar.advance(sum(t.nbytes for t in tasks) - sum(t.nbytes for t in todo))
     failed = threading.Event()
     lock = threading.Lock()

@@ -39,6 +39,8 @@ class ConversionResult:
     plan: str | None = None
     warnings: tuple[str, ...] = ()
     preview: dict | None = None  # from-universal --dry-run: the target plan (schemas/target-plan.schema.json)
+    mesh: str | None = None  # from-universal: the target mesh
+    world_size: int | None = None  # from-universal: ranks of the target job
 
 
 class _ChunkSink:

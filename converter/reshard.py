@@ -255,7 +255,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             raise
         journal.remove()
         return ConversionResult(str(out), len(index.tensors), len(object_specs), written, stats.seconds,
-                                warnings=layout.warnings)
+                                warnings=layout.warnings, mesh=str(target_mesh), world_size=target_mesh.world_size)
     finally:
         reader.close()
 

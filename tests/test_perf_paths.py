@@ -117,7 +117,7 @@ def test_progress_lines_when_stderr_is_not_a_terminal(monkeypatch, capsys):
     bar.advance(1_200_000_000)
     bar.stop()
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("converting: 1.1/1.9 GiB, ") and "B/s, ETA " in err[0]
+    assert len(err) == 1 and err[0].startswith("converting: 1.1/1.9 GiB (60 %), ") and "B/s, ETA " in err[0]
     quiet = execute._Progress(2_000_000_000, "converting", False)
     quiet.advance(1_200_000_000)
     assert capsys.readouterr().err == ""
