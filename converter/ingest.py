@@ -21,7 +21,7 @@ from converter.plan import Piece, WriteTask, plan_tensor
 from converter.select import Selection, select_entries
 from converter.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
-from formats.objects import json_view, load_torch_object
+from formats.objects import object_label, preview_value, read_checked_object
 from formats.universal import UniversalWriter
 from formats.universal_meta import METADATA_FILE, SourceInfo
 from formats.storage import source_label
@@ -96,13 +96,16 @@ def _source_info(index: CheckpointIndex, layout: LayoutReport, src: str) -> Sour
     )
 
 
-def _copy_objects(reader: CheckpointReader, index: CheckpointIndex, writer: UniversalWriter,
-                  refs: dict, trust_pickle: bool) -> None:
+def _checked_objects(reader: CheckpointReader, index: CheckpointIndex, trust_pickle: bool) -> dict[str, bytes]:
+    """Every non-tensor entry's bytes, checked (CRC, zip records, pickle globals) before the
+    destination is touched: a refused entry leaves nothing behind."""
+    return {key: read_checked_object(reader, key, trust_pickle) for key in index.objects}
+
+
+def _copy_objects(index: CheckpointIndex, objects: dict[str, bytes], writer: UniversalWriter, refs: dict) -> None:
     for key, entry in index.objects.items():
-        data = reader.read_object_bytes(key)
-        value = load_torch_object(data, f"{index.root.rstrip('/')}/{entry.file}: key {key!r}", trust_pickle)
-        ref = refs[key]
-        writer.add_object(key, data, entry.path, ref.atom, ref.role, json_view(value))
+        data, ref = objects[key], refs[key]
+        writer.add_object(key, data, entry.path, ref.atom, ref.role, preview_value(data, object_label(index, key)))
 
 
 def universal_chunk_bytes(options: RunOptions) -> int:
@@ -138,6 +141,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         header = {"op": "to-universal", "src": source_label(src), "source": index_fingerprint(index),
                   "chunk_bytes": chunk_bytes, "tool": __version__,
                   **({} if selection is None or selection.everything else {"selection": selection.to_json()})}
+        objects = _checked_objects(reader, index, options.trust_pickle)
         if options.resume:
             out = check_resume_destination(src, dst)
             if (out / METADATA_FILE).is_file():
@@ -159,7 +163,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
             if journal.is_done(task):
                 writer.restore_chunk(task.key, task.target, journal.info(task))
         if dist.leader:
-            _copy_objects(reader, index, writer, refs, options.trust_pickle)
+            _copy_objects(index, objects, writer, refs)
         stats, written = dist.execute(tasks, reader, _ChunkSink(writer), workers=options.workers,
                                       memory_budget=options.memory_budget, progress=options.progress,
                                       label="to-universal", journal=journal, gather_info=dist.active)

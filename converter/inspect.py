@@ -23,7 +23,7 @@ from converter.stats import Stats
 from converter.tables import Column, print_table
 from converter.units import human_bytes, plural
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
-from formats.errors import CkptConvError, ConfigError, UnsafePickleError
+from formats.errors import CkptConvError, ConfigError, MissingClassError, UnsafePickleError, clip
 
 SCHEMA_ID = "ckptconv.inspect/1"
 #: Non-tensor entries larger than this are not loaded for a preview.
@@ -127,12 +127,14 @@ def object_preview(reader: CheckpointReader, key: str, nbytes: int | None) -> st
         value = reader.load_object(key, trust_pickle=False)
     except UnsafePickleError:
         return NEEDS_TRUST
+    except MissingClassError:
+        return "<class not importable here>"
     except CkptConvError as e:
         return f"<unreadable: {type(e).__name__}>"
     if isinstance(value, io.BytesIO):  # dcp.save's raw-bytes value type: show the bytes, not an address
         value = ReprOnly(f"BytesIO({value.getvalue()!r})")
     text = " ".join(repr(value).split())
-    return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 3] + "..."
+    return clip(text, PREVIEW_CHARS)
 
 
 def _jsonable(value: Any, depth: int = 0) -> Any:

@@ -38,6 +38,7 @@ from converter.ingest import ConversionResult
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype
+from formats.objects import read_checked_object
 from formats.storage import source_label
 
 
@@ -207,7 +208,9 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors,
                                heads=heads)
         index = selected.restrict(index)  # the whole index planned the parameters; write the selection
-        object_specs, index, notes = plan_objects(index, reader.read_object_bytes, target_mesh, drop_dataloader)
+        # every entry checked (CRC, zip records, pickle globals) before the destination is touched
+        object_specs, index, notes = plan_objects(index, lambda k: read_checked_object(reader, k, options.trust_pickle),
+                                                  target_mesh, drop_dataloader)
         layout = replace(layout, chunks=tuple(c for c in layout.chunks if c.key in index.tensors),
                          warnings=layout.warnings + tuple(notes))
         tasks = _plan(index, layout, options)

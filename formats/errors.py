@@ -35,6 +35,11 @@ class UnsafePickleError(CkptConvError, pickle.UnpicklingError):
     """A pickle references a global outside the allowlist; it was not executed."""
 
 
+class MissingClassError(CkptConvError, ImportError):
+    """A trusted non-tensor entry names a class this process cannot import: its value cannot be
+    built here, though its bytes are intact (copying them needs no class)."""
+
+
 class DestinationError(CkptConvError, FileExistsError):
     """The destination cannot be used: not empty, inside the source, or outside its root."""
 
@@ -53,3 +58,17 @@ class UnsupportedError(CkptConvError, NotImplementedError):
 
 class StorageError(CkptConvError, OSError):
     """Reading or writing failed at the OS level (full disk, file size limit, I/O error)."""
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """``text`` on one line, at most ``limit`` characters: cut at the last word boundary before the
+    limit with ``...`` appended, never in the middle of a word (only a first word longer than the
+    limit is cut inside, also with ``...``)."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    head = text[: max(0, limit - 3)]
+    if text[len(head)] != " ":  # the cut falls inside a word: drop that word
+        cut = head.rfind(" ")
+        head = head[:cut] if cut > 0 else head
+    return head.rstrip() + "..."

@@ -9,9 +9,11 @@ import pickletools
 import re
 import threading
 import zipfile
+import zlib
 from typing import Any
 
-from formats.errors import CorruptCheckpointError, UnsafePickleError
+from formats.errors import CorruptCheckpointError, MissingClassError, UnsafePickleError, clip
+from formats.pickle_scan import WEIGHTS_ONLY_GLOBALS, MalformedPickle, PickleScan, scan_globals, scan_legacy
 
 
 def _numpy_globals() -> list:
@@ -45,6 +47,20 @@ EXTRA_SAFE_GLOBALS: list = [
 _SAFE_LOCK = threading.Lock()  # torch.serialization.safe_globals edits one process-wide list
 
 
+def _global_name(obj: Any) -> str:
+    if isinstance(obj, tuple):
+        return obj[1]
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+#: Every global a non-tensor entry may name without ``--trust-pickle``: torch's weights-only
+#: defaults plus :data:`EXTRA_SAFE_GLOBALS`, as ``module.name`` (what the pickle spells).
+SAFE_GLOBAL_NAMES: frozenset[str] = WEIGHTS_ONLY_GLOBALS | frozenset(_global_name(g) for g in EXTRA_SAFE_GLOBALS)
+#: Largest uncompressed member of a non-tensor entry's archive, relative to the archive (torch
+#: stores members uncompressed: a much larger declared size is a zip bomb or a damaged record).
+_MAX_INFLATION = 64
+
+
 def safe_torch_load(data: bytes) -> Any:
     """``torch.load`` of a ``torch.save`` payload with the weights-only unpickler plus
     :data:`EXTRA_SAFE_GLOBALS`; raises what ``torch.load`` raises (``UnpicklingError`` for a
@@ -59,7 +75,7 @@ def pickle_error_hint(message: str) -> str:
     """One line of an unpickling error (torch's weights-only messages span many lines): the line
     naming the global or opcode, else the first line."""
     lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
-    return next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[0] if lines else "")[:160]
+    return clip(next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[0] if lines else ""), 160)
 
 
 def is_damaged_pickle(data: bytes, message: str) -> bool:
@@ -75,12 +91,7 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
     A payload of plain Python data (numbers, strings, lists, dicts: what optimizer param groups
     and most training state hold) is read without importing torch (:func:`load_plain_object`).
     """
-    bad = _crc_mismatch(data)
-    if bad is not None:
-        raise CorruptCheckpointError(
-            f"{where}: damaged non-tensor entry (CRC-32 mismatch in {bad}); "
-            "the checkpoint file is corrupt, restore it from a good copy"
-        )
+    check_object_bytes(data, where, trust_pickle)
     found, value = load_plain_object(data)
     if found:
         return value
@@ -90,9 +101,16 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
 
             return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
         return safe_torch_load(data)
+    except (AttributeError, ImportError) as e:  # after the scan: a class the pickle names is not importable here
+        if not trust_pickle:
+            raise CorruptCheckpointError(f"{where}: corrupt non-tensor entry ({type(e).__name__}: {clip(str(e), 160)})") from None
+        raise MissingClassError(
+            f"{where}: the non-tensor entry's class cannot be imported here ({type(e).__name__}: {clip(str(e), 120)}); "
+            "its bytes are intact and conversions copy them as they are: load it where its class is importable"
+        ) from None
     except pickle.UnpicklingError as e:
         if trust_pickle:
-            raise CorruptCheckpointError(f"{where}: cannot unpickle ({e})") from None
+            raise CorruptCheckpointError(f"{where}: cannot unpickle ({clip(str(e), 160)})") from None
         hint = pickle_error_hint(str(e))
         if _is_damaged(data, str(e)):
             raise CorruptCheckpointError(
@@ -104,8 +122,87 @@ def load_torch_object(data: bytes, where: str, trust_pickle: bool = False) -> An
             "pass --trust-pickle only if you trust this checkpoint"
         ) from None
     except Exception as e:  # damaged pickles make torch's unpickler raise many builtin types
-        first = str(e).splitlines()[0][:160] if str(e) else ""
+        first = clip(str(e).splitlines()[0], 160) if str(e) else ""
         raise CorruptCheckpointError(f"{where}: corrupt non-tensor entry ({type(e).__name__}: {first})") from None
+
+
+def check_object_bytes(data: bytes, where: str, trust_pickle: bool = False) -> None:
+    """Refuse a non-tensor entry (a ``torch.save`` payload) before its bytes are copied or loaded,
+    without running any of it: a zip member whose CRC-32 does not match or whose record is broken,
+    a pickle that does not parse (:class:`CorruptCheckpointError`, always), and, unless
+    ``trust_pickle``, a pickle naming a global outside :data:`SAFE_GLOBAL_NAMES` or building one
+    at load time (:class:`UnsafePickleError`). Copying never needs the entry's classes."""
+    scan = _scan_entry(data, where)
+    if trust_pickle:
+        return
+    outside = scan.outside(SAFE_GLOBAL_NAMES)
+    if outside or scan.opaque:
+        what = ", ".join(outside[:3]) + (f" and {len(outside) - 3} more" if len(outside) > 3 else "")
+        raise UnsafePickleError(
+            f"{where}: non-tensor entry names globals outside the safe allowlist "
+            f"({clip(what or scan.opaque or '', 160)}; not run); pass --trust-pickle only if you trust this checkpoint"
+        )
+
+
+def object_label(index: Any, key: str) -> str:
+    """``<checkpoint>/<file>: key '<key>'``: where a non-tensor entry of a checkpoint index lives."""
+    return f"{str(index.root).rstrip('/')}/{index.objects[key].file}: key {key!r}"
+
+
+def read_checked_object(reader: Any, key: str, trust_pickle: bool = False) -> bytes:
+    """The stored bytes of non-tensor entry ``key`` of ``reader`` (any checkpoint reader), after
+    :func:`check_object_bytes`: what every path that copies an entry into an output writes."""
+    data = reader.read_object_bytes(key)
+    check_object_bytes(data, object_label(reader.index(), key), trust_pickle)
+    return data
+
+
+def preview_value(data: bytes, where: str) -> Any:
+    """A JSON view (:func:`json_view`) of a checked entry, loaded without running anything outside
+    the allowlist; None where that needs classes outside it (a trusted user class): copying the
+    bytes never needs them."""
+    try:
+        return json_view(load_torch_object(data, where))
+    except (UnsafePickleError, MissingClassError):
+        return None
+
+
+def _corrupt(where: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where}: damaged non-tensor entry ({clip(why, 160)}); the checkpoint file is corrupt, restore it from a good copy"
+    )
+
+
+def _scan_entry(data: bytes, where: str) -> PickleScan:
+    """The globals of a torch.save payload (zip archive, or the legacy sequence of pickles), after
+    its zip records and CRC-32s were checked."""
+    if data[:4] != b"PK\x03\x04":
+        try:
+            return scan_legacy(data)
+        except MalformedPickle as e:
+            raise _corrupt(where, f"not a torch.save archive or pickle: {e}") from None
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            infos = z.infolist()
+            big = next((i for i in infos if i.file_size > _MAX_INFLATION * len(data) + (1 << 20)), None)
+            if big is not None:
+                raise _corrupt(where, f"zip member {big.filename} declares {big.file_size} bytes")
+            bad = z.testzip()
+            if bad is not None:
+                raise _corrupt(where, f"CRC-32 mismatch in {bad}")
+            names = [i.filename for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+            if len(names) != 1:
+                raise _corrupt(where, f"{len(names)} data.pkl records in the archive, not one")
+            payload = z.read(names[0])
+    except CorruptCheckpointError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, KeyError, zlib.error,
+            NotImplementedError, RuntimeError) as e:
+        raise _corrupt(where, f"broken zip archive: {type(e).__name__}: {e}") from None
+    try:
+        return scan_globals(payload)
+    except MalformedPickle as e:
+        raise _corrupt(where, f"malformed pickle: {e}") from None
 
 
 def _crc_mismatch(data: bytes) -> str | None:

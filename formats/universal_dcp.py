@@ -30,21 +30,25 @@ import torch
 
 from formats.base import Box, ChunkRef
 from formats.dtypes import by_name
+from formats.objects import read_checked_object
 from formats.universal import UniversalReader
 
 
 class UniversalStorageReader(StorageReader):
     """Read a ckptconv universal store with ``torch.distributed.checkpoint.load``."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, trust_pickle: bool = False) -> None:
+        """``trust_pickle``: hand torch non-tensor entries whose pickle names globals outside the
+        safe allowlist (torch's planner loads them with ``weights_only=False``: it runs them)."""
         super().__init__()
         self.path = os.fspath(path)
+        self.trust_pickle = trust_pickle
         self.reader = UniversalReader(self.path, verify=True)  # every chunk's xxh3, once, as it is read
         self._chunks: dict[tuple[str, tuple[int, ...]], ChunkRef] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
-            self.__init__(checkpoint_id)
+            self.__init__(checkpoint_id, self.trust_pickle)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         index = self.reader.index()
@@ -81,7 +85,8 @@ class UniversalStorageReader(StorageReader):
         for req in plan.items:
             fqn = req.storage_index.fqn
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(self.reader.read_object_bytes(fqn)))
+                data = read_checked_object(self.reader, fqn, self.trust_pickle)  # never hand torch a hostile pickle
+                planner.load_bytes(req, io.BytesIO(data))
                 continue
             chunk = self._chunks[(fqn, tuple(req.storage_index.offset or ()))]
             region = Box(tuple(o + s for o, s in zip(chunk.box.offsets, req.storage_offsets)), tuple(req.lengths))

@@ -103,11 +103,17 @@ def test_bytes_entries_run_only_with_trust_pickle(evil_object_ckpt, tmp_path):
         to_universal(ckpt, tmp_path / "u")
     report = verify(ckpt)
     assert report.ok and any("extra.payload" in w for w in report.warnings)
-    from_universal(ckpt, tmp_path / "dp2", "dp2")  # non-tensor bytes are copied verbatim, never loaded
-    assert diff(ckpt, tmp_path / "dp2").same
-    assert not marker.exists()
-    # the one documented way around the allowlist: the pickle's code runs
+    # never laundered: torch's dcp.load of a copy would run it (its planner unpickles bytes freely)
+    with pytest.raises(UnsafePickleError, match="extra.payload.*posix.system.*--trust-pickle"):
+        from_universal(ckpt, tmp_path / "dp2", "dp2")
+    assert not (tmp_path / "dp2" / ".metadata").exists()
+    # --trust-pickle copies the bytes verbatim without running them (copying needs no classes)
+    from_universal(ckpt, tmp_path / "dp2t", "dp2", options=RunOptions(trust_pickle=True))
     to_universal(ckpt, tmp_path / "trusted", RunOptions(trust_pickle=True))
+    assert diff(ckpt, tmp_path / "dp2t").same
+    assert not marker.exists()
+    # the one documented way to run it: load the value with trust
+    open_checkpoint(tmp_path / "trusted").load_object("extra.payload", trust_pickle=True)
     assert marker.exists()
 
 
@@ -125,7 +131,8 @@ def test_universal_object_is_never_loaded_without_trust(tmp_path):
     (tmp_path / "u" / "ckptconv.json").write_text(json.dumps(meta))
     report = verify(tmp_path / "u")
     assert report.ok and any("extra.step" in w and "--trust-pickle" in w for w in report.warnings)
-    from_universal(tmp_path / "u", tmp_path / "out", "dp2")
+    with pytest.raises(UnsafePickleError, match="extra.step"):
+        from_universal(tmp_path / "u", tmp_path / "out", "dp2")
     with pytest.raises(UnsafePickleError):
         open_checkpoint(tmp_path / "u").load_object("extra.step")
     assert not diff(src, tmp_path / "u").same
