@@ -1,146 +1,134 @@
-"""Property-based fuzzing of every reader and converter with hypothesis.
+"""A seeded fuzz corpus over real checkpoints: every input ends in a clean one-line error or a
+correct result, in bounded time and memory.
 
-Each target mutates one part of a small real checkpoint (made here with ``dcp.save``, then
-``to_universal`` and ``export_hf`` of it): DCP ``.metadata`` (raw bytes, and structured edits of
-chunk boxes, sizes, dtypes and ``storage_data`` offsets/lengths/paths/transforms), ``.distcp``
-bytes, the universal store's ``ckptconv.json``, ``zarr.json`` files and chunk/object files,
-safetensors headers and ``model.safetensors.index.json``. Every case then runs ``verify``, reads
-every region and object, and converts into a fresh destination (to-universal, from-universal or
-import-hf), and must end in success or in ckptconv's own error type with a one-line message:
-no other exception, no hang (a per-case timer), and no file written or changed outside the
-destination (the whole case directory, source included, is hashed before and after).
+Bases are real checkpoints: a ``dcp.save`` of a small training state (tensors of several dtypes,
+optimizer state, plain and ``io.BytesIO`` non-tensor entries), the shared 4-rank FSDP2 fixture
+(``fsdp4``), the universal store ``to-universal`` makes of the first and the HF directory
+``export-hf`` makes of it. Case ``(class, seed)`` copies a base and applies one mutation of its
+class (:data:`CLASSES`): byte edits and truncations of ``.metadata``, ``.distcp``, ``zarr.json``,
+``ckptconv.json``, chunk and object files and safetensors headers; structured edits of DCP metadata
+(chunk boxes, sizes, dtypes, storage offsets/lengths/paths, path-like keys ``../x``); non-tensor
+entries rewritten with hostile pickles (``posix.system`` by GLOBAL, STACK_GLOBAL through the memo,
+INST, EXT1, names computed at load time) and damaged archives; huge declared sizes; symlinks out
+of the checkpoint, loops and dangling links.
 
-The default suite runs 100 cases per target (derandomized, so reruns are stable); the
-``slow``-marked run 1,000 random ones per target.
+Each case runs ``ckptconv verify`` and the conversion of its format (to-universal, from-universal,
+import-hf) through the real CLI entry point in this process (``tests/cli_runner.py``), and a sample
+in subprocesses under ``RLIMIT_AS``. Checked per case:
+
+- exit status 0 or 2; on 2 exactly one ``ckptconv: error:`` line, never ``internal error`` or a
+  traceback; no hang (``CASE_SECONDS`` timer); peak RSS growth under ``MAX_RSS_GROWTH``;
+- nothing outside the destination written or changed, a hostile payload never run (its marker
+  file never appears), a hostile entry never converted without ``--trust-pickle``;
+- a conversion that succeeds is correct: for a DCP source, torch's own reading of the mutated
+  source (``dcp_to_torch_save``) equals torch's ``dcp.load`` of the store; for an HF source, the
+  safetensors library's reading equals the store; and no conversion succeeds on an input whose
+  integrity data ``verify`` rejects ("silent corruption").
+
+Classes whose failures belong to points other helpers fix (issue 12) are marked in
+:data:`EXPECTED`; their cases run and are counted but do not fail the suite (xfail with the point).
+
+The default suite runs ``QUICK_CASES`` cases (a fixed sample over every class); ``-m slow`` runs
+``LONG_CASES`` (>= 1,000) and prints the per-class counts (``CKPTCONV_FUZZ_CASES`` overrides).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
+import io
 import json
 import os
 import pickle
+import random
+import resource
 import shutil
 import signal
 import struct
+import subprocess
+import sys
+import time
 import warnings
-from collections import Counter
+import zipfile
+from collections import Counter, defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from converter.api import export_hf, from_universal, import_hf, to_universal, verify
-from converter.config import RunOptions
-from converter.sources import open_checkpoint
-from formats.errors import CkptConvError, UnsafePickleError
-from schemas import validation_errors
+from cli_runner import run_cli
+from converter.api import export_hf, to_universal
 
-CASE_SECONDS = 20
-QUICK = settings(max_examples=100, deadline=None, database=None, derandomize=True, print_blob=True,
-                 suppress_health_check=list(HealthCheck))
-LONG = settings(QUICK, max_examples=1000, derandomize=False)
-OPTIONS = RunOptions(workers=2, memory_budget=8 << 20)
-OUTCOMES: Counter = Counter()
+REPO = Path(__file__).resolve().parent.parent
+CASE_SECONDS = 30
+MAX_RSS_GROWTH = 1 << 30  # bytes of peak-RSS growth one in-process case may cause
+SUBPROCESS_AS_LIMIT = 6 << 30  # RLIMIT_AS of the subprocess sample (torch alone maps ~1.5 GiB)
+QUICK_CASES = 52
+LONG_CASES = int(os.environ.get("CKPTCONV_FUZZ_CASES", "1100"))
+WORKERS = "2"
 
 
 class Hang(BaseException):
     """Raised by the per-case timer (a BaseException so no ``except Exception`` swallows it)."""
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    def fire(signum, frame):
-        raise Hang(f"case ran over {seconds}s (hang?)")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 # ---------------------------------------------------------------------------------------------
-# base checkpoints and working copies
+# bases
 
 
-def state_dict() -> dict:
+class Evil:
+    """Pickles into ``os.system("touch MARKER")``."""
+
+    def __init__(self, cmd: str) -> None:
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (os.system, (self.cmd,))
+
+
+def train_state() -> dict:
     g = torch.Generator().manual_seed(3)
     return {
         "model": {"w": torch.randn(6, 5, generator=g), "bf": torch.randn(4, 3, generator=g).to(torch.bfloat16),
-                  "i": torch.arange(6, dtype=torch.int64).view(2, 3), "s": torch.tensor(1.5)},
-        "optim": {"state": {"w": {"exp_avg": torch.randn(6, 5, generator=g), "step": torch.tensor(2.0)}}},
-        "extra": {"step": 3, "name": "run"},
+                  "h": torch.randn(3, 2, generator=g).half(), "i": torch.arange(6, dtype=torch.int64).view(2, 3),
+                  "s": torch.tensor(1.5), "flag": torch.tensor([True, False])},
+        "optim": {"state": {"w": {"exp_avg": torch.randn(6, 5, generator=g), "step": torch.tensor(2.0)}},
+                  "param_groups": [{"lr": 0.001, "betas": (0.9, 0.95), "params": ["w"]}]},
+        "extra": {"step": 3, "name": "run", "blob": io.BytesIO(b"raw-bytes")},
     }
 
 
-def _stats(root: Path, skip: Path | None = None) -> dict[str, tuple[int, int, int]]:
-    """(size, mtime_ns, inode) of every file under ``root`` (except under ``skip``)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        if skip is not None:
-            dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) != str(skip)]
-        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            full = os.path.join(dirpath, name)
-            st_ = os.lstat(full)
-            out[os.path.relpath(full, root)] = (st_.st_size, st_.st_mtime_ns, st_.st_ino)
-    return out
+@dataclass
+class Bases:
+    root: Path
+    paths: dict[str, Path]  # base name -> checkpoint directory
+    marker: Path  # the file a hostile payload would create
+    pristine: dict[str, dict] = field(default_factory=dict)  # base name -> its content as torch reads it
 
-
-class Case:
-    """A writable copy of a base checkpoint (``root/src``) and a destination (``root/dst``)."""
-
-    def __init__(self, base: Path, root: Path) -> None:
-        self.base, self.root = base, root
-        self.src, self.dst = root / "src", root / "dst"
-        shutil.copytree(base, self.src)
-        self.pristine = _stats(self.src)
-
-    def snapshot(self) -> dict[str, tuple[int, int, int]]:
-        """Every file next to and under the case root except the destination (any write to a
-        file changes its size or mtime)."""
-        return _stats(self.root.parent, skip=self.dst)
-
-    def reset(self) -> None:
-        """Put the source back exactly as the base, remove the destination."""
-        shutil.rmtree(self.dst, ignore_errors=True)
-        now = _stats(self.src)
-        for rel in set(now) | set(self.pristine):
-            if now.get(rel) == self.pristine.get(rel):
-                continue
-            path = self.src / rel
-            if rel not in self.pristine:
-                path.unlink()
-                continue
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes((self.base / rel).read_bytes())
-        self.pristine = _stats(self.src)
-        for p in self.root.parent.iterdir():
-            if p != self.root:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    def fmt(self, base: str) -> str:
+        return {"dcp": "dcp", "fsdp4": "dcp", "universal": "universal", "hf": "hf"}[base]
 
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory):
-    base = tmp_path_factory.mktemp("fuzz-base")
+def bases(tmp_path_factory, dcp_checkpoint) -> Bases:
+    root = tmp_path_factory.mktemp("fuzz-bases")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state_dict(), checkpoint_id=base / "dcp")
-    to_universal(base / "dcp", base / "universal", chunk_bytes=48)
-    export_hf(base / "dcp", base / "hf", max_shard_size=100)
-    assert (base / "hf" / "model.safetensors.index.json").is_file()
-    work = tmp_path_factory.mktemp("fuzz-work")
-    out = {fmt: Case(base / fmt, work / fmt / "case") for fmt in ("dcp", "universal", "hf")}
-    yield out
-    if OUTCOMES:
-        print("\nfuzz outcomes:", dict(sorted(OUTCOMES.items())))
+        dcp.save(train_state(), checkpoint_id=root / "dcp")
+    to_universal(root / "dcp", root / "universal", chunk_bytes=48)
+    export_hf(root / "dcp", root / "hf", max_shard_size=100)
+    paths = {"dcp": root / "dcp", "universal": root / "universal", "hf": root / "hf",
+             "fsdp4": dcp_checkpoint("fsdp4")}
+    return make_bases(root, paths)
+
+
+def make_bases(root: Path, paths: dict[str, Path]) -> Bases:
+    from oracle import torch_reference
+
+    ref = torch_reference(paths["dcp"])
+    pristine = {"dcp": ref, "universal": ref, "fsdp4": torch_reference(paths["fsdp4"]), "hf": _read_hf(paths["hf"])}
+    return Bases(root, paths, root.parent / "fuzz-marker-objfuzz", pristine)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -154,92 +142,34 @@ def no_fsync():
 
 
 # ---------------------------------------------------------------------------------------------
-# what every case runs
+# mutations: each takes (rng, src dir, Bases) and edits src in place; returns a short label
 
-
-def read_everything(path: Path) -> None:
-    reader = open_checkpoint(path)
-    try:
-        index = reader.index()
-        for key, entry in index.tensors.items():
-            for chunk in entry.chunks:
-                reader.read_region(key, chunk, chunk.box)
-        for key in index.objects:
-            reader.read_object_bytes(key)
-            reader.load_object(key)
-    finally:
-        reader.close()
-
-
-def check_verify(path: Path) -> bool:
-    report = verify(path, workers=2)
-    assert validation_errors("verify", report.to_json()) == []
-    return report.ok
-
-
-CONVERT: dict[str, Callable[[Path, Path], object]] = {
-    "dcp": lambda s, d: to_universal(s, d, OPTIONS, chunk_bytes=64),
-    "universal": lambda s, d: from_universal(s, d, "dp2", options=OPTIONS),
-    "hf": lambda s, d: import_hf(s, d, options=OPTIONS),
-}
-
-
-def run_case(target: str, case: Case, mutate: Callable[[Path], None]) -> None:
-    fmt = case.base.name
-    try:
-        mutate(case.src)
-        before = case.snapshot()
-        steps = [("verify", check_verify), ("read", read_everything), ("convert", lambda p: CONVERT[fmt](p, case.dst))]
-        sound = False
-        for name, step in steps:
-            try:
-                with time_limit(CASE_SECONDS):
-                    result = step(case.src)
-                sound = sound or (name == "verify" and result)
-                OUTCOMES[f"{target}/{name}/ok"] += 1
-            except CkptConvError as e:
-                msg = str(e)
-                assert msg and "\n" not in msg, f"{name}: error message is not one line: {msg!r}"
-                OUTCOMES[f"{target}/{name}/{type(e).__name__}"] += 1
-                # what verify passes must read and convert (objects needing --trust-pickle aside)
-                assert not sound or isinstance(e, UnsafePickleError), f"verify passed, then {name} failed: {msg}"
-        assert case.snapshot() == before, "a file outside the destination was written or changed"
-    finally:
-        case.reset()
-
-
-# ---------------------------------------------------------------------------------------------
-# mutations
 
 BAD_PATHS = ["../x", "../../etc/passwd", "/etc/passwd", "a/../../b", "x\x00y", "\x01", "", ".", "..",
-             "__0_0.distcp/..", "tensors/../../x", "objects/../../y", "model.safetensors/../z", "//"]
+             "__0_0.distcp/..", "tensors/../../x", "objects/../../y", "model.safetensors/../z", "//", "a" * 300]
 BAD_INTS = [0, 1, -1, 2, 7, 255, 256, 2**31, 2**32 + 1, 2**53 + 1, 2**63 - 1, 2**63, 2**64, 10**30]
 
-json_leaves = (st.none() | st.booleans() | st.sampled_from(BAD_INTS) | st.integers(-10, 100)
-               | st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from(BAD_PATHS)
-               | st.sampled_from(["float32", "bfloat16", "int64", "F32", "BF16", "I64", "uint16", "c", "0.0", "0"])
-               | st.text(max_size=6))
-json_values = st.recursive(json_leaves, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
-                           max_leaves=5)
+
+def files_of(src: Path, pred: Callable[[str], bool] = lambda r: True) -> list[Path]:
+    return sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink() and pred(p.relative_to(src).as_posix()))
 
 
-def mutate_bytes(draw, data: bytes, lo: int = 0, hi: int | None = None) -> bytes:
-    """One to three byte-level edits, positioned in ``[lo, hi)``."""
+def edit_bytes(rng: random.Random, data: bytes, lo: int = 0, hi: int | None = None) -> bytes:
+    """One to three byte-level edits positioned in ``[lo, hi)``."""
     out = bytearray(data)
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(rng.randint(1, 3)):
         top = min(len(out), hi if hi is not None else len(out))
-        kind = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate", "append", "zero", "copy"]))
+        kind = rng.choice(["flip", "set", "insert", "delete", "truncate", "append", "zero", "copy"])
         if top <= lo or kind == "append":
-            out += draw(st.binary(min_size=1, max_size=16))
+            out += rng.randbytes(rng.randint(1, 16))
             continue
-        pos = draw(st.integers(lo, top - 1))
-        n = draw(st.integers(1, 16))
+        pos, n = rng.randint(lo, top - 1), rng.randint(1, 16)
         if kind == "flip":
-            out[pos] ^= 1 << draw(st.integers(0, 7))
+            out[pos] ^= 1 << rng.randint(0, 7)
         elif kind == "set":
-            out[pos] = draw(st.integers(0, 255))
+            out[pos] = rng.randint(0, 255)
         elif kind == "insert":
-            out[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+            out[pos:pos] = rng.randbytes(rng.randint(1, 8))
         elif kind == "delete":
             del out[pos:pos + n]
         elif kind == "truncate":
@@ -247,228 +177,761 @@ def mutate_bytes(draw, data: bytes, lo: int = 0, hi: int | None = None) -> bytes
         elif kind == "zero":
             out[pos:pos + n] = bytes(len(out[pos:pos + n]))
         else:
-            src = draw(st.integers(0, len(out) - 1))
-            out[pos:pos + n] = out[src:src + n]
+            s = rng.randint(0, len(out) - 1)
+            out[pos:pos + n] = out[s:s + n]
     return bytes(out)
 
 
-def mutate_json(draw, doc):
+def json_leaf(rng: random.Random):
+    return rng.choice([None, True, False, rng.choice(BAD_INTS), rng.randint(-10, 100), rng.random() * 1e6,
+                       rng.choice(BAD_PATHS), rng.choice(["float32", "bfloat16", "int64", "F32", "BF16", "uint16", "c"]),
+                       [], {}, [rng.randint(0, 3)], {"x": 1}])
+
+
+def edit_json(rng: random.Random, doc):
     """Replace, tweak, delete or add one node somewhere in a JSON document."""
-    doc = copy.deepcopy(doc)
+    doc = json.loads(json.dumps(doc))
     parent, key, node = None, None, doc
-    while isinstance(node, (dict, list)) and node and draw(st.integers(0, 4)) > 0:
-        key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else list(range(len(node)))))
+    while isinstance(node, (dict, list)) and node and rng.randint(0, 4) > 0:
+        key = rng.choice(sorted(node) if isinstance(node, dict) else list(range(len(node))))
         parent, node = node, node[key]
-    action = draw(st.sampled_from(["replace", "tweak", "delete", "add"]))
+    action = rng.choice(["replace", "tweak", "delete", "add"])
     if action == "add" and isinstance(node, dict):
-        node[draw(st.text(max_size=6))] = draw(json_values)
-        return doc
-    if action == "add" and isinstance(node, list):
-        node.insert(draw(st.integers(0, len(node))), draw(json_values) if not node else copy.deepcopy(node[0]))
-        return doc
-    if parent is None:
-        return draw(json_values)
-    if action == "delete":
+        node[rng.choice(["x", "", "../y", "shape", "dtype"])] = json_leaf(rng)
+    elif action == "add" and isinstance(node, list):
+        node.insert(rng.randint(0, len(node)), json.loads(json.dumps(node[0])) if node else json_leaf(rng))
+    elif parent is None:
+        return json_leaf(rng)
+    elif action == "delete":
         del parent[key]
     elif action == "tweak" and isinstance(node, bool):
         parent[key] = not node
     elif action == "tweak" and isinstance(node, int):
-        parent[key] = node + draw(st.sampled_from([-1, 1, -node - 1, node, 2**40]))
+        parent[key] = node + rng.choice([-1, 1, -node - 1, node, 2**40])
     elif action == "tweak" and isinstance(node, str):
-        parent[key] = node + draw(st.sampled_from(["", "x", "/..", "0"])) if node else "x"
+        parent[key] = node + rng.choice(["", "x", "/..", "0"]) if node else "x"
     else:
-        parent[key] = draw(json_values)
+        parent[key] = json_leaf(rng)
     return doc
 
 
-def pick_file(draw, root: Path, pattern: str) -> Path:
-    files = sorted(p for p in root.rglob(pattern) if p.is_file())
-    return draw(st.sampled_from(files))
+def m_metadata_bytes(rng, src, bases):
+    p = src / ".metadata"
+    p.write_bytes(edit_bytes(rng, p.read_bytes()))
+    return "bytes"
 
 
-def dcp_metadata_bytes(draw, src: Path) -> None:
-    path = src / ".metadata"
-    path.write_bytes(mutate_bytes(draw, path.read_bytes()))
+def _load_md(src: Path):
+    return pickle.loads((src / ".metadata").read_bytes())  # our own base file: trusted
 
 
-def dcp_metadata_structured(draw, src: Path) -> None:
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                       TensorStorageMetadata)
+def m_metadata_structured(rng, src, bases):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
 
-    path = src / ".metadata"
-    md = pickle.loads(path.read_bytes())  # our own file: trusted
+    md = _load_md(src)
     tensors = sorted(k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))
-    key = draw(st.sampled_from(sorted(md.state_dict_metadata)))
+    kind = rng.choice(["chunk", "size", "grow", "dtype", "drop_chunk", "dup_chunk", "swap_kind", "storage",
+                       "storage_path", "transforms", "drop_storage", "planner"])
+    key = rng.choice(tensors) if kind in ("chunk", "size", "grow", "dtype", "drop_chunk", "dup_chunk") \
+        else rng.choice(sorted(md.state_dict_metadata))
     entry = md.state_dict_metadata[key]
-    kind = draw(st.sampled_from(["chunk", "chunk", "size", "grow", "dtype", "drop_chunk", "dup_chunk", "swap_kind",
-                                 "storage", "storage", "storage_path", "transforms", "drop_storage", "planner"]))
-    ints = st.sampled_from(BAD_INTS) | st.integers(-2, 8)
-    if kind in ("chunk", "size", "grow", "drop_chunk", "dup_chunk", "dtype"):
-        key = draw(st.sampled_from(tensors))
-        entry = md.state_dict_metadata[key]
-    if kind == "grow" and entry.size:  # size and its one chunk grown together: coverage still holds
-        d, big = draw(st.integers(0, len(entry.size) - 1)), draw(st.sampled_from([10**6, 10**9, 10**13, 2**40]))
+    ints = lambda: rng.choice(BAD_INTS) if rng.random() < 0.6 else rng.randint(-2, 8)  # noqa: E731
+    if kind == "grow" and entry.size:  # size and its one chunk grown together
+        d, big = rng.randint(0, len(entry.size) - 1), rng.choice([10**6, 10**9, 10**13, 2**40])
         entry.size = torch.Size([big if i == d else s for i, s in enumerate(entry.size)])
-        chunk = entry.chunks[0]
-        chunk.sizes = torch.Size([big if i == d else s for i, s in enumerate(chunk.sizes)])
-    elif kind == "chunk":
-        chunk = draw(st.sampled_from(entry.chunks))
-        name = draw(st.sampled_from(["offsets", "sizes"]))
-        dims = list(getattr(chunk, name))
-        if dims and draw(st.booleans()):
-            dims[draw(st.integers(0, len(dims) - 1))] = draw(ints)
+        c = entry.chunks[0]
+        c.sizes = torch.Size([big if i == d else s for i, s in enumerate(c.sizes)])
+    elif kind == "chunk" and entry.chunks:
+        c = rng.choice(entry.chunks)
+        name = rng.choice(["offsets", "sizes"])
+        dims = list(getattr(c, name))
+        if dims and rng.random() < 0.5:
+            dims[rng.randint(0, len(dims) - 1)] = ints()
+        elif dims and rng.random() < 0.5:
+            dims.pop()
         else:
-            dims.append(draw(ints)) if draw(st.booleans()) or not dims else dims.pop()
-        object.__setattr__(chunk, name, torch.Size(dims) if all(d >= 0 for d in dims) else tuple(dims))
+            dims.append(ints())
+        object.__setattr__(c, name, torch.Size(dims) if all(0 <= d < 2**63 for d in dims) else tuple(dims))
     elif kind == "size":
-        dims = list(entry.size)
-        if dims:
-            dims[draw(st.integers(0, len(dims) - 1))] = draw(ints.filter(lambda v: v >= 0))
-        else:
-            dims.append(draw(ints.filter(lambda v: v >= 0)))
+        dims = list(entry.size) or [0]
+        dims[rng.randint(0, len(dims) - 1)] = abs(ints()) % 2**63
         entry.size = torch.Size(dims)
     elif kind == "dtype":
-        entry.properties.dtype = draw(st.sampled_from([torch.float16, torch.int8, torch.bool, torch.complex64,
-                                                       torch.float8_e5m2, torch.float64, torch.qint8, torch.uint32]))
+        entry.properties.dtype = rng.choice([torch.float16, torch.int8, torch.bool, torch.complex64, torch.float8_e5m2,
+                                             torch.float64, torch.qint8, torch.uint32])
     elif kind == "drop_chunk" and entry.chunks:
-        entry.chunks.pop(draw(st.integers(0, len(entry.chunks) - 1)))
+        entry.chunks.pop(rng.randint(0, len(entry.chunks) - 1))
     elif kind == "dup_chunk" and entry.chunks:
-        c = draw(st.sampled_from(entry.chunks))
+        c = rng.choice(entry.chunks)
         entry.chunks.append(ChunkStorageMetadata(offsets=c.offsets, sizes=c.sizes))
     elif kind == "swap_kind":
         md.state_dict_metadata[key] = (BytesStorageMetadata() if isinstance(entry, TensorStorageMetadata)
                                        else md.state_dict_metadata[tensors[0]])
     elif kind in ("storage", "storage_path", "transforms", "drop_storage"):
-        index = draw(st.sampled_from(sorted(md.storage_data, key=repr)))
+        index = rng.choice(sorted(md.storage_data, key=repr))
         info = md.storage_data[index]
         if kind == "storage":
-            setattr(info, draw(st.sampled_from(["offset", "length"])), draw(ints))
+            setattr(info, rng.choice(["offset", "length"]), ints())
         elif kind == "storage_path":
-            info.relative_path = draw(st.sampled_from(BAD_PATHS + ["__0_0.distcp", "__1_0.distcp", ".metadata"]))
+            info.relative_path = rng.choice(BAD_PATHS + ["__0_0.distcp", "__1_0.distcp", ".metadata"])
         elif kind == "transforms":
-            info.transform_descriptors = draw(st.lists(st.sampled_from(["stream.zstd/1", "stream.zstd/2", "bogus", ""]),
-                                                       max_size=2))
+            info.transform_descriptors = rng.sample(["stream.zstd/1", "stream.zstd/2", "bogus", ""], rng.randint(0, 2))
         else:
             del md.storage_data[index]
     else:
-        md.planner_data[key] = draw(st.sampled_from([(), ("a",), (1, 2), ("model", "../x"), None, "x"]))
-    path.write_bytes(pickle.dumps(md))
+        md.planner_data[key] = rng.choice([(), ("a",), (1, 2), ("model", "../x"), None, "x"])
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    return kind
 
 
-def distcp_bytes(draw, src: Path) -> None:
-    path = pick_file(draw, src, "*.distcp")
-    path.write_bytes(mutate_bytes(draw, path.read_bytes()))
+def m_path_keys(rng, src, bases):
+    """Rename one entry to a path-like key everywhere in .metadata (state_dict_metadata,
+    storage_data indices, planner_data)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    md = _load_md(src)
+    old = rng.choice(sorted(md.state_dict_metadata))
+    new = rng.choice(["../x", "../../evil", "/abs/evil", "a/../../b", "nul\x00k", "..", ".", "objects/../../y",
+                      "tensors/../../x", "x" * 5000, "ckptconv.json", "model.w"])
+    if new in md.state_dict_metadata:
+        return "collision"
+    md.state_dict_metadata[new] = md.state_dict_metadata.pop(old)
+    md.storage_data = {(MetadataIndex(new, i.offset, i.index) if i.fqn == old else i): v for i, v in md.storage_data.items()}
+    if md.planner_data is not None and old in md.planner_data:
+        md.planner_data[new] = tuple(new.split(".")) if rng.random() < 0.5 else md.planner_data[old]
+        del md.planner_data[old]
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    return new[:10]
 
 
-def universal_metadata(draw, src: Path) -> None:
-    path = src / "ckptconv.json"
-    how = draw(st.sampled_from(["bytes", "json", "json", "grow", "array"]))
-    if how == "bytes":
-        path.write_bytes(mutate_bytes(draw, path.read_bytes()))
-        return
-    doc = json.loads(path.read_text())
-    if how == "json":
-        doc = mutate_json(draw, doc)
+def m_metadata_hostile(rng, src, bases):
+    """A .metadata that names posix.system (planner_data value, a whole Evil object, protocol 0-5)."""
+    md = _load_md(src)
+    cmd = f"touch {bases.marker}"
+    how = rng.choice(["planner", "whole", "entry"])
+    if how == "planner":
+        md.planner_data[rng.choice(sorted(md.planner_data))] = Evil(cmd)
+        obj = md
+    elif how == "entry":
+        md.state_dict_metadata[rng.choice(sorted(md.state_dict_metadata))] = Evil(cmd)
+        obj = md
     else:
-        rec = doc["tensors"][draw(st.sampled_from(sorted(doc["tensors"])))]
-        if how == "array":  # where the array lives: paths that leave the store
-            rec["array"] = draw(st.sampled_from(BAD_PATHS + ["tensors", "objects", "tensors/zarr.json"]))
-        elif rec["shape"]:  # shape and chunk shape grown together: the chunk grid keeps its size
-            d, big = draw(st.integers(0, len(rec["shape"]) - 1)), draw(st.sampled_from([10**6, 10**9, 10**13, 2**40]))
+        obj = Evil(cmd)
+    (src / ".metadata").write_bytes(pickle.dumps(obj, protocol=rng.choice([0, 2, 4, 5])))
+    return how
+
+
+def distcp_items(src: Path, md) -> dict[str, list]:
+    """relative_path -> [(index, info)] in offset order."""
+    out = defaultdict(list)
+    for index, info in md.storage_data.items():
+        out[info.relative_path].append((index, info))
+    for items in out.values():
+        items.sort(key=lambda t: t[1].offset)
+    return out
+
+
+def replace_item(src: Path, fqn: str, data: bytes) -> None:
+    """Rewrite the .distcp file holding non-tensor entry ``fqn`` with ``data`` in its place (later
+    items and .metadata offsets shifted), as if dcp.save had written ``data``."""
+    md = _load_md(src)
+    (index, info), = [(i, v) for i, v in md.storage_data.items() if i.fqn == fqn]
+    path = src / info.relative_path
+    raw = path.read_bytes()
+    delta = len(data) - info.length
+    for other in md.storage_data.values():
+        if other.relative_path == info.relative_path and other.offset > info.offset:
+            other.offset += delta
+    path.write_bytes(raw[:info.offset] + data + raw[info.offset + info.length:])
+    info.length = len(data)
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _saved(value, protocol: int = 2) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf, pickle_protocol=protocol)
+    return buf.getvalue()
+
+
+def _with_pickle(archive: bytes, payload: bytes) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as z, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as w:
+        for info in z.infolist():
+            w.writestr(info.filename, payload if info.filename.endswith("/data.pkl") else z.read(info))
+    return out.getvalue()
+
+
+def hostile_payloads(cmd: str) -> dict[str, bytes]:
+    c = cmd.encode()
+    expr = b"__import__('os').system('" + c + b"')"
+    base = _saved({"lr": 0.1})
+    return {
+        "global-p2": _saved({"lr": 0.1, "x": Evil(cmd)}),
+        "stack-global-p4": _saved({"x": Evil(cmd)}, protocol=4),
+        "memo-names": _with_pickle(base, b"\x80\x04\x8c\x05posix\x94\x8c\x06system\x94N0h\x00h\x01\x93\x8c"
+                                   + bytes([len(c)]) + c + b"\x85R."),
+        "computed-names": _with_pickle(base, b"\x80\x04\x8c\x05posix\x8c\x06system]0\x93\x8c" + bytes([len(c)]) + c
+                                       + b"\x85R."),
+        "inst": _with_pickle(base, b"(S'" + c + b"'\nios\nsystem\n."),
+        "ext1": _with_pickle(base, b"\x80\x02\x82\x01N\x85R."),
+        "py2-eval": _with_pickle(base, b"\x80\x02c__builtin__\neval\nq\x00X" + struct.pack("<I", len(expr))
+                                 + expr + b"\x85R."),
+        "nested-dict": _saved({"a": [1, {"b": Evil(cmd)}]}),
+    }
+
+
+def object_keys(src: Path) -> list[str]:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = _load_md(src)
+    return sorted(k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+
+
+def m_object_hostile(rng, src, bases):
+    keys = object_keys(src)
+    name, data = rng.choice(sorted(hostile_payloads(f"touch {bases.marker}").items()))
+    replace_item(src, rng.choice(keys), data)
+    return name
+
+
+def m_object_damaged(rng, src, bases):
+    md = _load_md(src)
+    key = rng.choice(object_keys(src))
+    (info,) = [v for i, v in md.storage_data.items() if i.fqn == key]
+    raw = (src / info.relative_path).read_bytes()
+    item = raw[info.offset:info.offset + info.length]
+    how = rng.choice(["bytes", "crc", "record", "truncate"])
+    if how == "bytes":
+        new = edit_bytes(rng, item)
+    elif how == "crc":
+        at = item.index(b"data.pkl") + 8 + rng.randint(2, 20)  # inside the pickle
+        new = item[:at] + bytes([item[at] ^ (1 << rng.randint(0, 7))]) + item[at + 1:]
+    elif how == "record":
+        sig = rng.choice([b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"])
+        at = item.rindex(sig) if sig in item else 0
+        new = item[:at] + edit_bytes(rng, item[at:at + 46]) + item[at + 46:]
+    else:
+        new = item[:rng.randint(0, len(item) - 1)]
+    replace_item(src, key, new)
+    return how
+
+
+def m_distcp_bytes(rng, src, bases):
+    p = rng.choice(files_of(src, lambda r: r.endswith(".distcp")))
+    p.write_bytes(edit_bytes(rng, p.read_bytes()))
+    return "bytes"
+
+
+def m_distcp_tensor_flip(rng, src, bases):
+    """One flipped bit inside a tensor's stored bytes (its zip CRC-32 no longer matches)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = _load_md(src)
+    index, info = rng.choice([(i, v) for i, v in md.storage_data.items()
+                              if isinstance(md.state_dict_metadata[i.fqn], TensorStorageMetadata)])
+    path = src / info.relative_path
+    raw = bytearray(path.read_bytes())
+    item = bytes(raw[info.offset:info.offset + info.length])
+    with zipfile.ZipFile(io.BytesIO(item)) as z:
+        member = next(i for i in z.infolist() if "/data/" in i.filename)
+        h = member.header_offset  # the local header's own name and extra lengths (torch pads the extra)
+        start = h + 30 + int.from_bytes(item[h + 26:h + 28], "little") + int.from_bytes(item[h + 28:h + 30], "little")
+        if member.file_size == 0:
+            return "empty"
+    at = info.offset + start + rng.randint(0, member.file_size - 1)
+    raw[at] ^= 1 << rng.randint(0, 7)
+    path.write_bytes(bytes(raw))
+    return "flip"
+
+
+def m_huge_sizes(rng, src, bases):
+    """Declared sizes far beyond the data: zip member sizes in a .distcp item, storage lengths."""
+    md = _load_md(src)
+    index, info = rng.choice(sorted(md.storage_data.items(), key=lambda t: repr(t[0])))
+    how = rng.choice(["zip-size", "length", "offset"])
+    if how == "length":
+        info.length = rng.choice([2**31, 2**40, 2**62])
+        (src / ".metadata").write_bytes(pickle.dumps(md))
+        return how
+    if how == "offset":
+        info.offset = rng.choice([2**31, 2**40, 2**62])
+        (src / ".metadata").write_bytes(pickle.dumps(md))
+        return how
+    path = src / info.relative_path
+    raw = bytearray(path.read_bytes())
+    item = raw[info.offset:info.offset + info.length]
+    sig = rng.choice([b"PK\x03\x04", b"PK\x01\x02"])
+    hits = [i for i in range(len(item) - 4) if item[i:i + 4] == sig]
+    at = info.offset + rng.choice(hits)
+    field_at = {b"PK\x03\x04": rng.choice([18, 22]), b"PK\x01\x02": rng.choice([20, 24])}[sig]
+    raw[at + field_at:at + field_at + 4] = struct.pack("<I", rng.choice([0xFFFFFFFF, 0x7FFFFFFF, 2**30]))
+    path.write_bytes(bytes(raw))
+    return how
+
+
+def m_universal_json(rng, src, bases):
+    p = src / "ckptconv.json"
+    how = rng.choice(["bytes", "json", "json", "grow", "array", "nbytes"])
+    if how == "bytes":
+        p.write_bytes(edit_bytes(rng, p.read_bytes()))
+        return how
+    doc = json.loads(p.read_text())
+    if how == "json":
+        doc = edit_json(rng, doc)
+    else:
+        rec = doc["tensors"][rng.choice(sorted(doc["tensors"]))]
+        if how == "array":
+            rec["array"] = rng.choice(BAD_PATHS + ["tensors", "objects", "tensors/zarr.json"])
+        elif how == "nbytes" and doc.get("objects"):
+            obj = doc["objects"][rng.choice(sorted(doc["objects"]))]
+            obj["nbytes"] = rng.choice([2**40, 2**62, -1])
+        elif rec["shape"]:
+            d, big = rng.randint(0, len(rec["shape"]) - 1), rng.choice([10**6, 10**9, 10**13, 2**40])
             rec["shape"][d] = big
             rec["chunk_shape"][d] = big
-    path.write_text(json.dumps(doc))
+    p.write_text(json.dumps(doc))
+    return how
 
 
-def zarr_json(draw, src: Path) -> None:
-    path = pick_file(draw, src, "zarr.json")
-    if draw(st.booleans()):
-        path.write_bytes(mutate_bytes(draw, path.read_bytes()))
-    else:
-        path.write_text(json.dumps(mutate_json(draw, json.loads(path.read_text()))))
+def m_zarr_json(rng, src, bases):
+    p = rng.choice(files_of(src, lambda r: r.endswith("zarr.json")))
+    if rng.random() < 0.5:
+        p.write_bytes(edit_bytes(rng, p.read_bytes()))
+        return "bytes"
+    p.write_text(json.dumps(edit_json(rng, json.loads(p.read_text()))))
+    return "json"
 
 
-def universal_data(draw, src: Path) -> None:
-    rels = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
-    files = [src / r for r in rels if "/c/" in r or r.endswith("/c") or r.startswith("objects/")]
-    path = draw(st.sampled_from(files))
-    if draw(st.integers(0, 9)) == 0:
-        path.unlink()
-    else:
-        path.write_bytes(mutate_bytes(draw, path.read_bytes()))
+def m_universal_chunks(rng, src, bases):
+    files = files_of(src, lambda r: "/c/" in r or r.endswith("/c") or r.startswith("objects/"))
+    p = rng.choice(files)
+    if rng.random() < 0.1:
+        p.unlink()
+        return "delete"
+    p.write_bytes(edit_bytes(rng, p.read_bytes()))
+    return "objects" if "objects/" in p.as_posix() else "chunk"
 
 
-def safetensors_header(draw, src: Path) -> None:
-    path = pick_file(draw, src, "*.safetensors")
-    raw = path.read_bytes()
+def m_universal_object_hostile(rng, src, bases):
+    """A store object swapped for a hostile pickle, its checksum and size updated to match."""
+    import xxhash
+
+    meta_path = src / "ckptconv.json"
+    meta = json.loads(meta_path.read_text())
+    key = rng.choice(sorted(meta["objects"]))
+    name, data = rng.choice(sorted(hostile_payloads(f"touch {bases.marker}").items()))
+    obj = meta["objects"][key]
+    (src / obj["file"]).write_bytes(data)
+    obj.update(nbytes=len(data), checksum=xxhash.xxh3_64_hexdigest(data))
+    meta_path.write_text(json.dumps(meta))
+    return name
+
+
+def m_safetensors_header(rng, src, bases):
+    p = rng.choice(files_of(src, lambda r: r.endswith(".safetensors")))
+    raw = p.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    how = draw(st.sampled_from(["json", "json", "bytes", "length"]))
+    how = rng.choice(["json", "json", "bytes", "length"])
     if how == "json":
-        header = json.dumps(mutate_json(draw, json.loads(raw[8:8 + n])), separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8 if draw(st.booleans()) else 0)
-        path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
+        header = json.dumps(edit_json(rng, json.loads(raw[8:8 + n])), separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8 if rng.random() < 0.5 else 0)
+        p.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
     elif how == "bytes":
-        path.write_bytes(mutate_bytes(draw, raw, 0, 8 + n))
+        p.write_bytes(edit_bytes(rng, raw, 0, 8 + n))
     else:
-        value = draw(st.sampled_from([0, 1, 7, n - 1, n + 1, n + 8, len(raw), 2**31, 10**8, 10**8 + 1, 2**64 - 1]))
-        path.write_bytes(struct.pack("<Q", value) + raw[8:])
+        value = rng.choice([0, 1, 7, n - 1, n + 1, n + 8, len(raw), 2**31, 10**8, 10**8 + 1, 2**64 - 1])
+        p.write_bytes(struct.pack("<Q", value) + raw[8:])
+    return how
 
 
-def hf_index(draw, src: Path) -> None:
-    path = src / "model.safetensors.index.json"
-    if draw(st.integers(0, 3)) == 0:
-        path.write_bytes(mutate_bytes(draw, path.read_bytes()))
+def m_hf_index(rng, src, bases):
+    p = src / "model.safetensors.index.json"
+    if rng.random() < 0.25:
+        p.write_bytes(edit_bytes(rng, p.read_bytes()))
+        return "bytes"
+    p.write_text(json.dumps(edit_json(rng, json.loads(p.read_text()))))
+    return "json"
+
+
+def m_truncate(rng, src, bases):
+    p = rng.choice(files_of(src))
+    raw = p.read_bytes()
+    p.write_bytes(raw[:rng.randint(0, max(0, len(raw) - 1))])
+    return p.name[:12]
+
+
+def m_symlink(rng, src, bases, kinds=("outside-copy", "outside-missing", "dangling", "dir")):
+    """A checkpoint file replaced by a symlink: to a copy of itself outside the checkpoint (the
+    bytes would read as valid), to a missing file, or to a directory."""
+    p = rng.choice(files_of(src))
+    how = rng.choice(kinds)
+    outside = src.parent / f"outside-{p.name}"
+    if how == "outside-copy":
+        shutil.copyfile(p, outside)
+        target = outside
+    elif how == "outside-missing":
+        target = src.parent / "no-such-file"
+    elif how == "dangling":
+        target = Path("no-such-sibling")
     else:
-        path.write_text(json.dumps(mutate_json(draw, json.loads(path.read_text()))))
+        target = src.parent
+    p.unlink()
+    p.symlink_to(target)
+    return how
 
 
-TARGETS: dict[str, tuple[str, Callable]] = {
-    "dcp-metadata-bytes": ("dcp", dcp_metadata_bytes),
-    "dcp-metadata-structured": ("dcp", dcp_metadata_structured),
-    "distcp-bytes": ("dcp", distcp_bytes),
-    "universal-ckptconv-json": ("universal", universal_metadata),
-    "universal-zarr-json": ("universal", zarr_json),
-    "universal-chunks-objects": ("universal", universal_data),
-    "safetensors-header": ("hf", safetensors_header),
-    "hf-index-json": ("hf", hf_index),
+def m_symlink_loop(rng, src, bases):
+    p = rng.choice(files_of(src))
+    p.unlink()
+    p.symlink_to(p.name)  # a link to itself
+    return "self"
+
+
+@dataclass(frozen=True)
+class FuzzClass:
+    name: str
+    bases: tuple[str, ...]
+    mutate: Callable
+    hostile: bool = False  # a payload that must never run, and never be converted without trust
+
+
+CLASSES: dict[str, FuzzClass] = {c.name: c for c in [
+    FuzzClass("dcp-metadata-bytes", ("dcp", "fsdp4"), m_metadata_bytes),
+    FuzzClass("dcp-metadata-structured", ("dcp", "fsdp4"), m_metadata_structured),
+    FuzzClass("dcp-path-keys", ("dcp", "fsdp4"), m_path_keys),
+    FuzzClass("dcp-metadata-hostile", ("dcp",), m_metadata_hostile, hostile=True),
+    FuzzClass("dcp-object-hostile", ("dcp", "fsdp4"), m_object_hostile, hostile=True),
+    FuzzClass("dcp-object-damaged", ("dcp", "fsdp4"), m_object_damaged),
+    FuzzClass("dcp-huge-sizes", ("dcp", "fsdp4"), m_huge_sizes),
+    FuzzClass("distcp-bytes", ("dcp", "fsdp4"), m_distcp_bytes),
+    FuzzClass("distcp-tensor-flip", ("dcp", "fsdp4"), m_distcp_tensor_flip),
+    FuzzClass("universal-ckptconv-json", ("universal",), m_universal_json),
+    FuzzClass("universal-zarr-json", ("universal",), m_zarr_json),
+    FuzzClass("universal-chunks-objects", ("universal",), m_universal_chunks),
+    FuzzClass("universal-object-hostile", ("universal",), m_universal_object_hostile, hostile=True),
+    FuzzClass("safetensors-header", ("hf",), m_safetensors_header),
+    FuzzClass("hf-index-json", ("hf",), m_hf_index),
+    FuzzClass("truncate", ("dcp", "universal", "hf"), m_truncate),
+    FuzzClass("symlink-dcp-hf", ("dcp", "hf"), m_symlink),
+    FuzzClass("symlink-universal", ("universal",), m_symlink),
+    FuzzClass("symlink-loop", ("dcp", "universal", "hf"), m_symlink_loop),
+]}
+
+#: Fuzz classes whose failures belong to other points of issue 12 (fixed in parallel): their cases
+#: run and are counted, and a failure there is an expected failure naming the point.
+EXPECTED: dict[str, str] = {
+    "distcp-tensor-flip": "point 1: a flipped tensor byte must be caught while copying (verify catches it)",
+    "universal-chunks-objects": "point 1: a flipped store chunk byte must be caught while copying",
+    "symlink-universal": "point 9: the universal reader follows chunk symlinks out of the store",
+    "symlink-loop": "point 10: symlink loops end in 'internal error: RuntimeError: Symlink loop'",
 }
 
 
-def fuzz_one(target: str, cases: dict[str, Case], data) -> None:
-    fmt, mutation = TARGETS[target]
-    run_case(target, cases[fmt], lambda src: mutation(data.draw, src))
+# ---------------------------------------------------------------------------------------------
+# running a case
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
-@QUICK
-@given(data=st.data())
-def test_fuzz_quick(target, cases, data):
-    fuzz_one(target, cases, data)
+@dataclass
+class Outcome:
+    cls: str
+    seed: int
+    label: str = ""
+    steps: dict[str, int] = field(default_factory=dict)  # step -> exit status
+    problems: list[str] = field(default_factory=list)
+    flags: set = field(default_factory=set)  # hang, traceback, internal, exit, silent, memory, escape, ran, laundered
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _timed_cli(args: list[str]) -> tuple[int, str, str]:
+    def fire(signum, frame):
+        raise Hang(f"over {CASE_SECONDS}s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, CASE_SECONDS)
+    try:
+        return run_cli(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _listing(root: Path, skip: Path) -> dict[str, tuple]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if Path(dirpath, d) != skip]
+        for n in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            full = os.path.join(dirpath, n)
+            st = os.lstat(full)
+            out[os.path.relpath(full, root)] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return out
+
+
+def check_stream(out: Outcome, step: str, code: int, stdout: str, stderr: str) -> None:
+    out.steps[step] = code
+    if "Traceback" in stderr or "Traceback" in stdout:
+        out.flags.add("traceback")
+        out.problems.append(f"{step}: traceback")
+    if "internal error" in stderr:
+        out.flags.add("internal")
+        out.problems.append(f"{step}: {stderr.strip()[-300:]}")
+    if code not in ((0, 1, 2) if step == "verify" else (0, 2)):  # verify: 1 = problems found (report on stdout)
+        out.flags.add("exit")
+        out.problems.append(f"{step}: exit {code}: {stderr.strip()[-300:]}")
+    if code == 2:
+        lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("ckptconv: warning:")]
+        if len(lines) != 1 or not lines[0].startswith("ckptconv: error: "):
+            out.flags.add("exit")
+            out.problems.append(f"{step}: not one error line: {stderr[-300:]!r}")
+
+
+CONVERT = {  # tiny zarr chunks for the small base (many chunks per tensor); 64 KiB for the fsdp4 fixture
+    "dcp": lambda s, d: ["to-universal", s, d, "--workers", WORKERS, "--chunk-size", "64"],
+    "fsdp4": lambda s, d: ["to-universal", s, d, "--workers", WORKERS, "--chunk-size", "65536"],
+    "universal": lambda s, d: ["from-universal", s, d, "--mesh", "dp2", "--workers", WORKERS],
+    "hf": lambda s, d: ["import-hf", s, d, "--workers", WORKERS],
+}
+
+
+def run_case(bases: Bases, cls: FuzzClass, seed: int, work: Path) -> Outcome:
+    rng = random.Random(f"{cls.name}/{seed}")
+    base = rng.choice(cls.bases)
+    fmt = bases.fmt(base)
+    out = Outcome(cls.name, seed)
+    case_root = work / f"{cls.name}-{seed}"
+    src, dst = case_root / "ckpt", case_root / "out"
+    shutil.copytree(bases.paths[base], src)
+    for p in [src, *src.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    try:
+        out.label = f"{base}:{cls.mutate(rng, src, bases)}"
+        before = _listing(case_root, dst)
+        rss0 = _peak_rss()
+        verify_ok = None
+        for step, args in (("verify", ["verify", str(src), "--workers", WORKERS]),
+                           ("convert", CONVERT.get(base, CONVERT[fmt])(str(src), str(dst)))):
+            t0 = time.monotonic()
+            try:
+                code, so, se = _timed_cli(args)
+            except Hang:
+                out.flags.add("hang")
+                out.problems.append(f"{step}: hang ({time.monotonic() - t0:.0f}s)")
+                continue
+            check_stream(out, step, code, so, se)
+            if step == "verify":
+                verify_ok = code == 0
+        if _peak_rss() - rss0 > MAX_RSS_GROWTH:
+            out.flags.add("memory")
+            out.problems.append(f"peak RSS grew {(_peak_rss() - rss0) >> 20} MiB")
+        if _listing(case_root, dst) != before:
+            out.flags.add("escape")
+            out.problems.append("a file outside the destination was written or changed")
+        if bases.marker.exists():
+            out.flags.add("ran")
+            out.problems.append("the hostile payload RAN")
+            bases.marker.unlink()
+        converted = out.steps.get("convert") == 0
+        if converted and cls.hostile:
+            out.flags.add("laundered")
+            out.problems.append("a hostile entry was converted without --trust-pickle")
+        elif converted:
+            problem = check_result(fmt, src, dst, bases.pristine[base], verify_ok)
+            if problem:
+                out.flags.add("silent")
+                out.problems.append(problem)
+    finally:
+        shutil.rmtree(case_root, ignore_errors=True)
+    return out
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _store_by_torch(store: Path, like: dict) -> dict:
+    """torch's dcp.load of a universal store (UniversalStorageReader) into templates of ``like``."""
+    from formats.universal_dcp import UniversalStorageReader
+
+    sd = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else None) for k, v in like.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, storage_reader=UniversalStorageReader(store))
+    return sd
+
+
+def _read_hf(src: Path) -> dict:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def _differs(want: dict, got: dict, objects: bool) -> str | None:
+    for k, v in want.items():
+        if k not in got:
+            continue
+        g = got.get(k)
+        if isinstance(v, torch.Tensor):
+            if not isinstance(g, torch.Tensor) or g.dtype != v.dtype or g.shape != v.shape or _bits(g) != _bits(v):
+                return f"{k}: differs"
+        elif objects and not isinstance(v, io.BytesIO) and repr(g) != repr(v):
+            return f"{k}: object differs ({str(g)[:40]!r} vs {str(v)[:40]!r})"
+    return None
+
+
+def _by_fqn(src: Path, flat: dict) -> dict:
+    """torch_reference's keys (joined nested paths) renamed to the DCP keys (fqns) they come from:
+    planner_data may nest a key elsewhere (only the key mapping is read with our reader)."""
+    from converter.sources import open_checkpoint
+
+    reader = open_checkpoint(src)
+    try:
+        index = reader.index()
+        alias = {".".join(map(str, e.path)): k for k, e in {**index.tensors, **index.objects}.items()}
+    finally:
+        reader.close()
+    return {alias.get(k, k): v for k, v in flat.items()}
+
+
+def check_result(fmt: str, src: Path, dst: Path, pristine: dict, verify_ok: bool | None) -> str | None:
+    """Why a successful conversion is wrong (None: it is right). The output must be the input as
+    torch (DCP) or the safetensors library (HF) reads it, and, where ``verify`` rejected the input,
+    the pristine checkpoint (a conversion may only succeed on damage that changes no value)."""
+    from oracle import torch_reference
+
+    try:
+        if fmt == "universal":
+            got = torch_reference(dst)
+            want = None
+        else:
+            try:  # safe here: our conversion accepted the input's pickles
+                want = _by_fqn(src, torch_reference(src)) if fmt == "dcp" else _read_hf(src)
+            except (Exception, BaseException) as e:  # noqa: BLE001 - torch rejects the input (CheckpointException)
+                if isinstance(e, (Hang, KeyboardInterrupt)):
+                    raise
+                want = None
+            meta = json.loads((dst / "ckptconv.json").read_text())
+            in_store = set(meta["tensors"]) | set(meta.get("objects", {}))  # keys renamed by the mutation: compared
+            got = _store_by_torch(dst, {k: v for k, v in (want if want is not None else pristine).items()
+                                        if k in in_store})  # by what they hold, not by name
+    except (Exception, BaseException) as e:  # noqa: BLE001
+        if isinstance(e, (Hang, KeyboardInterrupt)):
+            raise
+        return f"output unreadable by torch: {type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
+    if want is not None:
+        missing = sorted(k for k in want if k not in got)
+        if missing:
+            return f"keys the input holds are missing from the output: {missing[:3]}"
+        bad = _differs(want, got, objects=fmt == "dcp")
+        if bad:
+            return f"output differs from the input as {'torch' if fmt == 'dcp' else 'safetensors'} reads it: {bad}"
+    if verify_ok is False or want is None:
+        bad = _differs(pristine, got, objects=fmt != "hf")
+        if bad:
+            return f"{'verify rejected the input, yet ' if verify_ok is False else ''}the output differs from the pristine checkpoint: {bad}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the corpus
+
+
+def schedule(n: int) -> list[tuple[str, int]]:
+    """``n`` cases spread round-robin over the classes, seeds counting up per class."""
+    names = list(CLASSES)
+    return [(names[i % len(names)], i // len(names)) for i in range(n)]
+
+
+def summarize(outcomes: list[Outcome]) -> tuple[str, list[Outcome]]:
+    """A per-class table and the failing outcomes of classes not in EXPECTED."""
+    rows = defaultdict(Counter)
+    for o in outcomes:
+        r = rows[o.cls]
+        r["inputs"] += 1
+        r["errors(2)" if o.steps.get("convert") == 2 else "converted(0)" if o.steps.get("convert") == 0 else "other"] += 1
+        for f in o.flags:
+            r[f] += 1
+    cols = ["inputs", "converted(0)", "errors(2)", "hang", "traceback", "internal", "exit", "silent", "memory",
+            "escape", "ran", "laundered"]
+    lines = ["class".ljust(26) + "".join(c.rjust(13) for c in cols)]
+    for name in CLASSES:
+        if name in rows:
+            mark = " *" if name in EXPECTED else ""
+            lines.append((name + mark).ljust(26) + "".join(str(rows[name][c]).rjust(13) for c in cols))
+    total = Counter()
+    for r in rows.values():
+        total.update(r)
+    lines.append("TOTAL".ljust(26) + "".join(str(total[c]).rjust(13) for c in cols))
+    lines.append("(* expected to be fixed by another point of issue 12: " + "; ".join(f"{k}: {v.split(':')[0]}"
+                                                                                  for k, v in EXPECTED.items()) + ")")
+    failing = [o for o in outcomes if o.problems and o.cls not in EXPECTED]
+    return "\n".join(lines), failing
+
+
+def run_corpus(bases: Bases, work: Path, n: int) -> list[Outcome]:
+    return [run_case(bases, CLASSES[c], seed, work) for c, seed in schedule(n)]
+
+
+def _report(outcomes: list[Outcome], label: str) -> list[Outcome]:
+    table, failing = summarize(outcomes)
+    print(f"\nfuzz corpus ({label}):\n{table}")
+    for o in failing[:20]:
+        print(f"  FAIL {o.cls} seed {o.seed} {o.label}: {o.problems}")
+    return failing
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=EXPECTED[n], strict=False))
+                                  if n in EXPECTED else n for n in CLASSES])
+def test_fuzz_sample(bases, tmp_path, name):
+    """The default suite: QUICK_CASES cases over every class (a fixed sample)."""
+    seeds = [seed for c, seed in schedule(QUICK_CASES) if c == name]
+    outcomes = [run_case(bases, CLASSES[name], seed, tmp_path) for seed in seeds]
+    problems = [(o.seed, o.label, o.problems) for o in outcomes if o.problems]
+    assert not problems, problems
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", list(TARGETS))
-@LONG
-@given(data=st.data())
-def test_fuzz_long(target, cases, data):
-    fuzz_one(target, cases, data)
+def test_fuzz_corpus(bases, tmp_path):
+    """>= 1,000 cases over every class; prints the per-class counts."""
+    t0 = time.monotonic()
+    outcomes = run_corpus(bases, tmp_path, LONG_CASES)
+    failing = _report(outcomes, f"{len(outcomes)} cases in {time.monotonic() - t0:.0f}s")
+    assert len(outcomes) >= min(LONG_CASES, 1000)
+    assert not failing, [(o.cls, o.seed, o.label, o.problems) for o in failing[:10]]
 
 
-def test_mutators_change_something(cases):
-    """Sanity: the fixtures are sound and a mutation really reaches the files."""
-    for case in cases.values():
-        assert verify(case.src).ok
-        read_everything(case.src)
+# ---------------------------------------------------------------------------------------------
+# a sample in real subprocesses: exit status, streams, RLIMIT_AS, wall-clock timeout
 
 
-@pytest.mark.parametrize("array", ["tensors/zarr.json", "tensors", "objects/000000.pt", "tensors/model.w/c"])
-def test_regression_array_path_names_a_file(cases, array):
-    """Found by the long run: an array path naming a file made a chunk path go through it
-    (NotADirectoryError escaped)."""
+SUBPROCESS_SAMPLE = [("dcp-metadata-bytes", 0), ("dcp-object-hostile", 1), ("dcp-huge-sizes", 2),
+                     ("universal-ckptconv-json", 3), ("safetensors-header", 4), ("dcp-metadata-structured", 5)]
 
-    def point(src: Path) -> None:
-        doc = json.loads((src / "ckptconv.json").read_text())
-        doc["tensors"]["model.bf"]["array"] = array
-        (src / "ckptconv.json").write_text(json.dumps(doc))
 
-    run_case("regression", cases["universal"], point)
+def _limit_as() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (SUBPROCESS_AS_LIMIT, SUBPROCESS_AS_LIMIT))
+
+
+@pytest.mark.parametrize("name, seed", SUBPROCESS_SAMPLE)
+def test_fuzz_subprocess(bases, tmp_path, name, seed):
+    cls = CLASSES[name]
+    rng = random.Random(f"{name}/{seed}")
+    base = rng.choice(cls.bases)
+    src, dst = tmp_path / "ckpt", tmp_path / "out"
+    shutil.copytree(bases.paths[base], src)
+    for p in [src, *src.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    cls.mutate(rng, src, bases)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args in (["verify", str(src)], CONVERT.get(base, CONVERT[bases.fmt(base)])(str(src), str(dst))):
+        proc = subprocess.run([sys.executable, "-m", "converter", *args], capture_output=True, text=True, env=env,
+                              timeout=CASE_SECONDS * 4, preexec_fn=_limit_as)
+        out = Outcome(name, seed)
+        check_stream(out, args[0], proc.returncode, proc.stdout, proc.stderr)
+        assert not out.problems, out.problems
+    assert not bases.marker.exists()
