@@ -460,7 +460,7 @@ class UniversalReader:
         result: list[np.ndarray] = []
 
         def read_checked() -> None:  # the whole chunk: check the bytes just read
-            result.append(np.ascontiguousarray(self._read_chunk_part(record, chunk, region)))
+            result.append(np.require(self._read_chunk_part(record, chunk, region), requirements="C"))  # 0-d stays 0-d
             self._compare(key, record, chunk, xxhash.xxh3_64_hexdigest(memoryview(result[0]).cast("B")))
 
         self._check(key, record, chunk, region, read_checked)

@@ -290,3 +290,15 @@ def test_clip_cuts_at_word_boundaries():
             kept = got[:-3]
             assert text.startswith(kept) and (text[len(kept)] == " " or len(kept.split()) == 1 or kept == "")
     assert clip("x" * 50, 10) == "x" * 7 + "..."
+
+
+def test_store_reader_loads_0d_tensors_and_objects(tmp_path):
+    """Found by the fuzz corpus: torch's dcp.load through UniversalStorageReader (which checks each
+    chunk's xxh3 as it reads it) got a 1-d array for a 0-d tensor."""
+    ckpt = _save({"s": torch.tensor(1.5), "v": torch.arange(3.0), "extra": {"lr": 0.25}}, tmp_path / "ckpt")
+    to_universal(ckpt, tmp_path / "u")
+    sd = {"s": torch.tensor(0.0), "v": torch.zeros(3), "extra": {"lr": 0.0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, storage_reader=UniversalStorageReader(tmp_path / "u"))
+    assert sd["s"].item() == 1.5 and torch.equal(sd["v"], torch.arange(3.0)) and sd["extra"]["lr"] == 0.25
