@@ -185,9 +185,13 @@ def to_universal_cmd(src: str, dst: str, chunk_size: int | None, keys: tuple[str
 @click.option("--key", "key_pattern", default=None, help="Only keys matching this glob (or 're:REGEX').")
 @click.option("--stats", "stats_keys", multiple=True, help="Tensor statistics of KEY (streamed); repeatable, globs allowed.")
 @click.option("--layout", "layout_key", default=None, help="Draw which rank/file holds which region of tensor KEY (a key, glob or 're:REGEX').")
+@click.option("--svg", "svg_file", default=None, metavar="FILE",
+              help="With --layout: write the picture as an SVG file (with --vs: the two checkpoints side by side).")
+@click.option("--vs", "vs_path", default=None, metavar="OTHER",
+              help="With --layout: also draw KEY as checkpoint OTHER holds it (e.g. the source of a conversion).")
 @click.option("--trust-pickle", is_flag=True, help="Allow previews of non-tensor entries that need arbitrary classes.")
 def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: tuple[str, ...],
-                layout_key: str | None, trust_pickle: bool) -> None:
+                layout_key: str | None, svg_file: str | None, vs_path: str | None, trust_pickle: bool) -> None:
     """Show what is inside a checkpoint (DCP directory, universal store or HF safetensors directory)."""
     from rich.console import Console
 
@@ -196,6 +200,10 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
     from converter.sources import open_checkpoint
     from converter.stats import tensor_stats
 
+    if (svg_file or vs_path) and layout_key is None:
+        from formats.errors import ConfigError
+
+        raise ConfigError(f"{'--svg' if svg_file else '--vs'} draws a tensor's layout: add --layout KEY")
     reader = open_checkpoint(path, trust_pickle=trust_pickle, verify=bool(stats_keys))  # --stats reads: check them
     try:
         index = reader.index()
@@ -211,14 +219,58 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
             return
         console = Console()
         if layout_key is not None:
-            for key in layout_keys(index, layout_key):
-                render_layout(index, key, console)
+            sides = [(path, index)]
+            if vs_path is not None:
+                other = open_checkpoint(vs_path, trust_pickle=trust_pickle)
+                try:
+                    sides.append((vs_path, other.index()))
+                finally:
+                    other.close()
+            draw_layouts(sides, layout_key, svg_file, console)
         elif not stats:
             render_report(build_report(reader, key_pattern), console)
         if stats:
             render_stats(stats, console)
     finally:
         reader.close()
+
+
+def draw_layouts(sides: list[tuple[str, Any]], pattern: str, svg_file: str | None, console: Any,
+                 key_side: int = 0) -> None:
+    """The layout of every key ``pattern`` selects (in side ``key_side``'s index), as each side
+    holds it: text pictures one after another, or one SVG with the sides next to each other."""
+    from converter.inspect import layout_keys, no_match_message, render_layout
+
+    keys = layout_keys(sides[key_side][1], pattern)
+    for name, index in sides:
+        missing = [k for k in keys if k not in index.tensors]
+        if missing:
+            from formats.errors import ConfigError
+
+            raise ConfigError(no_match_message(index, missing[0]) + f" (it is in {sides[key_side][0]})")
+    if svg_file is None:
+        for key in keys:
+            for name, index in sides:
+                if len(sides) > 1:
+                    console.print(f"[dim]# {name}[/dim]", soft_wrap=True, highlight=False)
+                render_layout(index, key, console)
+        return
+    from converter.detect import detect_layout
+    from converter.svg import Panel, write_svg
+    from converter.units import plural
+
+    layouts = [detect_layout(index) for _, index in sides]
+    rows = []
+    for key in keys:
+        row = []
+        for (name, index), lay in zip(sides, layouts):
+            e = index.tensors[key]
+            sub = (f"{key}  {e.dtype}  {tuple(e.shape)}\n{plural(len(e.chunks), 'chunk')}  ({lay.tensors[key].kind})\n"
+                   f"checkpoint: {lay.summary}")
+            row.append(Panel(name, sub, e))
+        rows.append(row)
+    write_svg(svg_file, rows)
+    click.echo(f"wrote {svg_file}: {plural(len(keys), 'tensor')} x {plural(len(sides), 'checkpoint')}")
 
 
 def _missing_key(message: str) -> list[str]:
@@ -245,16 +297,22 @@ def _missing_key(message: str) -> list[str]:
 @click.option("--layout", "layout_key", default=None, metavar="KEY",
               help="With --dry-run: draw which rank/file will hold which region of KEY (a key, glob or 're:REGEX'), "
                    "the picture 'inspect --layout' draws of the output.")
+@click.option("--svg", "svg_file", default=None, metavar="FILE",
+              help="With --dry-run --layout KEY: write source and target side by side as an SVG file.")
 @selection_options
 @run_options
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
                        dtype: str | None, drop_dataloader: bool, config: str | None, as_json: bool,
-                       layout_key: str | None, keys: tuple[str, ...], model_only: bool,
+                       layout_key: str | None, svg_file: str | None, keys: tuple[str, ...], model_only: bool,
                        optim_only: bool, **kw: Any) -> None:
     """Write from SRC (universal store or DCP) the DCP checkpoint a job on --mesh would save."""
     from converter.api import from_universal
 
     selection = make_selection(keys, model_only, optim_only)
+    if svg_file is not None and layout_key is None:
+        from formats.errors import ConfigError
+
+        raise ConfigError("--svg draws a tensor's layout: add --dry-run --layout KEY")
     if (as_json or layout_key is not None) and not kw.get("dry_run"):
         from formats.errors import ConfigError
 
@@ -266,7 +324,7 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
     for w in result.warnings:
         click.echo(f"ckptconv: warning: {w}", err=True)
     if result.preview is not None and (as_json or layout_key is not None):
-        _show_preview(result.preview, as_json, layout_key)
+        _show_preview(result.preview, as_json, layout_key, svg_file, src, kw.get("trust_pickle", False))
         return
     if result.plan is not None:
         click.echo(result.plan)
@@ -275,20 +333,29 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
     click.echo(result_line(result))
 
 
-def _show_preview(doc: dict, as_json: bool, layout_key: str | None) -> None:
-    """``--dry-run --json`` / ``--dry-run --layout KEY``: the plan document, or the target picture."""
+def _show_preview(doc: dict, as_json: bool, layout_key: str | None, svg_file: str | None, src: str,
+                  trust_pickle: bool) -> None:
+    """``--dry-run --json`` / ``--dry-run --layout KEY [--svg FILE]``: the plan document, or the
+    target picture (with ``--svg``: the source and the target side by side)."""
     if as_json:
         _echo_json(doc)
         return
     from rich.console import Console
 
-    from converter.inspect import layout_keys, render_layout
     from converter.preview import preview_index
 
-    index = preview_index(doc)
-    console = Console()
-    for key in layout_keys(index, layout_key):
-        render_layout(index, key, console)
+    target = (f"{doc['dst']} (planned, mesh {doc['mesh']['spec']})", preview_index(doc))
+    if svg_file is None:
+        draw_layouts([target], layout_key, None, Console())
+        return
+    from converter.sources import open_checkpoint
+
+    reader = open_checkpoint(src, trust_pickle=trust_pickle)
+    try:
+        source = (src, reader.index())
+    finally:
+        reader.close()
+    draw_layouts([source, target], layout_key, svg_file, Console(), key_side=1)  # the target's keys (--keys narrows)
 
 
 @cli.command("demo")
