@@ -43,9 +43,11 @@ def run_options(f):
         click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same destination."),
         click.option("--trust-pickle", is_flag=True, help="Allow non-tensor entries that need arbitrary classes (runs their pickle code)."),
         click.option("--dry-run", is_flag=True, help="Print the plan, write nothing."),
-        click.option("--progress/--no-progress", default=None, help="Progress on stderr: a bar on a terminal, else a line every 5 s (default on; --no-progress: none)."),
+        click.option("--progress/--no-progress", default=None, help="Progress on stderr: a bar on a terminal, else a line every 5 s and one at 100 % "
+                     "(under torchrun: each rank's lines prefixed [rank R/N]; default on; --no-progress: none)."),
         click.option("--spool-dir", default=None, help="Local directory to stage a URL destination before upload "
-                     "(default: $CKPTCONV_SPOOL_DIR or the temp dir; needs room for the whole output)."),
+                     "(default: $CKPTCONV_SPOOL_DIR or the temp dir). Universal outputs stream through it (about "
+                     "twice --memory-budget); DCP and HF outputs need room for the whole output."),
         click.option("--no-verify-source", "no_verify_source", is_flag=True,
                      help="Skip checking each source chunk's stored checksum (DCP zip CRC-32, universal xxh3) "
                           "while copying it (default: checked; a mismatch stops the run)."),

@@ -29,8 +29,10 @@ PROGRESS_LINE_SECONDS = float(os.environ.get("CKPTCONV_PROGRESS_SECONDS", "5.0")
 #: Seconds between journal batches (data fsync + journal append) of a conversion.
 JOURNAL_FLUSH_SECONDS = float(os.environ.get("CKPTCONV_JOURNAL_FLUSH_SECONDS", "2.0") or 2.0)
 #: Where a conversion to a URL destination spools its output before uploading (a fresh
-#: ``ckptconv-spool-*`` directory is made under it; None = the system temp dir). It needs room
-#: for the whole output. Env ``CKPTCONV_SPOOL_DIR``; the ``--spool-dir`` option overrides it.
+#: ``ckptconv-spool-*`` directory is made under it; None = the system temp dir). Universal outputs
+#: stream through it (chunks uploaded and deleted as they are written: about twice the memory
+#: budget); DCP and HF outputs need room for the whole output. Env ``CKPTCONV_SPOOL_DIR``; the
+#: ``--spool-dir`` option overrides it.
 SPOOL_DIR = os.environ.get("CKPTCONV_SPOOL_DIR") or None
 #: Seconds a ``--plan torchtitan:...`` / ``python:...`` subprocess may take to build and
 #: parallelize the model on the meta device (env ``CKPTCONV_CODE_PLAN_TIMEOUT_S``).
