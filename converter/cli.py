@@ -377,9 +377,33 @@ def main(argv: list[str] | None = None) -> None:
     interpreter teardown (torch's finalizers) costs seconds. Called with ``argv`` (tests,
     embedding), it returns normally.
     """
-    rv = _run(argv)
-    if argv is None:
-        _exit_now(rv if isinstance(rv, int) else 0)
+    if argv is not None:
+        _run(argv)
+        return
+    _stop_on_sigterm()
+    try:
+        rv = _run(argv)
+    except SystemExit as e:  # errors too: skipping the teardown makes Ctrl-C / SIGTERM exit at once
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        _exit_now(code)
+    _exit_now(rv if isinstance(rv, int) else 0)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops a run like Ctrl-C (workers stop, the journal is kept for --resume), exit 143."""
+    import signal
+
+    from converter.destination import Terminated
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        pass
 
 
 def _exit_now(code: int) -> None:
@@ -398,9 +422,8 @@ def _run(argv: list[str] | None) -> object:
     try:
         _join_torchrun()
         return cli.main(args=argv, prog_name="ckptconv", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("ckptconv: aborted", err=True)
-        sys.exit(130)
+    except click.exceptions.Abort as e:  # click's form of a KeyboardInterrupt (its __cause__)
+        _aborted(e.__cause__)
     except click.ClickException as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare 'ckptconv' / 'ckptconv CMD': the help is the answer
             click.echo(e.format_message())
@@ -412,9 +435,8 @@ def _run(argv: list[str] | None) -> object:
             raise
         click.echo(f"ckptconv: error: {e}", err=True)
         sys.exit(EXIT_ERROR)
-    except KeyboardInterrupt:
-        click.echo("ckptconv: interrupted", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        _aborted(e)
     except OSError as e:  # a path the readers did not foresee (permissions, loops, long names): the user's to fix
         if debug:
             raise
@@ -441,6 +463,18 @@ def usage_error_text(e: click.ClickException) -> str:
     ctx = getattr(e, "ctx", None)
     where = f"'{ctx.command_path} --help'" if ctx is not None else "'ckptconv --help'"
     return f"{msg}; see {where}"
+
+
+def _aborted(e: BaseException | None) -> None:
+    """One line for Ctrl-C or SIGTERM (:class:`converter.destination.Interrupted` says whether
+    ``--resume`` continues the run), exit status 128 + the signal number (130, 143)."""
+    import signal
+
+    signum = getattr(e, "signum", signal.SIGINT)
+    text = str(e) if e is not None and str(e) else \
+        f"aborted ({'terminated' if signum == signal.SIGTERM else 'interrupted'})"
+    click.echo(f"ckptconv: {text}", err=True)
+    sys.exit(128 + signum)
 
 
 def _join_torchrun() -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import heapq
-import json
 import os
 import shutil
 import threading
@@ -155,10 +154,9 @@ class Dist:
     def journal(self, out: Path, header: dict[str, Any], resume: bool) -> Journal:
         """This rank's resume journal (opened on every rank, outcome agreed).
 
-        Resuming needs the world size of the interrupted run (each rank's share depends on it).
+        Resuming needs the world size of the interrupted run (each rank's share depends on it):
+        :func:`converter.destination.prepare` checked that on rank 0.
         """
-        if resume:
-            self.on_leader(lambda: self._check_world(Path(out)))
 
         def open_journal() -> Journal:
             where = Path(out)
@@ -172,18 +170,6 @@ class Dist:
             return Journal.resume(where, hdr) if resume else Journal(where, hdr)
 
         return self.collective(open_journal)  # type: ignore[return-value]
-
-    def _check_world(self, out: Path) -> None:
-        try:
-            with open(out / JOURNAL_NAME) as f:
-                was = json.loads(f.readline())["header"].get("world", 1)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return  # no readable journal: Journal.resume says what is wrong
-        if was != self.world:
-            raise errors.DestinationError(
-                f"{out}: the interrupted conversion there ran on {was} rank(s), this run has {self.world}; "
-                f"resume it with the same world size (torchrun --nnodes/--nproc-per-node), or --overwrite to start over"
-            )
 
     def remove_journals(self, journal: Journal | None, out: Path) -> None:
         """After the commit: drop this rank's journal (rank 0 also sweeps every rank's folder)."""
@@ -301,7 +287,43 @@ def init_from_env() -> Dist:
     if not td.is_initialized():
         td.init_process_group("gloo", timeout=_dt.timedelta(seconds=TIMEOUT_SECONDS))
     _CURRENT = Dist(td.get_rank(), td.get_world_size())
+    watch_launcher()
     return _CURRENT
+
+
+#: Seconds between two checks that the launcher (torchrun) still lives.
+LAUNCHER_POLL_SECONDS = 0.5
+#: Seconds a rank whose launcher died has to stop on its own (SIGTERM) before it exits hard.
+LAUNCHER_GRACE_SECONDS = 5.0
+_WATCHING: list[int] = []
+
+
+def watch_launcher() -> None:
+    """Stop this rank when the process that launched it (torchrun's agent) dies.
+
+    torchrun starts each rank in its own session, so a launcher killed with SIGKILL leaves its
+    ranks running, and rank 0 could publish an output the job no longer owns. A daemon thread
+    polls the parent pid; when the rank is orphaned it sends itself SIGTERM (the CLI turns it into
+    an interrupt: workers stop, nothing is published, the journal is kept for ``--resume``), and
+    exits hard if the rank is still alive :data:`LAUNCHER_GRACE_SECONDS` later (a collective that
+    waits for a dead peer).
+    """
+    if _WATCHING:
+        return
+    parent = os.getppid()
+    _WATCHING.append(parent)
+
+    def watch() -> None:
+        import signal
+        import time
+
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL_SECONDS)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(LAUNCHER_GRACE_SECONDS)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ckptconv-launcher-watch", daemon=True).start()
 
 
 __all__ = ["Dist", "assign", "share", "current", "init_from_env", "env_world", "JOURNAL_NAME"]

@@ -4,6 +4,10 @@ Workers fill each target piece from source regions and hand it to the sink; piec
 are written in C order by one worker, so every target chunk has exactly one writer. Buffers in
 flight are bounded by the budget (each task reserves twice its largest piece: the piece and
 one source read), whatever the checkpoint's size.
+
+A failure or an interrupt (Ctrl-C, SIGTERM under the CLI) stops the run within one piece: tasks not
+started are dropped, and running workers stop before their next piece without finishing their
+task (it is not journaled, so ``--resume`` redoes it).
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ class TaskSink(Protocol):
     def open(self, task: WriteTask) -> PieceWriter: ...
 
     def sync(self) -> None: ...
+
+
+class _Stopped(Exception):
+    """A worker gave up its task because the run is stopping (never escapes :func:`execute`)."""
 
 
 class _FaultInjector:
@@ -340,9 +348,12 @@ def execute(
     todo = [t for t in tasks if journal is None or not journal.is_done(t)]
     bar = _Progress(sum(t.nbytes for t in tasks), label, progress, progress_prefix)
     bar.advance(sum(t.nbytes for t in tasks) - sum(t.nbytes for t in todo))
-    failed = threading.Event()
+    failed = threading.Event()  # set on the first failure or interrupt: every worker stops
     lock = threading.Lock()
     fault = _FaultInjector()
+    from converter import knobs
+
+    slow = knobs.FAULT_SLOW_PIECE_SECONDS
     start = time.perf_counter()
     gc_was_enabled = gc.isenabled()
     gc.freeze()  # the index and plan are long-lived: keep the collector off them
@@ -353,8 +364,14 @@ def execute(
             return
         held = budget.acquire(2 * max(1, task.max_piece_bytes))
         try:
+            if failed.is_set():
+                raise _Stopped
             writer = sink.open(task)
             for piece in task.pieces:
+                if slow and failed.wait(slow):  # tests: a slow run, still stopped at once
+                    raise _Stopped
+                if failed.is_set():  # stop between pieces: the task stays undone (not journaled)
+                    raise _Stopped
                 data = fill_piece(reader, task, piece)
                 writer.write(piece, data)
                 n = data.nbytes
@@ -362,6 +379,8 @@ def execute(
                 bar.advance(n)
                 fault.wrote(n)
             info = writer.close()
+        except _Stopped:
+            return
         except OSError as e:
             failed.set()
             raise storage_error(e, f"writing {task.key!r}") from e
@@ -376,23 +395,24 @@ def execute(
             stats.tasks += 1
             stats.bytes_written += task.nbytes
 
+    pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptconv")
     try:
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptconv") as pool:
-            futures = [pool.submit(run, t) for t in todo]
-            pending = set(futures)
-            while pending:
-                done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-                error = next((f.exception() for f in done if f.exception() is not None), None)
-                if error is not None:
-                    failed.set()
-                    for f in pending:
-                        f.cancel()
-                    _flush_after_failure(journal, sink)
-                    raise error
-                if journal is not None:
-                    journal.flush(sink.sync)
+        pending = {pool.submit(run, t) for t in todo}
+        while pending:
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            error = next((f.exception() for f in done if f.exception() is not None), None)
+            if error is not None:
+                _stop(pool, failed)
+                _flush_after_failure(journal, sink)
+                raise error
+            if journal is not None:
+                journal.flush(sink.sync)
+        pool.shutdown(wait=True)
         if journal is not None:
             journal.flush(sink.sync, force=True)
+    except BaseException:  # an interrupt: stop the workers now; what the journal holds is kept
+        _stop(pool, failed)
+        raise
     finally:
         bar.stop()
         if gc_was_enabled:
@@ -402,6 +422,12 @@ def execute(
     stats.bytes_read = stats.bytes_written
     stats.peak_reserved = budget.peak
     return stats
+
+
+def _stop(pool: ThreadPoolExecutor, failed: threading.Event) -> None:
+    """Drop the tasks not started and wait for the running ones to stop (within one piece)."""
+    failed.set()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _flush_after_failure(journal: Journal | None, sink: TaskSink) -> None:

@@ -30,10 +30,11 @@ import numpy as np
 from converter import __version__
 from converter.atoms import group_atoms
 from converter.remote import remote_destination, spool_hook
-from converter.config import RunOptions, check_destination, check_resume_destination, parse_size
+from converter.config import RunOptions, parse_size
 from converter import distributed
+from converter.destination import conversion_header, guarded, open_destination, option_value
 from converter.execute import os_errors_as_storage_errors
-from converter.journal import index_fingerprint, task_id
+from converter.journal import task_id
 from converter.key_maps import (CONFIG_FILLERS, KeyMap, fused_qkv_rows, get_key_map, heads_for, parse_transform,
                                 rename_all, rope_permutation)
 from converter.plan import Piece, WriteTask, describe, plan_tensor
@@ -349,6 +350,7 @@ def _shard_summary(plans) -> str:
 
 
 @remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
+@guarded  # the destination's lock is held for the call; an interrupt says how to resume
 @os_errors_as_storage_errors("export-hf")
 def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
@@ -381,15 +383,10 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         if options.dry_run:
             return ConversionResult(str(dst), len(plan.specs), 0, total, 0.0,
                                     plan=_shard_summary(file_plans) + "\n" + describe(tasks))
-        header = {"op": "export-hf", "src": source_label(src), "source": index_fingerprint(index),
-                  "map": str(key_map), "dtype": dtype, "max_shard_size": max_bytes,
-                  "piece_bytes": options.effective_piece_bytes, "tool": __version__}
-        if options.resume:
-            out = check_resume_destination(src, dst)
-            journal = dist.journal(out, header, resume=True)
-        else:
-            out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
-            journal = dist.journal(out, header, resume=False)
+        header = conversion_header("export-hf", src, index, {
+            "--map": option_value(key_map), "--dtype": dtype, "--max-shard-size": max_bytes,
+            "--config": option_value(cfg)})
+        out, journal = open_destination(src, dst, header, options)
         writer = HFWriter(out, plan.specs, max_bytes)
         dtypes = {s.name: by_name(s.dtype).name for s in plan.specs}
         try:
@@ -457,6 +454,7 @@ def plan_import(index: CheckpointIndex, kmap: KeyMap, config: Mapping[str, Any] 
 
 
 @remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
+@guarded  # the destination's lock is held for the call; an interrupt says how to resume
 @os_errors_as_storage_errors("import-hf")
 def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               config: str | os.PathLike | Mapping[str, Any] | None = None, prefix: str | None = None,
@@ -502,16 +500,22 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
                 grid = chunk_grid(e.shape, chunk_shape_for(e.shape, by_name(e.dtype).itemsize, chunk_bytes))
                 tasks += plan_tensor(e, list(grid), chunk_bytes)
             return ConversionResult(str(dst), len(sources), 0, sum(t.nbytes for t in tasks), 0.0, plan=describe(tasks))
-        out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
+        header = conversion_header("import-hf", src, index, {
+            "--map": option_value(key_map), "--config": option_value(cfg), "--prefix": prefix,
+            "--chunk-size": chunk_bytes})
+        out, journal = open_destination(src, dst, header, options)
         refs, atoms = group_atoms(paths)
         writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out))  # URL dst: upload as final
         tasks: list[WriteTask] = []
         for key, entry in vindex.tensors.items():
             writer.add_tensor(entry, refs[key].atom, refs[key].role)
             tasks += plan_tensor(entry, writer.chunks(key), piece_bytes=chunk_bytes)
+        for task in tasks:
+            if journal.is_done(task):
+                writer.restore_chunk(task.key, task.target, journal.info(task))
         stats, written = dist.execute(tasks, view, _ChunkSink(writer), workers=options.workers,
                                       memory_budget=options.memory_budget, progress=options.progress,
-                                      label="import-hf", gather_info=dist.active)
+                                      label="import-hf", journal=journal, gather_info=dist.active)
         files = [f for f in index.info.get("files", {}) if f.endswith(".safetensors")]
         layout = f"hf {len(files)} file{'s' if len(files) != 1 else ''}"
         source = SourceInfo(format="hf", path=source_label(src), world_size=None, layout=layout)
@@ -522,8 +526,10 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
                     writer.restore_chunk(task.key, task.target, written[task_id(task)])
             created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
             writer.commit(source, __version__, atoms, created)
+            dist.remove_journals(journal, out)
 
         dist.on_leader(publish)
+        journal.remove()
         return ConversionResult(str(out), len(sources), 0, stats.bytes_written, stats.seconds, warnings=notes)
     finally:
         reader.close()

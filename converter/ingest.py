@@ -5,16 +5,16 @@ from __future__ import annotations
 import datetime as _dt
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from converter import __version__
 from converter.atoms import group_atoms
 from converter.remote import remote_destination, spool_hook
-from converter.config import RunOptions, check_destination, check_resume_destination
+from converter.config import RunOptions
 from converter import distributed
-from converter.journal import index_fingerprint, task_id
+from converter.destination import conversion_header, guarded, open_destination
+from converter.journal import task_id
 from converter.detect import WHOLE, LayoutReport, detect_layout
 from converter.execute import os_errors_as_storage_errors
 from converter.plan import Piece, WriteTask, plan_tensor
@@ -23,7 +23,7 @@ from converter.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
 from formats.objects import object_label, preview_value, read_checked_object
 from formats.universal import UniversalWriter
-from formats.universal_meta import METADATA_FILE, SourceInfo
+from formats.universal_meta import SourceInfo
 from formats.storage import source_label
 
 
@@ -117,6 +117,7 @@ def universal_chunk_bytes(options: RunOptions) -> int:
 
 
 @remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
+@guarded  # the destination's lock is held for the call; an interrupt says how to resume
 @os_errors_as_storage_errors("to-universal")
 def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
                  chunk_bytes: int | None = None, selection: Selection | None = None) -> ConversionResult:
@@ -138,18 +139,11 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         index, atoms = selected.restrict(index), selected.restrict_atoms(atoms)
         if options.dry_run:
             return _dry_run(index, dst, chunk_bytes)
-        header = {"op": "to-universal", "src": source_label(src), "source": index_fingerprint(index),
-                  "chunk_bytes": chunk_bytes, "tool": __version__,
-                  **({} if selection is None or selection.everything else {"selection": selection.to_json()})}
+        header = conversion_header("to-universal", src, index, {
+            "--chunk-size": chunk_bytes,
+            "--keys": None if selection is None or selection.everything else selection.to_json()})
         objects = _checked_objects(reader, index, options.trust_pickle)
-        if options.resume:
-            out = check_resume_destination(src, dst)
-            if (out / METADATA_FILE).is_file():
-                return ConversionResult(str(out), len(index.tensors), len(index.objects), 0, 0.0)
-            journal = dist.journal(out, header, resume=True)
-        else:
-            out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
-            journal = dist.journal(out, header, resume=False)
+        out, journal = open_destination(src, dst, header, options)
         writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out))  # URL dst: upload as final
         layout = detect_layout(index)
         hints = source_hints(layout, index)

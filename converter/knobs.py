@@ -26,6 +26,9 @@ MAX_OBJECT_BYTES = 1 * GIB
 FAULT_KILL_AFTER_BYTES = int(os.environ.get("CKPTCONV_FAULT_KILL_AFTER_BYTES", "0") or 0)
 #: Seconds between plain progress lines when stderr is not a terminal (env for tests and logs).
 PROGRESS_LINE_SECONDS = float(os.environ.get("CKPTCONV_PROGRESS_SECONDS", "5.0") or 5.0)
+#: Fault injection for the interrupt and lock tests: each worker sleeps this long before every
+#: piece (0 = off), so a small conversion runs for seconds. Set through the environment only.
+FAULT_SLOW_PIECE_SECONDS = float(os.environ.get("CKPTCONV_FAULT_SLOW_PIECE_SECONDS", "0") or 0)
 #: Seconds between journal batches (data fsync + journal append) of a conversion.
 JOURNAL_FLUSH_SECONDS = float(os.environ.get("CKPTCONV_JOURNAL_FLUSH_SECONDS", "2.0") or 2.0)
 #: Where a conversion to a URL destination spools its output before uploading (a fresh

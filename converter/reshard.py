@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Collection, Mapping
-from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 from typing import Any
@@ -23,10 +22,9 @@ import numpy as np
 
 from converter.atoms import AtomRef, group_atoms
 from converter.dataloader_state import plan_objects
-from converter import __version__
 from converter.remote import remote_destination
-from converter.config import RunOptions, check_destination, check_resume_destination
-from converter.journal import has_journal, index_fingerprint
+from converter.config import RunOptions
+from converter.destination import conversion_header, guarded, open_destination, option_value
 from converter import distributed
 from converter.execute import os_errors_as_storage_errors
 from converter.mesh import Mesh, parse_mesh
@@ -179,6 +177,7 @@ class _RankChunkSink:
 
 
 @remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
+@guarded  # the destination's lock is held for the call; an interrupt says how to resume
 @os_errors_as_storage_errors("from-universal")
 def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "fsdp",
                    mesh_order: str | None = None, dtype: str | None = None,
@@ -221,20 +220,11 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                                 [(k, r) for k, _, _, r in object_specs])
             return ConversionResult(str(dst), len(index.tensors), len(object_specs), doc["totals"]["bytes"], 0.0,
                                     plan=render_preview(doc), preview=doc)
-        header = {"op": "from-universal", "src": source_label(src), "source": index_fingerprint(index),
-                  "mesh": str(target_mesh), "plan": plan, "dtype": dtype,
-                  **({} if selection is None or selection.everything else {"selection": selection.to_json()}),
-                  **({"drop_dataloader": True} if drop_dataloader else {}),
-                  "piece_bytes": options.effective_piece_bytes, "tool": __version__}
-        if options.resume:
-            out = check_resume_destination(src, dst)
-            if (out / ".metadata").is_file() and not has_journal(out):
-                return ConversionResult(str(out), len(index.tensors), len(object_specs), 0, 0.0,
-                                        warnings=layout.warnings)
-            journal = dist.journal(out, header, resume=True)
-        else:
-            out = dist.on_leader(lambda: check_destination(src, dst, options.overwrite), Path(dst).resolve())
-            journal = dist.journal(out, header, resume=False)
+        header = conversion_header("from-universal", src, index, {
+            "--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan), "--dtype": dtype,
+            "--keys": None if selection is None or selection.everything else selection.to_json(),
+            "--drop-dataloader-state": bool(drop_dataloader)})
+        out, journal = open_destination(src, dst, header, options)
         objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
         planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
         writer = DCPWriter(out, layout.chunks, objects, planner_data, target_mesh.world_size)

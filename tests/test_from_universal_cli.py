@@ -140,13 +140,16 @@ def test_dry_run_prints_per_rank_plan_and_writes_nothing(store, tmp_path):
     assert not out.exists()
 
 
-def test_overwrite_replaces_a_non_empty_destination(store, source_ref, tmp_path):
+def test_overwrite_replaces_a_previous_output_only(store, source_ref, tmp_path):
     out = tmp_path / "o"
-    out.mkdir()
-    (out / "old.txt").write_text("x")
+    assert run_cli("from-universal", store, out, "--mesh", "dp4").returncode == 0
     assert run_cli("from-universal", store, out, "--mesh", "dp2", "--overwrite").returncode == 0
-    assert not (out / "old.txt").exists()
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert_same_value(torch_reference(out), source_ref)
+    (out / "old.txt").write_text("x")  # not ckptconv's: refused, nothing removed
+    proc = run_cli("from-universal", store, out, "--mesh", "dp2", "--overwrite")
+    assert proc.returncode == 2 and "old.txt" in proc.stderr and (out / "old.txt").read_text() == "x"
+    assert (out / ".metadata").is_file()
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -513,8 +513,8 @@ def test_failed_export_publishes_nothing(dcp_checkpoint, tmp_path, monkeypatch):
         api.export_hf(dcp_checkpoint("fsdp4"), tmp_path / "out", max_shard_size="20KB",
                       options=RunOptions(workers=1))
     is_temp = lambda name: name.endswith(".safetensors.tmp") or name == ".ckptconv-journal.jsonl"  # noqa: E731
-    assert all(is_temp(name) for name in seen[-1])  # only temp files while writing
-    # after the failure: still nothing published; temp files and journal stay for --resume
+    assert all(is_temp(name) or name == ".ckptconv-lock" for name in seen[-1])  # only temp files while writing
+    # after the failure: still nothing published; temp files and journal stay for --resume; lock released
     assert all(is_temp(p.name) for p in (tmp_path / "out").iterdir())
 
 

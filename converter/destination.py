@@ -1,0 +1,588 @@
+"""The destination of a conversion, in one place for every command: lock, identity, resume, overwrite.
+
+Every conversion (``to-universal``, ``from-universal``, ``export-hf``, ``import-hf``) calls
+:func:`open_destination` once it has planned, and is wrapped in :func:`guarded`:
+
+* **Lock.** ``<dst>/.ckptconv-lock`` is ``flock``-ed for the whole run and names its holder (pid,
+  host, command, start time). A second run on the same destination is refused with one line naming
+  the holder; a lock left by a dead process is free (the kernel drops ``flock`` locks with their
+  process) and simply taken over. Under torchrun rank 0 holds it for the job.
+* **Identity.** The journal header (:func:`conversion_header`) records the operation, the source
+  (path, a fingerprint of its index, and name/size/mtime of its top-level files) and the options
+  that shape the output. ``--resume`` continues only the same conversion: another source, other
+  options or a complete output is refused with one line saying what differs.
+* **Overwrite.** ``--overwrite`` removes only what ckptconv would have written there (a universal
+  store, a DCP checkpoint, an HF export, complete or partial: :func:`foreign_entries`), never
+  following a link; anything else is refused, naming what was found.
+* **Interrupts.** SIGINT (and SIGTERM under the CLI) stop the executor within about a second;
+  :func:`guarded` turns the interrupt into :class:`Interrupted`, whose message says whether
+  ``--resume`` can continue.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime as _dt
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from converter.journal import JOURNAL_NAME
+from formats.errors import DestinationError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+LOCK_NAME = ".ckptconv-lock"
+RANK_DIR_RE = re.compile(r"\.ckptconv-rank-\d+")
+
+UNIVERSAL, DCP, HF = "universal store", "DCP checkpoint", "Hugging Face export"
+#: The output kind of each operation.
+KIND_OF_OP = {"to-universal": UNIVERSAL, "import-hf": UNIVERSAL, "from-universal": DCP, "export-hf": HF}
+
+# ----------------------------------------------------------------------------------------------
+# the file sets ckptconv writes (what --overwrite may remove)
+
+_TMP = r"\.{name}\.tmp-\d+"  # formats.fsutil.atomic_write_bytes's temp file
+_OWN_FILES = {
+    UNIVERSAL: [r"ckptconv\.json", r"zarr\.json", _TMP.format(name=r"ckptconv\.json")],
+    DCP: [r"\.metadata", r"__\d+_\d+\.distcp", r"__\d+\.metadata", _TMP.format(name=r"\.metadata")],
+    HF: [r"model\.safetensors", r"model-\d+-of-\d+\.safetensors", r"model(-\d+-of-\d+)?\.safetensors\.tmp",
+         r"model\.safetensors\.index\.json", r"config\.json",
+         _TMP.format(name=r"(config\.json|model\.safetensors\.index\.json)")],
+}
+_COMMON_FILES = [re.escape(JOURNAL_NAME), re.escape(LOCK_NAME)]
+_OWN_DIRS = {UNIVERSAL: ("tensors", "objects")}
+#: Entries whose presence says "ckptconv (or a DCP save) wrote this directory".
+_SIGNATURES = [r"ckptconv\.json", r"\.metadata", r"__\d+_\d+\.distcp", r".*\.safetensors(\.tmp)?",
+               r"model\.safetensors\.index\.json", re.escape(JOURNAL_NAME), re.escape(LOCK_NAME)]
+#: Files that mark each kind of output complete (written last).
+MARKERS = {UNIVERSAL: "ckptconv.json", DCP: ".metadata", HF: "model.safetensors.index.json"}
+
+_FILE_RE = re.compile("|".join(f"(?:{p})" for k in _OWN_FILES for p in _OWN_FILES[k] + _COMMON_FILES))
+_SIG_RE = re.compile("|".join(f"(?:{p})" for p in _SIGNATURES))
+_CHUNK_RE = re.compile(r"\d+|\.\d+\.tmp")
+_OBJECT_RE = re.compile(r"\d{6}\.pt")
+
+
+def _tree_is_ours(top: Path) -> str | None:
+    """None when every entry under the universal store folder ``top`` (``tensors`` or ``objects``)
+    is one ckptconv writes; else the first foreign entry (relative to the store)."""
+    if top.is_symlink() or not top.is_dir():
+        return None  # a link is removed, never followed
+    for dirpath, dirnames, filenames in os.walk(top):
+        rel = Path(dirpath).relative_to(top.parent)
+        depth = len(rel.parts)  # 1: tensors/ or objects/, 2: an array, 3: its c/, ...
+        for name in filenames:
+            if top.name == "objects":
+                ok = depth == 1 and _OBJECT_RE.fullmatch(name)
+            else:
+                ok = (name == "zarr.json" and depth <= 2) or (depth >= 3 and _CHUNK_RE.fullmatch(name)) or (
+                    depth == 2 and name in ("c", ".c.tmp"))  # the chunk of a 0-d array
+            if not ok:
+                return (rel / name).as_posix()
+        for name in dirnames:
+            path = Path(dirpath, name)
+            ok = top.name == "tensors" and (depth == 1 or (depth == 2 and name == "c") or (
+                depth >= 3 and name.isdigit()))
+            if path.is_symlink() or not ok:
+                return (rel / name).as_posix() + "/"
+    return None
+
+
+def foreign_entries(out: Path) -> tuple[list[str], bool]:
+    """(entries of ``out`` ckptconv would not have written there, whether any entry is a
+    signature of a ckptconv output). Folders are named with a trailing ``/``."""
+    foreign: list[str] = []
+    signed = False
+    for entry in sorted(os.scandir(out), key=lambda e: e.name):
+        name = entry.name
+        if _SIG_RE.fullmatch(name):
+            signed = True
+        if entry.is_dir(follow_symlinks=False):
+            if RANK_DIR_RE.fullmatch(name):
+                continue
+            if name in _OWN_DIRS[UNIVERSAL]:
+                bad = _tree_is_ours(Path(entry.path))
+                if bad is not None:
+                    foreign.append(bad)
+                continue
+            foreign.append(name + "/")
+        elif entry.is_symlink() and name in _OWN_DIRS[UNIVERSAL]:
+            continue  # a link where ckptconv puts a folder: unlinked, never followed
+        elif not _FILE_RE.fullmatch(name):
+            foreign.append(name)
+    return foreign, signed
+
+
+def _listing(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _empty_except_lock(out: Path) -> bool:
+    return all(e.name == LOCK_NAME for e in os.scandir(out))
+
+
+def _clear(out: Path) -> None:
+    """Remove every entry of ``out`` but the lock; links are unlinked, never followed."""
+    for entry in os.scandir(out):
+        if entry.name == LOCK_NAME:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)  # never follows links inside (fd-based rmtree)
+        else:
+            os.unlink(entry.path)
+
+
+def complete_marker(out: Path) -> str | None:
+    """The completion marker of the ckptconv output in ``out`` (None: not complete); a link is
+    never a marker (ckptconv writes none)."""
+    # an unsharded HF export: model.safetensors is renamed in last
+    for name in (*MARKERS.values(), "model.safetensors"):
+        if (out / name).is_file() and not (out / name).is_symlink():
+            return name
+    return None
+
+
+def _kind_of_marker(marker: str) -> str:
+    return {"ckptconv.json": UNIVERSAL, ".metadata": DCP}.get(marker, HF)
+
+
+# ----------------------------------------------------------------------------------------------
+# the lock
+
+
+@dataclass
+class DestinationLock:
+    """The ``flock`` on ``<dst>/.ckptconv-lock``, held until :meth:`release`."""
+
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        """Drop the lock and remove the lock file (only while it is still this lock's file)."""
+        if self.fd < 0:
+            return
+        try:
+            st, cur = os.fstat(self.fd), os.stat(self.path, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == (cur.st_dev, cur.st_ino):
+                os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = -1
+
+
+def _holder_text(raw: bytes) -> str:
+    try:
+        doc = json.loads(raw.decode())
+        return (f"pid {doc['pid']} on {doc['host']}, `{doc['command']}`, since {doc['since']}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "a process that has not written its name yet"
+
+
+def lock_holder(out: Path) -> str | None:
+    """Who holds the lock of ``out`` now (None: nobody; a lock file of a dead process is free)."""
+    import fcntl
+
+    try:
+        fd = os.open(out / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _holder_text(os.pread(fd, 4096, 0))
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _command_line() -> str:
+    args = [os.path.basename(sys.argv[0]) if sys.argv else "python", *sys.argv[1:]]
+    if args and args[0] in ("__main__.py", "-m"):
+        args[0] = "ckptconv"
+    text = " ".join(args)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def acquire_lock(out: Path) -> DestinationLock:
+    """Lock ``out`` for this process, or refuse with one line naming the holder."""
+    import fcntl
+
+    path = out / LOCK_NAME
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise DestinationError(f"{path}: cannot create the lock file ({e.strerror}); remove it if it is a "
+                                   "link, or choose another destination") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder_text(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise DestinationError(
+                f"{out}: another ckptconv run is writing here ({holder}); wait for it to finish or stop it, then rerun"
+            ) from None
+        try:  # the holder before us may have removed the file after we opened it: lock the new one
+            st, cur = os.fstat(fd), os.stat(path, follow_symlinks=False)
+            same = (st.st_dev, st.st_ino) == (cur.st_dev, cur.st_ino)
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            continue
+        since = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        doc = {"pid": os.getpid(), "host": socket.gethostname(), "command": _command_line(), "since": since}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(doc).encode(), 0)
+        return DestinationLock(path, fd)
+
+
+#: Locks taken during the current guarded call (released when it returns).
+_HELD: contextvars.ContextVar[list[DestinationLock] | None] = contextvars.ContextVar("ckptconv_locks", default=None)
+
+
+# ----------------------------------------------------------------------------------------------
+# identity
+
+
+def _top_files(src: str | os.PathLike) -> list[list[Any]] | None:
+    """[name, size, mtime_ns] of the regular files directly in a local ``src`` (None for a URL)."""
+    from formats.storage import is_remote, local_path
+
+    if is_remote(src):
+        return None
+    root = local_path(src)
+    out = []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.name.startswith(".ckptconv-"):
+            continue
+        if entry.is_file():
+            st = entry.stat()
+            out.append([entry.name, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def source_identity(src: str | os.PathLike, index: Any) -> dict[str, Any]:
+    """What makes a source this source: its path, a fingerprint of its index (keys, dtypes,
+    shapes, chunks) and the name, size and modification time of its top-level files (the
+    ``.metadata`` / ``ckptconv.json`` / safetensors files and, for DCP and HF, the data)."""
+    from converter.journal import index_fingerprint
+    from formats.storage import source_label
+
+    return {"path": source_label(src), "index": index_fingerprint(index), "files": _top_files(src)}
+
+
+def option_value(value: Any) -> Any:
+    """How an option is recorded in the journal header: a name or number as given; a file (a plan,
+    key map or config) with a hash of its contents; another object (a mapping, a KeyMap given to
+    the Python API) by a hash of its repr."""
+    import xxhash
+
+    if value is None or isinstance(value, (int, float, bool)):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        text = os.fspath(value)
+        if os.path.isfile(text):
+            return f"{text} (contents {xxhash.xxh3_64_hexdigest(Path(text).read_bytes())})"
+        return text
+    if isinstance(value, Mapping):
+        value = json.dumps(value, sort_keys=True, default=repr)
+    return f"(contents {xxhash.xxh3_64_hexdigest(repr(value).encode())})"
+
+
+def conversion_header(op: str, src: str | os.PathLike, index: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The journal header of a conversion: operation, tool version, source identity and the
+    options that shape its output (``{"--mesh": "tp2,dp3", ...}``, as the user would write them)."""
+    from converter import __version__
+
+    return {"op": op, "tool": __version__, "source": source_identity(src, index), "options": dict(options)}
+
+
+def header_difference(old: Any, new: Mapping[str, Any]) -> str | None:
+    """Why the journal header ``old`` is not the conversion ``new`` (None: the same conversion)."""
+    if not isinstance(old, dict) or not {"op", "source", "options"} <= set(old):
+        return "it was written by another ckptconv version"
+    if old == new:
+        return None
+    if old["op"] != new["op"]:
+        return f"it was a {old['op']} run, this is {new['op']}"
+    was, now = old["source"], new["source"]
+    if was.get("path") != now.get("path"):
+        return f"it converted {was.get('path')}, this run converts {now.get('path')}"
+    if was.get("index") != now.get("index"):
+        return f"the source {now.get('path')} has other tensors or chunks than it had then"
+    if was.get("files") != now.get("files"):
+        before = {f[0]: f[1:] for f in was.get("files") or []}
+        after = {f[0]: f[1:] for f in now.get("files") or []}
+        changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+        return (f"the source {now.get('path')} changed since (size or modification time of "
+                f"{_listing(changed, 3)})")
+    for name in sorted(old["options"].keys() | new["options"].keys()):
+        a, b = old["options"].get(name), new["options"].get(name)
+        if a != b:
+            return f"it ran with {_option_text(name, a)}, this run with {_option_text(name, b)}"
+    if old.get("tool") != new.get("tool"):
+        return f"it was written by ckptconv {old.get('tool')}, this is {new.get('tool')}"
+    extra = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    return f"its {', '.join(extra)} differ"
+
+
+def _option_text(name: str, value: Any) -> str:
+    return f"{name} {value}" if value is not None else f"no {name}"
+
+
+def _read_header(out: Path) -> Any:
+    try:
+        with open(out / JOURNAL_NAME, "rb") as f:
+            return json.loads(f.readline())["header"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _strip_rank(header: Any) -> Any:
+    if isinstance(header, dict):
+        return {k: v for k, v in header.items() if k not in ("world", "rank")}
+    return header
+
+
+def _describe_header(header: Any) -> str:
+    if isinstance(header, dict) and isinstance(header.get("source"), dict):
+        return f"ckptconv {header.get('op')} from {header['source'].get('path')}"
+    if isinstance(header, dict) and header.get("op"):
+        return f"ckptconv {header.get('op')}"
+    return "ckptconv"
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+
+
+def _check_overlap(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    from formats.storage import is_remote, local_path
+
+    d = Path(dst).resolve()
+    if is_remote(src):
+        return d
+    s = local_path(src).resolve()
+    if d == s or s in d.parents:
+        raise DestinationError(f"{dst}: destination is inside the source {src}; choose a directory outside it")
+    if d in s.parents:
+        raise DestinationError(f"{dst}: destination contains the source {src}; choose another directory")
+    return d
+
+
+def _refuse_foreign(out: Path, dst: Any, what: str) -> None:
+    foreign, signed = foreign_entries(out)
+    if foreign or not signed:
+        found = _listing(foreign or sorted(e.name for e in os.scandir(out)))
+        does = ("only continues a ckptconv output" if what == "--resume" else
+                "only replaces an empty directory or a previous ckptconv output")
+        raise DestinationError(
+            f"{dst}: not a ckptconv output (found {found}); {what} {does}: remove those files yourself or choose "
+            "another path"
+        )
+
+
+def _check_no_links(out: Path) -> None:
+    for dirpath, dirnames, filenames in os.walk(out):
+        for name in dirnames + filenames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                raise DestinationError(
+                    f"{os.path.join(dirpath, name)}: a symlink inside the partial destination; ckptconv never "
+                    "writes through links: remove it, or start over with --overwrite"
+                )
+
+
+def prepare(src: str | os.PathLike, dst: str | os.PathLike, header: Mapping[str, Any], *, overwrite: bool,
+            resume: bool, world: int = 1) -> Path:
+    """Lock ``dst`` and make it ready for the conversion ``header`` (run on rank 0 only).
+
+    * resume: ``dst`` must hold the journal of the same conversion (same operation, source,
+      output options and world size) and no complete output;
+    * overwrite: ``dst`` may hold only a ckptconv output (complete or partial), which is removed;
+    * otherwise ``dst`` must be empty or absent.
+
+    Nothing is created in a directory that is refused. The lock is held until the guarded call
+    returns (:func:`guarded`).
+    """
+    out = _check_overlap(src, dst)
+    if out.exists() and not out.is_dir():
+        raise DestinationError(f"{dst}: exists and is not a directory; choose a new path")
+    if resume and not out.is_dir():
+        raise DestinationError(f"{dst}: nothing to resume (no such directory); run without --resume")
+    if out.is_dir():
+        _check_contents(out, dst, header, overwrite, resume, world, locked=False)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = acquire_lock(out)
+    held = _HELD.get()
+    try:
+        _check_contents(out, dst, header, overwrite, resume, world, locked=True)
+    except BaseException:
+        lock.release()
+        raise
+    if held is None:  # an unguarded caller: nothing would release it later
+        lock.release()
+    else:
+        held.append(lock)
+    return out
+
+
+def _check_contents(out: Path, dst: Any, header: Mapping[str, Any], overwrite: bool, resume: bool, world: int,
+                    locked: bool) -> None:
+    """Refuse what ``out`` holds, or (``locked``, overwrite) clear it."""
+    if not locked and (holder := lock_holder(out)) is not None:
+        raise DestinationError(
+            f"{dst}: another ckptconv run is writing here ({holder}); wait for it to finish or stop it, then rerun"
+        )
+    if resume:
+        if not _empty_except_lock(out):
+            _refuse_foreign(out, dst, "--resume")
+        _check_resume(out, dst, header, world)
+    elif not _empty_except_lock(out):
+        if not overwrite:
+            _refuse_non_empty(out, dst)
+        _refuse_foreign(out, dst, "--overwrite")
+        if locked:
+            _clear(out)
+
+
+def _refuse_non_empty(out: Path, dst: Any) -> None:
+    if (out / JOURNAL_NAME).is_file() and complete_marker(out) is None:
+        raise DestinationError(
+            f"{dst}: holds the partial output of an interrupted {_describe_header(_read_header(out))}; pass "
+            "--resume to continue it or --overwrite to start over"
+        )
+    marker = complete_marker(out)
+    if marker is not None and not foreign_entries(out)[0]:
+        raise DestinationError(
+            f"{dst}: already holds a complete {_kind_of_marker(marker)} ({marker}); pass --overwrite to replace it "
+            "or choose a new path"
+        )
+    raise DestinationError(f"{dst}: destination is not empty; pass --overwrite to replace it or choose a new path")
+
+
+def _check_resume(out: Path, dst: Any, header: Mapping[str, Any], world: int) -> None:
+    marker = complete_marker(out)
+    if marker is not None:
+        raise DestinationError(
+            f"{dst}: already holds a complete {_kind_of_marker(marker)} ({marker}): nothing to resume; pass "
+            "--overwrite instead of --resume to convert again"
+        )
+    if not (out / JOURNAL_NAME).is_file():
+        raise DestinationError(
+            f"{dst}: nothing to resume (no {JOURNAL_NAME}); run without --resume (add --overwrite to replace it)"
+        )
+    _check_no_links(out)
+    old = _read_header(out)
+    was_world = old.get("world", 1) if isinstance(old, dict) else 1
+    if was_world != world:
+        raise DestinationError(
+            f"{dst}: the interrupted conversion there ran on {was_world} rank(s), this run has {world}; resume it "
+            "with the same world size (torchrun --nnodes/--nproc-per-node), or --overwrite to start over"
+        )
+    why = header_difference(_strip_rank(old), header)
+    if why is not None:
+        raise DestinationError(
+            f"{dst}: cannot resume: the interrupted run there was a different conversion ({why}); rerun it "
+            "exactly as before, or pass --overwrite to start over"
+        )
+
+
+def open_destination(src: str | os.PathLike, dst: str | os.PathLike, header: Mapping[str, Any],
+                     options: Any) -> tuple[Path, Any]:
+    """Prepare ``dst`` (rank 0) and open this rank's resume journal: ``(out, journal)``."""
+    from converter import distributed
+
+    dist = distributed.current()
+    out = dist.on_leader(lambda: prepare(src, dst, header, overwrite=options.overwrite, resume=options.resume,
+                                         world=dist.world), Path(dst).resolve())
+    journal = dist.journal(out, dict(header), resume=options.resume)
+    return out, journal
+
+
+def unfinished_message(path: Path) -> str | None:
+    """For a local directory without a completion marker that a ckptconv run is writing (or was
+    writing when it was stopped): what it is and what to do; None otherwise."""
+    try:
+        if not path.is_dir() or complete_marker(path) is not None:
+            return None
+    except OSError:
+        return None
+    holder = lock_holder(path)
+    header = _read_header(path)
+    what = _describe_header(header)
+    kind = KIND_OF_OP.get(header.get("op")) if isinstance(header, dict) else None
+    if holder is not None:
+        return (f"{path}: incomplete: a running {what} is writing it ({holder}); wait for it to finish")
+    if header is None:
+        return None
+    return (f"{path}: incomplete {kind or 'output'}: the {what} that wrote it was stopped before it finished; "
+            f"rerun that command with --resume to finish it (or with --overwrite to start over)")
+
+
+# ----------------------------------------------------------------------------------------------
+# interrupts
+
+
+class Interrupted(KeyboardInterrupt):
+    """A conversion stopped by SIGINT / SIGTERM; ``str()`` says what to do next."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "aborted"
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by the CLI's SIGTERM handler."""
+
+    signum = signal.SIGTERM
+
+
+def _interrupted(e: KeyboardInterrupt, locks: list[DestinationLock]) -> Interrupted:
+    signum = getattr(e, "signum", signal.SIGINT)
+    how = "terminated" if signum == signal.SIGTERM else "interrupted"
+    if isinstance(e, Interrupted):
+        return e
+    outs = [lk.path.parent for lk in locks]
+    if outs and (outs[0] / JOURNAL_NAME).is_file() and complete_marker(outs[0]) is None:
+        return Interrupted(f"aborted ({how}); the partial output in {outs[0]} is kept: rerun the same command "
+                           "with --resume to continue", signum)
+    return Interrupted(f"aborted ({how})", signum)
+
+
+def guarded(fn: F) -> F:
+    """Decorate a conversion: locks taken by :func:`prepare` during the call are released when it
+    returns or fails, and an interrupt becomes :class:`Interrupted` (saying whether ``--resume``
+    continues it)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        locks: list[DestinationLock] = []
+        token = _HELD.set(locks)
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            raise _interrupted(e, locks) from None
+        finally:
+            _HELD.reset(token)
+            for lock in locks:
+                lock.release()
+
+    return run  # type: ignore[return-value]
