@@ -319,7 +319,7 @@ def header_difference(old: Any, new: Mapping[str, Any]) -> str | None:
     if old == new:
         return None
     if old["op"] != new["op"]:
-        return f"it was a {old['op']} run, this is {new['op']}"
+        return f"it ran {old['op']}, this run is {new['op']}"
     was, now = old["source"], new["source"]
     if was.get("path") != now.get("path"):
         return f"it converted {was.get('path')}, this run converts {now.get('path')}"
