@@ -73,6 +73,27 @@ _CHUNK_RE = re.compile(r"\d+|\.\d+\.tmp")
 _OBJECT_RE = re.compile(r"\d{6}\.pt")
 
 
+def owned_path(rel: str) -> bool:
+    """Whether ckptconv writes a file at ``rel`` (a POSIX path relative to the destination) in
+    one of its outputs (universal store, DCP checkpoint, HF export) or their bookkeeping."""
+    parts = rel.split("/")
+    name = parts[-1]
+    if len(parts) == 1:
+        return bool(_FILE_RE.fullmatch(name))
+    top = parts[0]
+    if RANK_DIR_RE.fullmatch(top):
+        return len(parts) == 2 and name == JOURNAL_NAME
+    if top == "objects":
+        return len(parts) == 2 and bool(_OBJECT_RE.fullmatch(name))
+    if top != "tensors":
+        return False
+    if len(parts) == 2:
+        return name == "zarr.json"
+    if len(parts) == 3:
+        return name in ("zarr.json", "c", ".c.tmp")  # c: the chunk of a 0-d array
+    return parts[2] == "c" and all(p.isdigit() for p in parts[3:-1]) and bool(_CHUNK_RE.fullmatch(name))
+
+
 def _tree_is_ours(top: Path) -> str | None:
     """None when every entry under the universal store folder ``top`` (``tensors`` or ``objects``)
     is one ckptconv writes; else the first foreign entry (relative to the store)."""
@@ -82,12 +103,7 @@ def _tree_is_ours(top: Path) -> str | None:
         rel = Path(dirpath).relative_to(top.parent)
         depth = len(rel.parts)  # 1: tensors/ or objects/, 2: an array, 3: its c/, ...
         for name in filenames:
-            if top.name == "objects":
-                ok = depth == 1 and _OBJECT_RE.fullmatch(name)
-            else:
-                ok = (name == "zarr.json" and depth <= 2) or (depth >= 3 and _CHUNK_RE.fullmatch(name)) or (
-                    depth == 2 and name in ("c", ".c.tmp"))  # the chunk of a 0-d array
-            if not ok:
+            if not owned_path((rel / name).as_posix()):
                 return (rel / name).as_posix()
         for name in dirnames:
             path = Path(dirpath, name)
@@ -121,6 +137,18 @@ def foreign_entries(out: Path) -> tuple[list[str], bool]:
         elif not _FILE_RE.fullmatch(name):
             foreign.append(name)
     return foreign, signed
+
+
+def refuse_foreign_keys(dst: str, rels: list[str]) -> None:
+    """For ``--overwrite`` of a URL destination: refuse unless every object under it (``rels``,
+    relative paths) is one a ckptconv output holds."""
+    foreign = sorted(r for r in rels if not owned_path(r))
+    signed = any("/" not in r and _SIG_RE.fullmatch(r) for r in rels)
+    if foreign or not signed:
+        raise DestinationError(
+            f"{dst}: not a ckptconv output (found {_listing(foreign or sorted(rels))}); --overwrite only replaces "
+            "an empty prefix or a previous ckptconv output: remove those objects yourself or choose another prefix"
+        )
 
 
 def _listing(names: list[str], limit: int = 4) -> str:

@@ -44,7 +44,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: Files whose presence marks an output complete; uploaded after everything else.
 MARKERS = ("ckptconv.json", ".metadata", "model.safetensors.index.json")
 #: Local-only bookkeeping that is never uploaded.
-_SKIP_PREFIXES = (".ckptconv-journal", ".ckptconv-rank-")
+_SKIP_PREFIXES = (".ckptconv-journal", ".ckptconv-rank-", ".ckptconv-lock")
 #: API functions whose output (a universal store) is uploaded while the conversion runs.
 STREAMED = ("to_universal", "import_hf")
 #: Extra spool room asked for beyond the planned output bytes of a DCP / HF output.
@@ -86,6 +86,12 @@ def prepare_remote(src: Any, dst: str, overwrite: bool) -> RemoteStorage:
     if names and not overwrite:
         raise DestinationError(f"{dst}: destination is not empty; pass --overwrite to replace it or choose a new prefix")
     if names:
+        from converter.destination import refuse_foreign_keys
+
+        base = st._key("").rstrip("/") + "/"
+        with remote_errors(dst):
+            keys = [k for k in st.fs.find(st._key("")) if k.startswith(base)]
+        refuse_foreign_keys(dst, [k[len(base):] for k in keys])
         with remote_errors(dst):
             st.fs.rm(st._key(""), recursive=True)
             st.fs.invalidate_cache(st._key(""))

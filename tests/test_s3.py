@@ -113,6 +113,15 @@ def test_remote_destination_rules(s3_source, s3_bucket):
     assert code == 2 and "--resume" in err and "Traceback" not in err
     _ok("to-universal", str(local_src), dst, "--overwrite")
     _ok("verify", dst)
+    from formats.storage import RemoteStorage
+
+    other = f"{s3_bucket}/notckpt"
+    st = RemoteStorage(other)
+    st.fs.pipe(st._key("important.txt"), b"keep")  # not ckptconv's: --overwrite refuses, deletes nothing
+    code, out, err = run_cli("to-universal", str(local_src), other, "--overwrite")
+    assert code == 2 and "important.txt" in err and "not a ckptconv output" in err, err
+    st.fs.invalidate_cache()
+    assert st.fs.cat(st._key("important.txt")) == b"keep"
     code, out, err = run_cli("to-universal", src, f"{src}/inner")
     assert code == 2 and "overlaps the source" in err
 
