@@ -109,10 +109,6 @@ class Journal:
             pass
 
 
-def has_journal(dst: Path) -> bool:
-    return (Path(dst) / JOURNAL_NAME).is_file()
-
-
 def index_fingerprint(index: Any) -> str:
     """A hash of everything in a source index that decides a conversion's output."""
     import xxhash
