@@ -21,7 +21,6 @@ Checks stream chunk by chunk in bounded slabs, across a thread pool. The result 
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import time
@@ -440,7 +439,6 @@ def _strays(root: Path, meta: Any, index: Any) -> list[str]:
 
 def _read_json(path: Path) -> Any:
     from formats.errors import CorruptCheckpointError
-
     from formats.fsutil import loads_json, read_error
 
     try:

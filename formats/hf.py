@@ -43,7 +43,7 @@ from formats.errors import (
     PlanError,
     UnsupportedError,
 )
-from formats.fsutil import atomic_write_bytes, fsync_dir, loads_json, read_error, safe_join, short, source_path
+from formats.fsutil import atomic_write_bytes, fsync_dir, loads_json, read_error, short, source_path
 from formats.storage import RandomFile, Storage, check_relative, close_file, open_storage, read_into
 
 if TYPE_CHECKING:

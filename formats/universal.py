@@ -479,7 +479,8 @@ class UniversalReader:
         if not self._check(key, record, chunk, region, read_checked):
             self._read_into(record, chunk, region, out)
 
-    def _check(self, key: str, record: TensorRecord, chunk: ChunkRef, region: Box, read_checked) -> bool:
+    def _check(self, key: str, record: TensorRecord, chunk: ChunkRef, region: Box,
+               read_checked: Callable[[], None]) -> bool:
         """Check the chunk's xxh3_64 if this reader verifies and nobody checked it yet: by
         ``read_checked()`` (which reads the region and checks the bytes it read) when the region
         is the whole chunk, else by a streamed pass over the chunk file. True when

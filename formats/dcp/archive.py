@@ -18,7 +18,6 @@ import math
 import os
 import struct
 import zipfile
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass

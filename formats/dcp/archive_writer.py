@@ -33,10 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-try:  # ISA-L's CRC-32 is ~3x faster than zlib's (same values); optional
-    from isal.isal_zlib import crc32 as _data_crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    _data_crc32 = zlib.crc32
+from formats.integrity import crc32 as _data_crc32  # ISA-L's when installed (same values as zlib's)
 
 from formats.dcp.torch_globals import NEW_DTYPES, STORAGE_TYPE_BY_DTYPE, Global, dtype_global, dumps, module_name
 from formats.dtypes import by_name, is_torch_tensor, itemsize_of, raw_bytes

@@ -14,7 +14,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -463,7 +463,7 @@ class DCPReader:
             archive.read_region_into(parsed, read, local.offsets, local.sizes, out)
 
     def _check(self, key: str, chunk: ChunkRef, region: Box, parsed: archive.ArchiveTensor,
-               read: archive.ReadAt, read_checked) -> bool:
+               read: archive.ReadAt, read_checked: Callable[[], None]) -> bool:
         """Check the chunk's CRC-32 if this reader verifies and nobody checked it yet: by
         ``read_checked()`` (which reads the region and checks the bytes it read) when the region
         is the whole chunk stored exactly, else by a streamed pass over its storage bytes. True
