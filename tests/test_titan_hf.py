@@ -31,12 +31,12 @@ def _adapter():
     return Llama3StateDictAdapter(model_registry("debugmodel").model, None)
 
 
-def _model_state(seed: int = 0) -> dict[str, torch.Tensor]:
-    """debugmodel-shaped weights of two layers in 0.3.0's saved names (split q/k/v)."""
+def _model_state(seed: int = 0, n_layers: int = 2) -> dict[str, torch.Tensor]:
+    """debugmodel-shaped weights of ``n_layers`` layers in 0.3.0's saved names (split q/k/v)."""
     g = torch.Generator().manual_seed(seed)
     sd = {"tok_embeddings.weight": torch.randn(2048, 256, generator=g), "norm.weight": torch.randn(256, generator=g),
           "lm_head.weight": torch.randn(2048, 256, generator=g)}
-    for i in range(2):
+    for i in range(n_layers):
         p = f"layers.{i}."
         for name, shape in (("attention.qkv_linear.wq.weight", (256, 256)), ("attention.qkv_linear.wk.weight", (256, 256)),
                             ("attention.qkv_linear.wv.weight", (256, 256)), ("attention.wo.weight", (256, 256)),
@@ -126,3 +126,36 @@ def test_import_hf_loads_in_torchtitan_trainer(titan_checkpoint, tmp_path):
     for rep in titan_support.run_job(job, tmp_path / "run"):
         assert rep["loaded"] and rep["loaded_step"] == 0
         assert rep["mismatch"] == [] and rep["compared"] >= 57
+
+
+LLAMA3_DEBUG_HF = {  # debugmodel's RoPE (ComplexRoPE, llama scaling) and RMSNorm in HF LlamaConfig terms
+    "num_attention_heads": 16, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+
+
+def test_transformers_logits_equal_torchtitans_model(tmp_path):
+    """The export, loaded by transformers' LlamaForCausalLM, computes the logits of torchtitan's own
+    Llama3 model holding the same weights (fused wqkv filled by its load hook)."""
+    import torch.distributed.checkpoint as dcp
+
+    transformers = pytest.importorskip("transformers")
+    titan_support.apply_cpu_patches()
+    from torchtitan.models.llama3 import model_registry
+
+    sd = {k: v * (0.05 if v.ndim == 2 else 1.0) for k, v in _model_state(n_layers=6).items()}
+    dcp.save(_fuse_layer0(sd), checkpoint_id=str(tmp_path / "ckpt"))
+    code, _, err = run_cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--map", "torchtitan-llama",
+                           "--config", json.dumps(LLAMA3_DEBUG_HF))
+    assert code == 0, err
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    model = model_registry("debugmodel").model.build()
+    assert not model.load_state_dict(sd, strict=False).missing_keys
+    model.eval()
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(32).expand(2, 32)
+    with torch.no_grad():
+        want = model(tokens, positions, model.get_attention_masks(positions))
+        got = hf(tokens).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
