@@ -75,10 +75,11 @@ class CodePlan:
         if self.stage_modules is None:
             return PipelineSplit(last=("norm", "output", "lm_head")).assign(fqns, pp)
         owner = {m: self.stage_ranks[s] for s, mods in enumerate(self.stage_modules) for m in mods}
-        split = PipelineSplit(module_fqns_per_model_part=self.stage_modules)
         out = {f: _owner(f, owner) for f in fqns}
         lost = [f for f, r in out.items() if r is None]
-        warnings = [] if not lost else split.assign(lost, pp)[1]
+        more = f", ... {len(lost) - 5} more" if len(lost) > 5 else ""
+        warnings = [f"plan {self.name}: {len(lost)} tensors belong to no pipeline stage ({', '.join(lost[:5])}{more}); "
+                    "they are written for every stage"] if lost else []
         return out, warnings
 
     def unused_rule_warnings(self, used: set[str]) -> list[str]:

@@ -139,3 +139,21 @@ def test_torchtitan_plan_errors():
         get_plan("torchtitan:llama3/nosuchflavor", mesh=m)
     with pytest.raises(PlanError, match="MODEL/FLAVOR"):
         get_plan("torchtitan:llama3", mesh=m)
+
+
+def test_code_plan_stages_and_unknown_names():
+    """PP owners come from the framework's stage split (module prefixes); a name the model does not
+    have is replicated with a warning, a wrong shape is an error."""
+    from converter.code_plans import CodePlan, plan_from_json
+
+    mesh = parse_mesh("pp2,dp2")
+    doc = {"name": "t", "table": {"layers.1.w": {"shape": [4, 2], "placements": ["S(0)"], "dims": [["dp_shard"]]}},
+           "pp": {"modules": [["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]], "ranks": [0, 1]}}
+    plan = plan_from_json(doc, mesh)
+    assert isinstance(plan, CodePlan)
+    out, warnings = plan_all({"layers.1.w": (4, 2), "tok_embeddings.weight": (8, 2), "extra": (3,)}, plan, mesh)
+    assert out["layers.1.w"].placements == (S0,) and out["layers.1.w"].pp_stage == 1
+    assert out["tok_embeddings.weight"].pp_stage == 0 and out["tok_embeddings.weight"].rule is None
+    assert any("matched no rule" in w for w in warnings) and any("no pipeline stage (extra)" in w for w in warnings)
+    with pytest.raises(PlanError, match="flavor"):
+        plan_all({"layers.1.w": (5, 2)}, plan, mesh)
