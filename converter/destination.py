@@ -503,12 +503,22 @@ def _refuse_non_empty(out: Path, dst: Any) -> None:
     raise DestinationError(f"{dst}: destination is not empty; pass --overwrite to replace it or choose a new path")
 
 
+def _written_from(out: Path, marker: str) -> str:
+    """`` (written from SRC)`` when the marker records its source (a universal store's does)."""
+    if marker != "ckptconv.json":
+        return ""
+    try:
+        return f" written from {json.loads((out / marker).read_bytes())['source']['path']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def _check_resume(out: Path, dst: Any, header: Mapping[str, Any], world: int) -> None:
     marker = complete_marker(out)
     if marker is not None:
         raise DestinationError(
-            f"{dst}: already holds a complete {_kind_of_marker(marker)} ({marker}): nothing to resume; pass "
-            "--overwrite instead of --resume to convert again"
+            f"{dst}: already holds a complete {_kind_of_marker(marker)} ({marker}{_written_from(out, marker)}): "
+            "nothing to resume; pass --overwrite instead of --resume to convert again"
         )
     if not (out / JOURNAL_NAME).is_file():
         raise DestinationError(

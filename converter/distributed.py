@@ -105,6 +105,10 @@ class Dist:
         failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
         if failed:
             rank, (name, message) = failed[0]
+            if name in ("KeyboardInterrupt", "Interrupted", "Terminated"):  # a peer was stopped: stop too
+                from converter.destination import Terminated
+
+                raise Terminated()
             cls = getattr(errors, name, None)
             if not (isinstance(cls, type) and issubclass(cls, errors.CkptConvError)):
                 cls, message = errors.CkptConvError, f"internal error: {name}: {message}"

@@ -225,8 +225,10 @@ def test_overwrite_refuses_a_foreign_file_inside_a_store(work, tmp_path):
     assert (array / "notes.txt").read_text() == "mine" and (dst / "ckptconv.json").is_file()
 
 
-@pytest.mark.parametrize("previous,op", [("export-hf", "to-universal"), ("to-universal", "from-universal"),
-                                         ("from-universal", "export-hf"), ("to-universal", "import-hf")])
+@pytest.mark.parametrize("previous,op", [
+    ("to-universal", "from-universal"), ("from-universal", "export-hf"),
+    pytest.param("export-hf", "to-universal", marks=pytest.mark.slow),
+    pytest.param("to-universal", "import-hf", marks=pytest.mark.slow)])
 def test_overwrite_replaces_a_ckptconv_output(work, tmp_path, monkeypatch, previous, op):
     ref, dst, partial = tmp_path / "ref", tmp_path / "out", tmp_path / "partial"
     convert(op, work, ref, RunOptions())
@@ -291,7 +293,7 @@ def test_signal_stops_at_once_and_resume_finishes(work, tmp_path, op, sig, slow)
 def test_a_second_run_is_refused_while_the_first_runs(work, tmp_path):
     ref, dst = tmp_path / "ref", tmp_path / "uni"
     assert ckptconv(*command("to-universal", work, ref)).returncode == 0
-    first = start(*command("to-universal", work, dst, "--workers", "2"), slow=0.3)
+    first = start(*command("to-universal", work, dst, "--workers", "2"), slow=0.2)
     wait_for_progress(dst, first)
     env = {**os.environ, "CKPTCONV_JOURNAL_FLUSH_SECONDS": "0"}
     others = [subprocess.Popen([sys.executable, "-m", "converter", *map(str, args)], stdout=subprocess.PIPE,
@@ -346,6 +348,7 @@ def test_a_stopped_output_read_as_a_source_says_resume(work, tmp_path, monkeypat
     assert proc.returncode == 2 and "--resume" in proc.stderr and "interrupted" in proc.stderr
 
 
+@pytest.mark.slow  # a torchrun start costs seconds
 def test_torchrun_ranks_stop_when_the_launcher_dies(work, tmp_path):
     """SIGKILL torchrun mid-run: both ranks stop within seconds and nothing is published, then or later."""
     dst = tmp_path / "uni"
