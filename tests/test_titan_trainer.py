@@ -34,6 +34,8 @@ CASES = [  # (source mesh, target mesh, plan, drop the dataloader state)
     ("tp2,dp2", "dp2", "llama", False),
     ("tp2,dp2", "dp4", "torchtitan:llama3/debugmodel", True),
     ("tp2,dp2", "tp2,dp2", "llama", False),
+    # No pp target: torchtitan 0.3.0 calls PipelineSchedule.step(arg_mbs=..., kwarg_mbs=...), which
+    # torch 2.13's schedules do not take ("Expecting 4 arg_mbs but got 1"); its PP needs a newer torch.
 ]
 
 
