@@ -7,6 +7,7 @@ import io
 import pickle
 import pickletools
 import re
+import struct
 import threading
 import zipfile
 import zlib
@@ -190,6 +191,10 @@ def _scan_entry(data: bytes, where: str) -> PickleScan:
             bad = z.testzip()
             if bad is not None:
                 raise _corrupt(where, f"CRC-32 mismatch in {bad}")
+            for info in infos:
+                why = _local_header_problem(data, info)
+                if why:
+                    raise _corrupt(where, f"zip member {info.filename}: {why}")
             names = [i.filename for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
             if len(names) != 1:
                 raise _corrupt(where, f"{len(names)} data.pkl records in the archive, not one")
@@ -203,6 +208,36 @@ def _scan_entry(data: bytes, where: str) -> PickleScan:
         return scan_globals(payload)
     except MalformedPickle as e:
         raise _corrupt(where, f"malformed pickle: {e}") from None
+
+
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
+_ZIP64_MARK = 0xFFFFFFFF
+
+
+def _local_header_problem(data: bytes, info: zipfile.ZipInfo) -> str | None:
+    """Why a member's local header disagrees with the central directory (None: it agrees).
+    Python's zipfile reads sizes from the central directory only; torch's reader (miniz) refuses
+    an archive whose local header says otherwise, so such an entry would not load after copying."""
+    at = info.header_offset
+    if at + _LOCAL_HEADER.size > len(data):
+        return "local header past the end"
+    sig, _, flags, _, _, _, crc, csize, usize, nlen, elen = _LOCAL_HEADER.unpack_from(data, at)
+    if sig != b"PK\x03\x04":
+        return "no local header signature"
+    if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+        return f"stored member's compressed size {info.compress_size} differs from its size {info.file_size}"
+    if at + _LOCAL_HEADER.size + nlen + elen + info.compress_size > len(data):
+        return f"its {info.compress_size} bytes run past the end of the archive"
+    if data[at + _LOCAL_HEADER.size:at + _LOCAL_HEADER.size + nlen] != info.orig_filename.encode("utf-8", "replace") \
+            and data[at + _LOCAL_HEADER.size:at + _LOCAL_HEADER.size + nlen] != info.orig_filename.encode("cp437", "replace"):
+        return "local header names another file"
+    if flags & 0x08:  # sizes and CRC in a data descriptor after the data
+        return None
+    for name, local, central in (("CRC-32", crc, info.CRC), ("compressed size", csize, info.compress_size),
+                                 ("size", usize, info.file_size)):
+        if local != central and not (local == _ZIP64_MARK and central >= _ZIP64_MARK and name != "CRC-32"):
+            return f"local header {name} {local} differs from the central directory's {central}"
+    return None
 
 
 def _crc_mismatch(data: bytes) -> str | None:

@@ -25,8 +25,8 @@ in subprocesses under ``RLIMIT_AS``. Checked per case:
   safetensors library's reading equals the store; and no conversion succeeds on an input whose
   integrity data ``verify`` rejects ("silent corruption").
 
-Classes whose failures belong to points other helpers fix (issue 12) are marked in
-:data:`EXPECTED`; their cases run and are counted but do not fail the suite (xfail with the point).
+Classes whose failures belong to points of issue 12 still being fixed can be marked in
+:data:`EXPECTED` (their cases run and are counted; a failure is an xfail naming the point).
 
 The default suite runs ``QUICK_CASES`` cases (a fixed sample over every class); ``-m slow`` runs
 ``LONG_CASES`` (>= 1,000) and prints the per-class counts (``CKPTCONV_FUZZ_CASES`` overrides).
@@ -617,14 +617,12 @@ CLASSES: dict[str, FuzzClass] = {c.name: c for c in [
     FuzzClass("symlink-loop", ("dcp", "universal", "hf"), m_symlink_loop),
 ]}
 
-#: Fuzz classes whose failures belong to other points of issue 12 (fixed in parallel): their cases
-#: run and are counted, and a failure there is an expected failure naming the point.
-EXPECTED: dict[str, str] = {
-    "distcp-tensor-flip": "point 1: a flipped tensor byte must be caught while copying (verify catches it)",
-    "universal-chunks-objects": "point 1: a flipped store chunk byte must be caught while copying",
-    "symlink-universal": "point 9: the universal reader follows chunk symlinks out of the store",
-    "symlink-loop": "point 10: symlink loops end in 'internal error: RuntimeError: Symlink loop'",
-}
+#: Fuzz classes whose failures belong to other points of issue 12 still being fixed: their cases
+#: run and are counted, and a failure there is an expected failure naming the point. Empty since
+#: points 1 (flipped tensor/chunk bytes caught while copying), 9 (store symlinks out of the store)
+#: and 10 (symlink loops) landed; point 8 (hostile .metadata sizes) is
+#: ``test_fuzz_hostile_metadata_bounded``.
+EXPECTED: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -762,10 +760,17 @@ def _store_by_torch(store: Path, like: dict) -> dict:
 
 
 def _read_hf(src: Path) -> dict:
+    """Every tensor of an HF directory as the safetensors library reads it, from the shard files
+    the index names (transformers loads those, whole) or, without an index, every file."""
     from safetensors import safe_open
 
     out = {}
-    for f in sorted(src.glob("*.safetensors")):
+    files = sorted(src.glob("*.safetensors"))
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [src / name for name in sorted(set(weight_map.values()))]
+    for f in files:
         with safe_open(f, "pt") as st:
             out.update({k: st.get_tensor(k) for k in st.keys()})
     return out
@@ -867,8 +872,9 @@ def summarize(outcomes: list[Outcome]) -> tuple[str, list[Outcome]]:
     for r in rows.values():
         total.update(r)
     lines.append("TOTAL".ljust(26) + "".join(str(total[c]).rjust(13) for c in cols))
-    lines.append("(* expected to be fixed by another point of issue 12: " + "; ".join(f"{k}: {v.split(':')[0]}"
-                                                                                  for k, v in EXPECTED.items()) + ")")
+    if EXPECTED:
+        lines.append("(* expected to be fixed by another point of issue 12: "
+                     + "; ".join(f"{k}: {v.split(':')[0]}" for k, v in EXPECTED.items()) + ")")
     failing = [o for o in outcomes if o.problems and o.cls not in EXPECTED]
     return "\n".join(lines), failing
 
