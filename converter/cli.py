@@ -26,9 +26,12 @@ class _Size(click.ParamType):
 
     def convert(self, value: Any, param: Any, ctx: Any) -> int:
         try:
-            return parse_size(value)
+            size = parse_size(value)
         except CkptConvError as e:
             self.fail(str(e), param, ctx)
+        if size < 1:  # 0 would otherwise read as "use the default" somewhere down the line
+            self.fail(f"{value!r}: a size must be positive, e.g. 512MiB", param, ctx)
+        return size
 
 
 SIZE = _Size()

@@ -108,10 +108,13 @@ def spool_root(options: Any) -> Path:
 def check_spool_space(spool: Path, need: int, dst: str, what: str) -> None:
     """StorageError (one line, naming ``--spool-dir``) when the spool's filesystem has less than
     ``need`` bytes free."""
+    from converter.units import human_bytes
+
     free = shutil.disk_usage(spool).free
     if free < need:
         raise StorageError(
-            f"{spool.parent}: the spool for {dst} needs {need} bytes ({what}) but its filesystem has {free} free; "
+            f"{spool.parent}: the spool for {dst} needs {human_bytes(need)} ({need} bytes; {what}) but its filesystem "
+            f"has {human_bytes(free)} ({free} bytes) free; "
             "pass --spool-dir (or CKPTCONV_SPOOL_DIR) on a filesystem with room"
         )
 

@@ -134,6 +134,8 @@ def test_usage_errors_are_one_line(demo, tmp_path, args):
 @pytest.mark.parametrize("args", [
     ["to-universal", "{demo}", "{tmp}/u", "--workers", "0"],
     ["to-universal", "{demo}", "{tmp}/u", "--memory-budget", "0"],
+    ["to-universal", "{demo}", "{tmp}/u", "--chunk-size", "0"],
+    ["export-hf", "{demo}", "{tmp}/u", "--max-shard-size", "0B"],
     ["from-universal", "{demo}", "{tmp}/u", "--mesh", "dp2", "--workers", "0"],
     ["from-universal", "{demo}", "{tmp}/u", "--mesh", "dp2", "--memory-budget", "0"],
     ["export-hf", "{demo}", "{tmp}/u", "--workers", "0"],
@@ -144,8 +146,8 @@ def test_zero_workers_and_budget_refused(demo, tmp_path, args):
     proc = ckptconv(*[a.format(demo=demo, tmp=tmp_path) for a in args])
     assert proc.returncode == 2, proc
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ckptconv: error: --"), proc.stderr
-    assert "--workers" in lines[0] or "--memory-budget" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("ckptconv: error: "), proc.stderr
+    assert args[-2] in lines[0] and ("at least" in lines[0] or "must be positive" in lines[0]), lines[0]
     assert not (tmp_path / "u").exists()
 
 
