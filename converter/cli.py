@@ -42,8 +42,8 @@ def run_options(f):
     opts = [
         click.option("--workers", type=int, default=None, help="I/O worker threads (default: CPU count, 2..8)."),
         click.option("--memory-budget", type=SIZE, default=None, help="Bytes of buffers in flight, e.g. 512MiB (default 512MiB)."),
-        click.option("--overwrite", is_flag=True, help="Replace a non-empty destination."),
-        click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same destination."),
+        click.option("--overwrite", is_flag=True, help="Replace a previous ckptconv output (complete or partial) at DST; anything else there is refused."),
+        click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same destination (same source and options)."),
         click.option("--trust-pickle", is_flag=True, help="Allow non-tensor entries that need arbitrary classes (runs their pickle code)."),
         click.option("--dry-run", is_flag=True, help="Print the plan, write nothing."),
         click.option("--progress/--no-progress", default=None, help="Progress on stderr: a bar on a terminal, else a line every 5 s and one at 100 % "
