@@ -373,12 +373,30 @@ def _option_text(name: str, value: Any) -> str:
     return f"{name} {value}" if value is not None else f"no {name}"
 
 
+#: Most bytes read for a journal's header line (it lists the source's top-level files).
+MAX_HEADER_BYTES = 64 << 20
+
+
 def _read_header(out: Path) -> Any:
+    """The header of the journal in ``out``; None if absent or unreadable. A link or anything but
+    a regular file is never read (a source directory may be hostile), nor more than
+    :data:`MAX_HEADER_BYTES`."""
+    import stat
+
     try:
-        with open(out / JOURNAL_NAME, "rb") as f:
-            return json.loads(f.readline())["header"]
-    except (OSError, ValueError, KeyError, TypeError):
+        fd = os.open(out / JOURNAL_NAME, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            line = f.readline(MAX_HEADER_BYTES)
+        return json.loads(line)["header"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _strip_rank(header: Any) -> Any:

@@ -395,3 +395,16 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_hostile_journal_in_a_source_is_never_read(tmp_path):
+    """A source directory's journal is read only as a bounded regular file (never /dev/zero by a link)."""
+    from formats.errors import InvalidCheckpointError
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / ".ckptconv-journal.jsonl").symlink_to("/dev/zero")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / ".ckptconv-journal.jsonl").write_text('{"header":' * 100_000)
+    for d in ("a", "b"):
+        with pytest.raises(InvalidCheckpointError, match="not a checkpoint ckptconv knows"):
+            api.detect_format(tmp_path / d)
