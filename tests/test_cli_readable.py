@@ -30,6 +30,13 @@ def ckptconv(*args: str, columns: int | None = 80, module: str = "converter") ->
                           timeout=300, stdin=subprocess.DEVNULL)
 
 
+def ckptconv_here(*args: str) -> subprocess.CompletedProcess:
+    """``ckptconv ARGS`` in this process through the real entry point (cheaper for error matrices)."""
+    from cli_runner import run_cli
+
+    return subprocess.CompletedProcess(args, *run_cli(*args))
+
+
 @pytest.fixture(scope="module")
 def demo() -> Path:
     return demo_checkpoint()
@@ -123,7 +130,7 @@ def test_sizes_in_binary_units(demo, tmp_path):
     ["inspect", "{demo}", "--stats"],
 ])
 def test_usage_errors_are_one_line(demo, tmp_path, args):
-    proc = ckptconv(*[a.format(demo=demo, tmp=tmp_path) for a in args])
+    proc = ckptconv_here(*[a.format(demo=demo, tmp=tmp_path) for a in args])
     assert proc.returncode == 2, proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -143,7 +150,7 @@ def test_usage_errors_are_one_line(demo, tmp_path, args):
     ["diff", "{demo}", "{demo}", "--workers", "0"],
 ])
 def test_zero_workers_and_budget_refused(demo, tmp_path, args):
-    proc = ckptconv(*[a.format(demo=demo, tmp=tmp_path) for a in args])
+    proc = ckptconv_here(*[a.format(demo=demo, tmp=tmp_path) for a in args])
     assert proc.returncode == 2, proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ckptconv: error: "), proc.stderr

@@ -10,7 +10,7 @@ import torch
 
 from converter.demo import demo_checkpoint, load_with_torch
 from converter.sources import open_checkpoint
-from test_cli_readable import ckptconv
+from test_cli_readable import ckptconv, ckptconv_here
 
 
 def _keys(path) -> tuple[set[str], set[str]]:
@@ -101,7 +101,7 @@ def test_selection_matching_nothing_is_an_error(tmp_path):
                               (["--keys", "re:^nothing"], "no entry matches 're:^nothing'"),
                               (["--keys", "model.*", "--optim-only"], "selects no entry"),
                               (["--model-only", "--optim-only"], "exclude each other")):
-            proc = ckptconv(*cmd, *extra)
+            proc = ckptconv_here(*cmd, *extra)
             assert proc.returncode == 2, (cmd, extra, proc)
             lines = proc.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("ckptconv: error: ") and needle in lines[0], lines
