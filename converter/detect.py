@@ -27,8 +27,10 @@ chunks are storage chunks, not a training layout.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
 
@@ -80,12 +82,7 @@ def _order(chunks: Sequence[ChunkRef]) -> list[ChunkRef]:
 
 def split_dims(entry: TensorEntry) -> dict[int, int]:
     """Dims with more than one distinct ``(offset, size)`` interval among the chunks -> count."""
-    out = {}
-    for d in range(len(entry.shape)):
-        parts = {(c.box.offsets[d], c.box.sizes[d]) for c in entry.chunks}
-        if len(parts) > 1:
-            out[d] = len(parts)
-    return out
+    return _facts(entry)[0]
 
 
 def tiles(entry: TensorEntry) -> bool:
@@ -94,19 +91,45 @@ def tiles(entry: TensorEntry) -> bool:
     Exact for product grids (every layout torch writes, and zarr chunk grids); for other box sets
     it checks bounds and that the element counts add up (overlap plus an equal gap would pass).
     """
-    shape = entry.shape
-    boxes = [c.box for c in entry.chunks if c.box.numel > 0]
-    if any(any(o < 0 or e > s for o, e, s in zip(b.offsets, b.ends, shape)) for b in boxes):
+    return _facts(entry)[1]
+
+
+def _facts(entry: TensorEntry) -> tuple[dict[int, int], bool]:
+    """(:func:`split_dims`, :func:`tiles`) of one tensor in one pass over its chunks, with the
+    per-chunk work done by C-level iteration (columns of offsets and sizes per dim)."""
+    shape = tuple(entry.shape)
+    ndim = len(shape)
+    boxes = [c.box for c in entry.chunks]
+    offs = list(zip(*(b.offsets for b in boxes))) if ndim else []
+    sizes = list(zip(*(b.sizes for b in boxes))) if ndim else []
+    dims = {}
+    for d in range(min(ndim, len(offs))):
+        parts = len(set(zip(offs[d], sizes[d])))
+        if parts > 1:
+            dims[d] = parts
+    return dims, _tiles(entry, shape, boxes)
+
+
+def _tiles(entry: TensorEntry, shape: tuple[int, ...], boxes: list[Box]) -> bool:
+    live = [b for b in boxes if b.numel > 0]
+    ndim = len(shape)
+    if any(len(b.offsets) != ndim or len(b.sizes) != ndim for b in live):
         return False
-    if sum(b.numel for b in boxes) != entry.numel:
+    if ndim and live:
+        offs = list(zip(*(b.offsets for b in live)))
+        sizes = list(zip(*(b.sizes for b in live)))
+        for d in range(ndim):
+            if min(offs[d]) < 0 or max(map(operator.add, offs[d], sizes[d])) > shape[d]:
+                return False
+    if sum(b.numel for b in live) != entry.numel:
         return False
     if entry.numel == 0:  # an empty tensor (a dim of size 0) has nothing to cover
         return True
-    axes = [sorted({(b.offsets[d], b.sizes[d]) for b in boxes}) for d in range(len(shape))]
+    axes = [sorted(set(zip(offs[d], sizes[d]))) for d in range(ndim)] if ndim else []
     grid = 1
     for ivs in axes:
         grid *= len(ivs)
-    if grid == len(boxes) and len({(b.offsets, b.sizes) for b in boxes}) == len(boxes):
+    if grid == len(live) and len({(b.offsets, b.sizes) for b in live}) == len(live):
         return all(_contiguous(ivs, size) for ivs, size in zip(axes, shape))
     return True
 
@@ -126,6 +149,14 @@ def tp_major_factor(ranks: Sequence[int]) -> int | None:
     Position ``t * dp + d`` holds rank ``d * tp + t`` (``(_StridedShard(0, sf=tp), Shard(0))``).
     Returns None for the identity order (FSDP, or pure TP: indistinguishable) and for anything else.
     """
+    k = len(ranks)
+    if tuple(ranks) == tuple(range(k)):  # FSDP (or pure TP): the identity order
+        return None
+    return _tp_major_factor(tuple(ranks))
+
+
+@lru_cache(maxsize=1024)
+def _tp_major_factor(ranks: tuple[int, ...]) -> int | None:
     k = len(ranks)
     for tp in range(2, k):
         if k % tp:
@@ -159,8 +190,12 @@ def rank_groups(index: CheckpointIndex) -> tuple[tuple[int, ...], ...]:
             r = parent[r]
         return r
 
+    seen: set[tuple[int, ...]] = set()
     for t in _sharded(index):
-        ranks = [c.rank for c in t.chunks]
+        ranks = tuple(c.rank for c in t.chunks)
+        if ranks in seen:  # tensors of one shape share their writers: union each set once
+            continue
+        seen.add(ranks)
         for r in ranks[1:]:
             parent[root(r)] = root(ranks[0])
     groups: dict[int, set[int]] = {}
@@ -236,13 +271,14 @@ class _Mesh:
         return 1
 
 
-def _stage_mesh(ranks: tuple[int, ...], entries: list[TensorEntry]) -> _Mesh:
+def _stage_mesh(ranks: tuple[int, ...], entries: list[TensorEntry],
+                facts: Mapping[str, tuple[dict[int, int], bool]] | None = None) -> _Mesh:
     """tp from a dim-1 split (row-wise grid) or a TP-major block order (column-wise); dp = rest."""
     local = {r: i for i, r in enumerate(ranks)}
     tp, shards, fsdp = 1, 1, 0
     only0: set[int] = set()  # dim-0 part counts of tensors split on dim 0 alone
     for t in entries:
-        dims = split_dims(t)
+        dims = facts[t.key][0] if facts is not None and t.key in facts else split_dims(t)
         shards = max(shards, dims.get(0, 1))
         if set(dims) == {0}:
             only0.add(dims[0])
@@ -285,14 +321,16 @@ def _tp_inner_dim(dims: Mapping[int, int]) -> int | None:
     return inner[0] if len(inner) == 1 else None
 
 
-def _classify(entry: TensorEntry, mesh: _Mesh | None) -> tuple[str, int | None]:
-    """(kind, tp_dim) of one tensor given its stage's mesh (None: no rank information)."""
+def _classify(entry: TensorEntry, mesh: _Mesh | None,
+              facts: tuple[dict[int, int], bool] | None = None) -> tuple[str, int | None]:
+    """(kind, tp_dim) of one tensor given its stage's mesh (None: no rank information);
+    ``facts``: its :func:`_facts` when already computed."""
     if len(entry.chunks) == 1 and entry.chunks[0].box.sizes == entry.shape:
         return WHOLE, None
     if mesh is None:
         return CHUNKED, None
-    dims = split_dims(entry)
-    if not tiles(entry):
+    dims, tiled = facts or _facts(entry)
+    if not tiled:
         return IRREGULAR, None
     if set(dims) == {0}:
         n = dims[0]
@@ -328,14 +366,16 @@ def detect_layout(index: CheckpointIndex) -> LayoutReport:
     by_stage: dict[tuple[int, ...], list[TensorEntry]] = {s: [] for s in stages}
     for t in _sharded(index):
         by_stage[stage_of[t.chunks[0].rank]].append(t)
-    meshes = {s: _stage_mesh(s, by_stage[s]) for s in stages}
+    facts = {key: _facts(t) for key, t in index.tensors.items()}
+    meshes = {s: _stage_mesh(s, by_stage[s], facts) for s in stages}
     layouts = {}
     for key, t in index.tensors.items():
         ranks = [c.rank for c in t.chunks]
         mesh = meshes.get(stage_of.get(ranks[0])) if ranks and None not in ranks else None
-        kind, tp_dim = _classify(t, mesh)
+        kind, tp_dim = _classify(t, mesh, facts[key])
         owners = tuple((c.rank, c.box) for c in _order(t.chunks))
-        layouts[key] = TensorLayout(key, split_dims(t), kind, owners, tp_dim, tiles(t))
+        dims, tiled = facts[key]
+        layouts[key] = TensorLayout(key, dims, kind, owners, tp_dim, tiled)
     ws = world_size(index)
     summary, mesh_guess, notes = _summarize(index, ws, stages, meshes, layouts)
     return LayoutReport(summary, ws, layouts, mesh_guess, stages, notes)

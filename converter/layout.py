@@ -265,10 +265,20 @@ def unique_boxes(
 
     Replicated boxes appear once. Empty boxes (uneven shards) are kept, as ``dcp.save`` keeps them.
     """
+    key_dims = None if dims is None else tuple(tuple(g) for g in dims)
+    return list(_unique_boxes(tuple(shape), mesh, tuple(placements), key_dims, pp_stage))
+
+
+@lru_cache(maxsize=4096)
+def _unique_boxes(shape: Shape, mesh: Mesh, placements: tuple[Placement, ...],
+                  dims: tuple[tuple[str, ...], ...] | None, pp_stage: int | None
+                  ) -> tuple[tuple[Box, tuple[int, ...]], ...]:
+    """:func:`unique_boxes`, cached: a model's tensors repeat a few shapes (every layer's, and a
+    parameter's optimizer states), so a large mesh is walked once per distinct shape."""
     owners: dict[Box, list[int]] = {}
     for rank, box in rank_boxes(shape, mesh, placements, dims, pp_stage).items():
         owners.setdefault(box, []).append(rank)
-    return [(box, tuple(ranks)) for box, ranks in owners.items()]
+    return tuple((box, tuple(ranks)) for box, ranks in owners.items())
 
 
 def compose_fsdp_tp(fsdp_dim: int | None, tp: Placement, tp_size: int) -> tuple[Placement, Placement]:

@@ -8,8 +8,9 @@ bounded buffer; each piece lists the :class:`CopyItem` regions to read from sour
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from formats.base import Box, ChunkRef, TensorEntry
@@ -17,7 +18,7 @@ from formats.dtypes import by_name
 from formats.errors import CorruptCheckpointError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CopyItem:
     """Copy ``region`` (global coordinates) from source chunk ``src``."""
 
@@ -25,7 +26,7 @@ class CopyItem:
     region: Box
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """A C-order contiguous part of a target box and the copies that fill it exactly."""
 
@@ -33,15 +34,19 @@ class Piece:
     copies: tuple[CopyItem, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WriteTask:
-    """Fill one target chunk ``target`` (sink specific id) of tensor ``key`` piece by piece."""
+    """Fill one target chunk ``target`` (sink specific id) of tensor ``key`` piece by piece.
+
+    ``pieces`` is a tuple, or a :class:`PlannedPieces` that computes them when iterated (plans of
+    millions of chunks stay small; each rank computes only the pieces of the tasks it runs).
+    """
 
     key: str
     dtype: str
     target: Hashable
     box: Box
-    pieces: tuple[Piece, ...]
+    pieces: Sequence[Piece]
 
     @property
     def nbytes(self) -> int:
@@ -50,7 +55,27 @@ class WriteTask:
     @property
     def max_piece_bytes(self) -> int:
         size = by_name(self.dtype).itemsize
-        return max((p.box.numel * size for p in self.pieces), default=0)
+        pieces = self.pieces
+        if isinstance(pieces, PlannedPieces):
+            return pieces.max_numel * size
+        return max((p.box.numel * size for p in pieces), default=0)
+
+
+def _split_dim(box: Box, itemsize: int, piece_bytes: int) -> tuple[int, int]:
+    """(the dim split into ranges, the range length) of :func:`split_pieces`."""
+    sizes = box.sizes
+    for d in range(box.ndim):
+        inner = math.prod(sizes[d + 1 :]) * itemsize
+        if inner <= piece_bytes or d == box.ndim - 1:
+            return d, max(1, piece_bytes // max(1, inner))
+    raise AssertionError("unreachable")
+
+
+def split_pieces_first(box: Box, itemsize: int, piece_bytes: int) -> Box:
+    """The first (and largest) piece :func:`split_pieces` gives for a non-empty box of 1+ dims."""
+    d, step = _split_dim(box, itemsize, piece_bytes)
+    sizes = box.sizes
+    return Box(box.offsets, (1,) * d + (min(step, sizes[d]),) + sizes[d + 1 :])
 
 
 def split_pieces(box: Box, itemsize: int, piece_bytes: int) -> list[Box]:
@@ -62,11 +87,7 @@ def split_pieces(box: Box, itemsize: int, piece_bytes: int) -> list[Box]:
     if box.ndim == 0 or box.numel == 0:
         return [box]
     sizes = box.sizes
-    for d in range(box.ndim):
-        inner = math.prod(sizes[d + 1 :]) * itemsize
-        if inner <= piece_bytes or d == box.ndim - 1:
-            step = max(1, piece_bytes // max(1, inner))
-            break
+    d, step = _split_dim(box, itemsize, piece_bytes)
     outer = sizes[:d]
     out = []
     for flat in range(math.prod(outer)):
@@ -82,14 +103,122 @@ def split_pieces(box: Box, itemsize: int, piece_bytes: int) -> list[Box]:
     return out
 
 
-def plan_copies(src_chunks: Sequence[ChunkRef], target: Box) -> tuple[CopyItem, ...]:
+#: Tensors with at most this many source chunks are scanned, not indexed.
+_SCAN_CHUNKS = 8
+
+
+class ChunkIndex:
+    """The source chunks of one tensor, searchable by box in O(log n + overlaps).
+
+    Chunks are sorted by their offset along one split dim (the dim with the most distinct
+    offsets: dim 0 for FSDP, dim 0 or 1 for 2-D grids). A query keeps the chunks whose start lies in
+    ``(lo - longest extent, hi)`` along that dim and intersects them with the target; for regular
+    grids that window holds exactly the chunks the target meets along the split dim. Only non-empty
+    chunks are kept (and the single chunk of a 0-d tensor). Sources must be disjoint.
+    """
+
+    __slots__ = ("chunks", "_dim", "_starts", "_reach")
+
+    def __init__(self, chunks: Iterable[ChunkRef]) -> None:
+        live = [c for c in chunks if c.box.numel or not c.box.ndim]
+        self._dim: int | None = None
+        self._starts: list[int] = []
+        self._reach = 0
+        if len(live) > _SCAN_CHUNKS and live[0].box.ndim:
+            ndim = live[0].box.ndim
+            self._dim = max(range(ndim), key=lambda d: (len({c.box.offsets[d] for c in live}), -d))
+            d = self._dim
+            live.sort(key=lambda c: c.box.offsets[d])
+            self._starts = [c.box.offsets[d] for c in live]
+            self._reach = max(c.box.sizes[d] for c in live)
+        self.chunks: list[ChunkRef] = live
+
+    @property
+    def numel(self) -> int:
+        """Elements the chunks hold (the tensor's when they cover it exactly)."""
+        return sum(c.box.numel for c in self.chunks)
+
+    def candidates(self, target: Box) -> Sequence[ChunkRef]:
+        """Chunks that may meet ``target`` (a superset of those that do, in index order)."""
+        d = self._dim
+        if d is None or target.ndim != len(target.offsets) or target.ndim <= d:
+            return self.chunks
+        lo, hi = target.offsets[d], target.offsets[d] + target.sizes[d]
+        i = bisect.bisect_right(self._starts, lo - self._reach)
+        j = bisect.bisect_left(self._starts, hi, lo=i)
+        return self.chunks[i:j]
+
+    def copies(self, target: Box) -> tuple[CopyItem, ...]:
+        """The regions of the chunks that fill ``target``."""
+        items = []
+        for chunk in self.candidates(target):
+            region = chunk.box.intersect(target)
+            if region is not None and region.numel:
+                items.append(CopyItem(chunk, region))
+        return tuple(items)
+
+
+def plan_copies(src_chunks: Sequence[ChunkRef] | ChunkIndex, target: Box) -> tuple[CopyItem, ...]:
     """The regions of ``src_chunks`` that fill ``target`` (sources are disjoint)."""
-    items = []
-    for chunk in src_chunks:
-        region = chunk.box.intersect(target)
-        if region is not None and region.numel:
-            items.append(CopyItem(chunk, region))
-    return tuple(items)
+    index = src_chunks if isinstance(src_chunks, ChunkIndex) else ChunkIndex(src_chunks)
+    return index.copies(target)
+
+
+class PlannedPieces(Sequence[Piece]):
+    """The pieces of one target box, computed from a :class:`ChunkIndex` each time they are
+    iterated (a plan holds one of these per task instead of every piece and copy)."""
+
+    __slots__ = ("_index", "_box", "_itemsize", "_piece_bytes", "_key")
+
+    def __init__(self, index: ChunkIndex, box: Box, itemsize: int, piece_bytes: int, key: str) -> None:
+        self._index, self._box, self._itemsize = index, box, itemsize
+        self._piece_bytes, self._key = piece_bytes, key
+
+    def _boxes(self) -> list[Box]:
+        return split_pieces(self._box, self._itemsize, self._piece_bytes)
+
+    def __iter__(self) -> Iterator[Piece]:
+        for piece_box in self._boxes():
+            copies = self._index.copies(piece_box)
+            if sum(c.region.numel for c in copies) != piece_box.numel:
+                raise CorruptCheckpointError(
+                    f"key {self._key!r}: region {piece_box.to_json()} is not covered exactly by the source chunks"
+                )
+            yield Piece(piece_box, copies)
+
+    def __len__(self) -> int:
+        return len(self._boxes())
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return tuple(self)[i]
+
+    @property
+    def max_numel(self) -> int:
+        """Elements of the largest piece (the first: only the last piece along the split is short)."""
+        box = self._box
+        if box.ndim == 0 or box.numel == 0:
+            return box.numel
+        return split_pieces_first(box, self._itemsize, self._piece_bytes).numel
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (PlannedPieces, tuple, list)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self._box, self._itemsize, self._piece_bytes, self._key))
+
+    def __repr__(self) -> str:
+        return f"PlannedPieces({self._key!r}, {self._box.to_json()}, piece_bytes={self._piece_bytes})"
+
+
+def _check_cover(entry: TensorEntry, index: ChunkIndex) -> None:
+    """Disjoint source chunks fill every target box exactly iff they hold the tensor's elements."""
+    if index.numel != entry.numel:
+        raise CorruptCheckpointError(
+            f"key {entry.key!r}: the source chunks hold {index.numel} of {entry.numel} elements; "
+            "they do not cover the tensor exactly"
+        )
 
 
 def plan_tensor(
@@ -97,20 +226,22 @@ def plan_tensor(
     targets: Iterable[tuple[Hashable, Box]],
     piece_bytes: int,
 ) -> list[WriteTask]:
-    """One write task per target box of ``entry``, each split into covered pieces."""
+    """One write task per target box of ``entry``; its pieces are computed when iterated, from an
+    index of the source chunks built once per tensor."""
     itemsize = by_name(entry.dtype).itemsize
-    live_chunks = [c for c in entry.chunks if c.box.numel or not c.box.ndim]
+    index = ChunkIndex(entry.chunks)
+    _check_cover(entry, index)
+    shape = tuple(entry.shape)
     tasks = []
     for target_id, box in targets:
-        pieces = []
-        for piece_box in split_pieces(box, itemsize, piece_bytes):
-            copies = plan_copies(live_chunks, piece_box)
-            if sum(c.region.numel for c in copies) != piece_box.numel:
-                raise CorruptCheckpointError(
-                    f"key {entry.key!r}: region {piece_box.to_json()} is not covered exactly by the source chunks"
-                )
-            pieces.append(Piece(piece_box, copies))
-        tasks.append(WriteTask(entry.key, entry.dtype, target_id, box, tuple(pieces)))
+        if len(box.offsets) != len(shape) or any(
+            o < 0 or n < 0 or o + n > d for o, n, d in zip(box.offsets, box.sizes, shape)
+        ):
+            raise CorruptCheckpointError(
+                f"key {entry.key!r}: target {box.to_json()} lies outside the tensor's shape {list(shape)}"
+            )
+        pieces = PlannedPieces(index, box, itemsize, piece_bytes, entry.key)
+        tasks.append(WriteTask(entry.key, entry.dtype, target_id, box, pieces))
     return tasks
 
 

@@ -95,11 +95,12 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
         if keep is not None and key not in keep:
             continue
         placement = by_key[key] = _placement_for(entry, refs.get(key), params, placements, mesh)
-        dtype = _target_dtype(entry, refs.get(key), dtype_override)
-        for box, holders in placement.unique_boxes(tuple(entry.shape), mesh):
-            owner = min(holders, key=lambda r: (loads[r], r))
-            loads[owner] += box.numel * by_name(dtype).itemsize
-            chunks.append(ChunkSpec(key, dtype, tuple(entry.shape), box, owner))
+        dtype = by_name(_target_dtype(entry, refs.get(key), dtype_override)).name
+        itemsize, shape = by_name(dtype).itemsize, tuple(entry.shape)
+        for box, holders in placement.unique_boxes(shape, mesh):
+            owner = min(holders, key=loads.__getitem__)  # least loaded; ties: lowest rank (holders ascend)
+            loads[owner] += box.numel * itemsize
+            chunks.append(ChunkSpec(key, dtype, shape, box, owner))
     return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key)
 
 

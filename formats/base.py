@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 Shape = tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Box:
     """A box in a tensor's global index space: ``offsets`` and ``sizes`` per dim."""
 
@@ -66,12 +66,36 @@ class Box:
         return {"offsets": list(self.offsets), "sizes": list(self.sizes)}
 
 
+def first_overlap(boxes: Iterable[Box]) -> tuple[Box, Box] | None:
+    """Two of the non-empty ``boxes`` that share an element, or None when they are disjoint.
+
+    A sweep along the dim with the most distinct offsets: boxes sorted by their start there are
+    compared only with those still open at that start, O(n log n) for grids of any size.
+    """
+    full = [b for b in boxes if b.numel]
+    if len(full) < 2:
+        return None
+    if not full[0].ndim:
+        return full[0], full[1]
+    d = max(range(full[0].ndim), key=lambda i: (len({b.offsets[i] for b in full}), -i))
+    full.sort(key=lambda b: b.offsets[d])
+    active: list[tuple[int, Box]] = []
+    for box in full:
+        start = box.offsets[d]
+        active = [(end, a) for end, a in active if end > start]
+        for _, a in active:
+            if a.intersect(box) is not None:
+                return a, box
+        active.append((start + box.sizes[d], box))
+    return None
+
+
 def full_box(shape: Shape) -> Box:
     """The box covering a whole tensor."""
     return Box(tuple(0 for _ in shape), tuple(shape))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkRef:
     """One stored chunk of a tensor: its global box and where its bytes live.
 
@@ -86,7 +110,7 @@ class ChunkRef:
     rank: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """A tensor in a checkpoint: flattened key, torch dtype name, global shape and chunks.
 
@@ -111,7 +135,7 @@ class TensorEntry:
         return self.numel * by_name(self.dtype).itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ObjectEntry:
     """A non-tensor entry: its flattened key, object path, and where its serialized bytes live."""
 

@@ -81,3 +81,62 @@ def test_zero_dim_tensor_plans_one_copy():
     entry = TensorEntry("step", "float32", (), (ChunkRef(Box((), ()), "f", 0, 0),), ("optim", "state", "w", "step"))
     [task] = plan_tensor(entry, [("c", full_box(()))], 1 << 20)
     assert len(task.pieces) == 1 and len(task.pieces[0].copies) == 1
+
+
+@st.composite
+def partitions(draw, max_dims=3, max_size=12):
+    """A random shape and a random guillotine partition of it into disjoint boxes (general boxes,
+    not a grid), plus a few empty chunks; the chunks come shuffled."""
+    ndim = draw(st.integers(1, max_dims))
+    shape = tuple(draw(st.integers(1, max_size)) for _ in range(ndim))
+    parts, todo = [], [full_box(shape)]
+    while todo:
+        box = todo.pop()
+        d = draw(st.integers(0, ndim - 1))
+        if box.sizes[d] > 1 and len(parts) + len(todo) < 40 and draw(st.booleans()):
+            cut = draw(st.integers(1, box.sizes[d] - 1))
+            lo = Box(box.offsets, box.sizes[:d] + (cut,) + box.sizes[d + 1 :])
+            hi = Box(box.offsets[:d] + (box.offsets[d] + cut,) + box.offsets[d + 1 :],
+                     box.sizes[:d] + (box.sizes[d] - cut,) + box.sizes[d + 1 :])
+            todo += [lo, hi]
+        else:
+            parts.append(box)
+    parts += [Box(tuple(shape[:1]) + (0,) * (ndim - 1), (0,) + shape[1:])] * draw(st.integers(0, 2))
+    order = draw(st.permutations(range(len(parts))))
+    return shape, [parts[i] for i in order]
+
+
+@given(partitions(), st.integers(0, 10), st.data())
+@settings(max_examples=300, deadline=None)
+def test_chunk_index_finds_what_the_straightforward_scan_finds(part, scan_limit, data):
+    """The per-tensor index (sorted along one dim, windowed) against intersecting every chunk."""
+    from converter import plan
+
+    shape, parts = part
+    chunks = [ChunkRef(b, f"f{i}", i, i) for i, b in enumerate(parts)]
+    saved, plan._SCAN_CHUNKS = plan._SCAN_CHUNKS, scan_limit  # index small tensors too
+    try:
+        index = plan.ChunkIndex(chunks)
+    finally:
+        plan._SCAN_CHUNKS = saved
+    for _ in range(5):
+        offs = tuple(data.draw(st.integers(0, n)) for n in shape)
+        sizes = tuple(data.draw(st.integers(0, n - o)) for n, o in zip(shape, offs))
+        target = Box(offs, sizes)
+        scan = {(c.locator, r) for c in chunks if c.box.numel
+                for r in [c.box.intersect(target)] if r is not None and r.numel}
+        found = {(c.src.locator, c.region) for c in index.copies(target)}
+        assert found == scan
+        if target.numel:
+            assert sum(r.numel for _, r in found) == target.numel
+
+
+def test_plan_tensor_refuses_sources_that_do_not_cover_the_tensor():
+    import pytest
+
+    from formats.errors import CorruptCheckpointError
+
+    src = (ChunkRef(Box((0, 0), (4, 8)), "f0", 0, 0), ChunkRef(Box((6, 0), (4, 8)), "f1", 1, 1))
+    entry = TensorEntry("w", "float32", (10, 8), src, ("model", "w"))
+    with pytest.raises(CorruptCheckpointError, match="2 of 80|64 of 80"):
+        plan_tensor(entry, [("t", full_box((10, 8)))], 1 << 20)

@@ -18,8 +18,9 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import Any, NamedTuple
 
+from formats.base import Box
 from formats.dcp.safe_pickle import SAFE_BUILTINS, DTypeRef, Record, record_class, safe_loads
 from formats.dcp.safe_pickle import resolve_torch_dtype, resolve_torch_layout
 from formats.errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -33,8 +34,10 @@ RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
 _DCP_FS = "torch.distributed.checkpoint.filesystem"
+#: Dataclasses pickled by the million (dict states): records the C unpickler fills itself.
+_FAST = ("TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex")
 _RECORDS: dict[tuple[str, str], type[Record]] = {
-    (_DCP_MD, n): record_class(n)
+    (_DCP_MD, n): record_class(n, fast=n in _FAST)
     for n in (
         "Metadata",
         "TensorStorageMetadata",
@@ -45,12 +48,7 @@ _RECORDS: dict[tuple[str, str], type[Record]] = {
         "StorageMeta",
     )
 }
-_RECORDS[(_DCP_FS, "_StorageInfo")] = record_class("_StorageInfo")
-
-
-def _size(seq: Any = ()) -> tuple:
-    """Stand-in for ``torch.Size(seq)`` (element types are checked when parsed)."""
-    return tuple(seq)
+_RECORDS[(_DCP_FS, "_StorageInfo")] = record_class("_StorageInfo", fast=True)
 
 
 def _mem_format(value: Any) -> int:
@@ -64,7 +62,7 @@ def _layout(name: Any) -> str:
 
 
 _FIXED: dict[tuple[str, str], Any] = {
-    ("torch", "Size"): _size,
+    ("torch", "Size"): tuple,  # the builtin: REDUCE then runs no Python code (elements checked later)
     (_DCP_MD, "_MEM_FORMAT_ENCODING"): _mem_format,
     ("torch.serialization", "_get_layout"): _layout,
     ("pathlib", "PosixPath"): PurePosixPath,
@@ -86,15 +84,12 @@ def _resolve_metadata_global(module: str, name: str) -> Any:
 # Parsed, torch-free metadata
 
 
-@dataclass(frozen=True)
-class ChunkMeta:
-    """A chunk's box in global coordinates (``ChunkStorageMetadata``)."""
-
-    offsets: Shape
-    sizes: Shape
+#: A chunk's box in global coordinates (``ChunkStorageMetadata``): the index's own box type, so
+#: the reader uses the parsed boxes as they are.
+ChunkMeta = Box
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorMeta:
     """A tensor entry: torch dtype name (``"bfloat16"``), global size, chunks."""
 
@@ -108,9 +103,9 @@ class BytesMeta:
     """A non-tensor entry (serialized with ``torch.save``)."""
 
 
-@dataclass(frozen=True)
-class StorageInfo:
-    """Where an item's bytes live: ``[offset, offset + length)`` of ``relative_path``."""
+class StorageInfo(NamedTuple):
+    """Where an item's bytes live: ``[offset, offset + length)`` of ``relative_path`` (a named tuple:
+    one per chunk, and the reader's chunk locator as it is)."""
 
     relative_path: str
     offset: int
@@ -184,7 +179,14 @@ def _parse_tensor(rec: Record, source: str, key: str) -> TensorMeta:
         raise CorruptCheckpointError(f"{source}: key {key!r}: tensor has no dtype ({dtype!r})")
     size = _shape(rec.get("size", 1), source, what)
     chunks = []
+    fast = _RECORDS[(_DCP_MD, "ChunkStorageMetadata")]
     for c in rec.get("chunks", 2) or ():
+        if type(c) is fast:  # what torch writes: read the state straight from the record
+            d = c.__dict__
+            offsets, sizes = d.get("offsets"), d.get("sizes")
+            if offsets is not None and sizes is not None:
+                chunks.append(ChunkMeta(_shape(offsets, source, what), _shape(sizes, source, what)))
+                continue
         c = _expect(c, "ChunkStorageMetadata", source, what)
         chunks.append(ChunkMeta(_shape(c.get("offsets", 0), source, what),
                                 _shape(c.get("sizes", 1), source, what)))
@@ -214,7 +216,19 @@ def _parse_storage(raw: Any, source: str) -> dict[StorageKey, StorageInfo]:
             f"{source}: storage_data is not a dict of _StorageInfo (a custom storage writer?)"
         )
     out: dict[StorageKey, StorageInfo] = {}
+    index_type, info_type = _RECORDS[(_DCP_MD, "MetadataIndex")], _RECORDS[(_DCP_FS, "_StorageInfo")]
     for index, info in raw.items():
+        if type(index) is index_type and type(info) is info_type:  # what torch writes
+            d, f = index.__dict__, info.__dict__
+            fqn, offset = d.get("fqn"), d.get("offset")
+            path, start, length = f.get("relative_path"), f.get("offset"), f.get("length")
+            if (type(fqn) is str and type(path) is str and path and type(start) is int
+                    and type(length) is int and start >= 0 and length >= 0
+                    and not f.get("transform_descriptors")):
+                if offset is not None:
+                    offset = _shape(offset, source, fqn)
+                out[(fqn, offset)] = StorageInfo(path, start, length, ())
+                continue
         index = _expect(index, "MetadataIndex", source, "storage_data key")
         fqn = index.get("fqn", 0)
         if type(fqn) is not str:

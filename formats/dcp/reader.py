@@ -16,9 +16,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
+from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry, first_overlap
 from formats.dcp import archive
 from formats.dcp.metadata import (
     MAX_METADATA_BYTES,
@@ -67,13 +67,9 @@ _ARCHIVE_SLACK = 16 << 20
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
-class Locator(NamedTuple):
-    """Where a DCP item lives (the opaque, hashable ``ChunkRef.locator``)."""
-
-    relative_path: str
-    offset: int
-    length: int
-    transforms: tuple[str, ...]
+#: Where a DCP item lives (the opaque, hashable ``ChunkRef.locator``): relative_path, offset,
+#: length, transforms; the parsed storage entry itself.
+Locator = StorageInfo
 
 
 def is_dcp_checkpoint(path: str | os.PathLike | Storage) -> bool:
@@ -157,22 +153,22 @@ def _load(st: Storage, name: str) -> DCPMetadata:
 # Validation
 
 
-def _check_cover(key: str, meta: TensorMeta, where: str) -> None:
-    """Chunks in bounds, pairwise disjoint, covering the tensor exactly (empty chunks allowed)."""
-    shape, covered, nonempty = meta.size, 0, []
-    for c in meta.chunks:
-        if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
-            o + n > d for o, n, d in zip(c.offsets, c.sizes, shape)
+def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> None:
+    """Chunks (``boxes``, one per chunk of ``meta``) in bounds, pairwise disjoint, covering the
+    tensor exactly (empty chunks allowed)."""
+    shape, covered = meta.size, 0
+    ndim = len(shape)
+    for b in boxes:
+        offsets, sizes = b.offsets, b.sizes
+        if len(offsets) != ndim or len(sizes) != ndim or any(
+            o + n > d for o, n, d in zip(offsets, sizes, shape)
         ):
             raise CorruptCheckpointError(
-                f"{where}: key {key!r} has chunk {list(c.offsets)}+{list(c.sizes)} outside its "
+                f"{where}: key {key!r} has chunk {list(offsets)}+{list(sizes)} outside its "
                 f"shape {list(shape)}"
             )
-        numel = math.prod(c.sizes)
-        covered += numel
-        if numel:
-            nonempty.append(c)
-    _check_disjoint(key, sorted(nonempty, key=lambda c: c.offsets), where)
+        covered += math.prod(sizes)
+    _check_disjoint(key, boxes, where)
     if covered != math.prod(shape):
         raise CorruptCheckpointError(
             f"{where}: key {key!r} chunks cover {covered} of {math.prod(shape)} elements; some "
@@ -180,21 +176,15 @@ def _check_cover(key: str, meta: TensorMeta, where: str) -> None:
         )
 
 
-def _check_disjoint(key: str, chunks: list[ChunkMeta], where: str) -> None:
-    """Sweep along dim 0 over non-empty chunks sorted by offsets: compare only those whose
-    dim-0 ranges meet."""
-    active: list[tuple[int, Box]] = []
-    for c in chunks:
-        start = c.offsets[0] if c.offsets else 0
-        active = [(end, a) for end, a in active if end > start]
-        box = Box(c.offsets, c.sizes)
-        for _, a in active:
-            if a.intersect(box) is not None:
-                raise CorruptCheckpointError(
-                    f"{where}: key {key!r} chunks {list(a.offsets)}+{list(a.sizes)} and "
-                    f"{list(box.offsets)}+{list(box.sizes)} overlap"
-                )
-        active.append((start + (c.sizes[0] if c.sizes else 1), box))
+def _check_disjoint(key: str, boxes: list[Box], where: str) -> None:
+    """Raise when two non-empty chunks overlap (a sweep: :func:`formats.base.first_overlap`)."""
+    pair = first_overlap(boxes)
+    if pair is not None:
+        a, box = pair
+        raise CorruptCheckpointError(
+            f"{where}: key {key!r} chunks {list(a.offsets)}+{list(a.sizes)} and "
+            f"{list(box.offsets)}+{list(box.sizes)} overlap"
+        )
 
 
 def _check_files(st: Storage, refs: Iterable[tuple[str, StorageInfo]]) -> dict[str, int]:
@@ -331,16 +321,18 @@ class DCPReader:
                 objects[key] = ObjectEntry(key, path, info.relative_path, _locator(info),
                                            info.length)
                 continue
-            _check_cover(key, meta, where)
+            boxes = sorted(meta.chunks, key=_box_order)  # ChunkMeta is Box
+            _check_cover(key, meta, boxes, where)
             itemsize = _itemsize(meta.dtype, key, where)
             chunks = []
-            for c in sorted(meta.chunks, key=lambda c: c.offsets):
-                info = _storage_of(md, key, c.offsets, where)
-                if math.prod(c.sizes) * itemsize > info.length:  # rare: compressed, or damaged
-                    sized.append((key, c.offsets, math.prod(c.sizes) * itemsize, info))
+            storage = md.storage
+            for box in boxes:
+                info = storage.get((key, box.offsets)) or _storage_of(md, key, box.offsets, where)
+                nbytes = box.numel * itemsize
+                if nbytes > info.length:  # rare: compressed, or damaged
+                    sized.append((key, box.offsets, nbytes, info))
                 refs.append((key, info))
-                chunks.append(ChunkRef(Box(c.offsets, c.sizes), info.relative_path,
-                                       _locator(info), _rank_of(info.relative_path)))
+                chunks.append(ChunkRef(box, info.relative_path, info, _rank_of(info.relative_path)))
             tensors[key] = TensorEntry(key, meta.dtype, meta.size, tuple(chunks), path)
         files = _check_files(self._storage, refs)
         for key, offsets, nbytes, info in sized:
@@ -543,8 +535,12 @@ def _itemsize(dtype: str, key: str, where: str) -> int:
         ) from None
 
 
+def _box_order(box: Box) -> tuple:
+    return box.offsets
+
+
 def _locator(info: StorageInfo) -> Locator:
-    return Locator(info.relative_path, info.offset, info.length, info.transforms)
+    return info
 
 
 def _era(md: DCPMetadata) -> str:

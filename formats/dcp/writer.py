@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from formats.base import Box
+from formats.base import Box, first_overlap
 from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
 from formats.dtypes import by_name
 from formats.errors import ConfigError, DestinationError, IncompleteCheckpointError
@@ -50,7 +50,7 @@ def default_file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkSpec:
     """One stored chunk: tensor ``key`` of ``dtype`` and ``global_shape``, its ``box``, the file
     owner ``rank``."""
@@ -63,9 +63,30 @@ class ChunkSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", by_name(self.dtype).name)
-        object.__setattr__(self, "global_shape", tuple(int(s) for s in self.global_shape))
-        box = Box(tuple(int(o) for o in self.box.offsets), tuple(int(s) for s in self.box.sizes))
-        object.__setattr__(self, "box", box)
+        object.__setattr__(self, "global_shape", _int_tuple(self.global_shape))
+        box = self.box
+        offsets, sizes = _int_tuple(box.offsets), _int_tuple(box.sizes)
+        if offsets is not box.offsets or sizes is not box.sizes:
+            object.__setattr__(self, "box", Box(offsets, sizes))
+
+
+#: Tuples of plain ints by value (layouts repeat a few offsets and sizes millions of times).
+_INT_TUPLES: dict[tuple, tuple[int, ...]] = {}
+
+
+def _int_tuple(values) -> tuple[int, ...]:
+    """``values`` as a tuple of Python ints (numpy ints converted), shared with equal tuples."""
+    key = values if type(values) is tuple else tuple(values)
+    try:
+        return _INT_TUPLES[key]  # numpy ints hash and compare like the ints they hold
+    except KeyError:
+        pass
+    out = tuple(int(v) for v in key)
+    if out == key and all(type(v) is int for v in key):
+        out = key
+    if len(_INT_TUPLES) < 1 << 16:
+        _INT_TUPLES[out] = out
+    return out
 
 
 @dataclass(frozen=True)
@@ -77,7 +98,7 @@ class ObjectSpec:
     rank: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ItemLocation:
     """Where an item's bytes lie: file (relative to the root), offset and length."""
 
@@ -103,22 +124,16 @@ def _check_box(spec: ChunkSpec) -> None:
 
 
 def _check_disjoint(key: str, boxes: list[Box]) -> None:
-    """Raise unless the non-empty ``boxes`` are pairwise disjoint (vectorized, O(n^2))."""
+    """Raise unless the non-empty ``boxes`` are pairwise disjoint (a sweep, O(n log n))."""
     full = [b for b in boxes if b.numel]
     if len(full) > 1 and not full[0].ndim:
         raise ConfigError(f"tensor {key!r} is 0-d but has {len(full)} chunks; it needs exactly one")
-    if len(full) < 2:
-        return
-    lo = np.array([b.offsets for b in full], dtype=np.int64)
-    hi = np.array([b.ends for b in full], dtype=np.int64)
-    for i in range(len(full) - 1):
-        overlap = np.all(np.minimum(hi[i], hi[i + 1 :]) > np.maximum(lo[i], lo[i + 1 :]), axis=1)
-        if overlap.any():
-            j = i + 1 + int(np.argmax(overlap))
-            raise ConfigError(
-                f"tensor {key!r}: chunks {full[i].to_json()} and {full[j].to_json()} overlap; "
-                "each element must be stored once"
-            )
+    pair = first_overlap(full)
+    if pair is not None:
+        raise ConfigError(
+            f"tensor {key!r}: chunks {pair[0].to_json()} and {pair[1].to_json()} overlap; "
+            "each element must be stored once"
+        )
 
 
 def _group_chunks(chunks: Sequence[ChunkSpec]) -> list[ChunkSpec]:
