@@ -34,7 +34,7 @@ RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
 _DCP_FS = "torch.distributed.checkpoint.filesystem"
-#: Dataclasses pickled by the million (dict states): records the C unpickler fills itself.
+#: Dataclasses pickled by the million: records the C unpickler fills itself.
 _FAST = ("TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex")
 _RECORDS: dict[tuple[str, str], type[Record]] = {
     (_DCP_MD, n): record_class(n, fast=n in _FAST)
@@ -181,8 +181,8 @@ def _parse_tensor(rec: Record, source: str, key: str) -> TensorMeta:
     chunks = []
     fast = _RECORDS[(_DCP_MD, "ChunkStorageMetadata")]
     for c in rec.get("chunks", 2) or ():
-        if type(c) is fast:  # what torch writes: read the state straight from the record
-            d = c.__dict__
+        if type(c) is fast and len(c) == 1 and type(c[0]) is dict:  # what torch writes
+            d = c[0]
             offsets, sizes = d.get("offsets"), d.get("sizes")
             if offsets is not None and sizes is not None:
                 chunks.append(ChunkMeta(_shape(offsets, source, what), _shape(sizes, source, what)))
@@ -218,8 +218,9 @@ def _parse_storage(raw: Any, source: str) -> dict[StorageKey, StorageInfo]:
     out: dict[StorageKey, StorageInfo] = {}
     index_type, info_type = _RECORDS[(_DCP_MD, "MetadataIndex")], _RECORDS[(_DCP_FS, "_StorageInfo")]
     for index, info in raw.items():
-        if type(index) is index_type and type(info) is info_type:  # what torch writes
-            d, f = index.__dict__, info.__dict__
+        if (type(index) is index_type and type(info) is info_type and len(index) == 1
+                and len(info) == 1 and type(index[0]) is dict and type(info[0]) is dict):  # what torch writes
+            d, f = index[0], info[0]
             fqn, offset = d.get("fqn"), d.get("offset")
             path, start, length = f.get("relative_path"), f.get("offset"), f.get("length")
             if (type(fqn) is str and type(path) is str and path and type(start) is int

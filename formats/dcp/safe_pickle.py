@@ -64,51 +64,61 @@ class Record:
         return f"<{self._kind} args={self.args!r} state={self.state!r}>"
 
 
-class FastRecord:
-    """A :class:`Record` whose dict state the C unpickler stores itself (BUILD without a Python
-    ``__setstate__`` call: several times faster for the millions of chunk records of a large
-    ``.metadata``). Pickled state lands in the instance ``__dict__``; REDUCE arguments are kept
-    under names a state cannot shadow. A state that is not a dict (or ``(dict, slots)``) is refused
-    by the unpickler: use :class:`Record` for classes that pickle other states.
+class FastRecord(list):
+    """A :class:`Record` the C unpickler fills without calling Python code, in little memory.
+
+    NEWOBJ makes an empty instance and BUILD calls ``__setstate__``, here ``list.append`` (a C
+    method): the record is a one-element list holding the pickled state, the very object the
+    unpickler's memo holds anyway (a large ``.metadata`` has millions of these records: no
+    instance dict, no copy of the state, no Python call). REDUCE (``cls(*args)``) keeps its
+    arguments in the instance's own slots.
     """
 
+    __slots__ = ("_args", "_kwargs")
     _kind = "Record"
+    __setstate__ = list.append
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        d = self.__dict__
-        d["\0args"], d["\0kwargs"] = args, kwargs
+        super().__init__()
+        self._args, self._kwargs = args, kwargs
 
     @property
     def args(self) -> tuple:
-        return self.__dict__.get("\0args", ())
+        return getattr(self, "_args", ())
 
     @property
     def kwargs(self) -> dict:
-        return self.__dict__.get("\0kwargs", {})
+        return getattr(self, "_kwargs", {})
+
+    @property
+    def state(self) -> Any:
+        return self[-1] if self else None
 
     @property
     def fields(self) -> dict:
-        d = self.__dict__
-        if "\0args" in d:
-            return {k: v for k, v in d.items() if k not in ("\0args", "\0kwargs")}
-        return d
-
-    @property
-    def state(self) -> dict:
-        return self.fields
+        state = self.state
+        if isinstance(state, dict):
+            return state
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            return {**(state[0] if isinstance(state[0], dict) else {}), **state[1]}
+        return {}
 
     def get(self, name: str, position: int | None = None, default: Any = None) -> Any:
         """A field from the pickled state, kwargs or positional args (as :meth:`Record.get`)."""
-        d = self.__dict__
-        if name in d and type(name) is str and not name.startswith("\0"):
-            return d[name]
-        kwargs = d.get("\0kwargs", {})
+        fields = self.fields
+        if name in fields:
+            return fields[name]
+        kwargs = self.kwargs
         if name in kwargs:
             return kwargs[name]
-        args = d.get("\0args", ())
+        args = self.args
         if position is not None and position < len(args):
             return args[position]
         return default
+
+    __eq__ = object.__eq__  # records compare by identity, like Record (dict keys: MetadataIndex)
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
 
     def __repr__(self) -> str:
         return f"<{self._kind} args={self.args!r} state={self.state!r}>"
@@ -116,7 +126,7 @@ class FastRecord:
 
 def record_class(kind: str, fast: bool = False) -> type[Record]:
     """A fresh :class:`Record` subclass named ``kind`` (so parsed objects say what they were);
-    ``fast``: a :class:`FastRecord` (dict states only)."""
+    ``fast``: a :class:`FastRecord` (filled by C code; use it for records pickled by the million)."""
     return type(kind, (FastRecord if fast else Record,), {"_kind": kind})
 
 
