@@ -14,6 +14,16 @@ from dataclasses import dataclass
 
 INDENT = "    "
 GAP = "  "
+#: Longest cell a table shows whole; longer ones (a hostile key of megabytes took rich over 900 s
+#: to lay out) are cut, saying how long they were (``--json`` shows them whole).
+MAX_CELL_CHARS = 4096
+
+
+def clip_cell(text: str, limit: int = MAX_CELL_CHARS) -> str:
+    """``text`` as a table shows it: whole up to ``limit`` characters, else cut and marked."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 60]}... ({len(text)} characters; --json shows all)"
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,7 @@ def print_table(console, title: str, columns: Sequence[Column], rows: Sequence[S
     from rich.table import Table
     from rich.text import Text
 
-    rows = [tuple(str(c) for c in r) for r in rows]
+    rows = [tuple(clip_cell(str(c)) for c in r) for r in rows]
     if table_fits(columns, rows, console.width):
         table = Table(title=title)
         for c, w in zip(columns, _widths(columns, rows)):

@@ -7,11 +7,13 @@ tuples), not to torch classes, so unpickling runs no torch code at all and does 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import pickletools
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,26 +222,76 @@ class AllowlistUnpickler(pickle.Unpickler):
 
 
 _REFUSED_OPS = frozenset({"BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER"})
+_MEMO_OPS = frozenset({"BINPUT", "LONG_BINPUT", "PUT"})
+#: Deepest MARK nesting a pickle may use (DCP's pickles nest a handful of levels).
+MAX_PICKLE_NESTING = 1000
+#: Pickles up to this size are walked opcode by opcode before unpickling (:func:`prescan`, pure
+#: Python, ~2 MB/s: at most ~0.1 s); larger ones (a big ``.metadata``) unpickle under an address-space cap instead.
+PRESCAN_MAX_BYTES = 256 << 10
+#: Address space a capped unpickling may add: this much plus ``CAP_PER_BYTE`` per pickle byte
+#: (a DCP ``.metadata`` needs ~10 bytes of objects per pickle byte: its memo keeps every record).
+CAP_BASE_BYTES = 1 << 30
+CAP_PER_BYTE = 16
 
 
 def prescan(data: bytes, source: str) -> None:
     """Walk the opcodes of a small pickle before unpickling it (pure Python, ~1 MB/s).
 
-    Refuses what could make CPython's unpickler allocate far more memory than the pickle's size:
-    memo indices beyond the pickle's length (the C memo table grows to twice the index) and
-    out-of-band buffers. Truncated arguments are caught here too. Not run on ``.metadata``, whose
-    size makes a Python-level walk too slow; there a damaged memo index is a memory risk only.
+    Refuses what could make CPython's unpickler allocate far more memory than the pickle's size,
+    or build what later code cannot walk: memo indices beyond the number of opcodes read (the C
+    memo table grows to twice the index), out-of-band buffers, MARK nesting deeper than
+    :data:`MAX_PICKLE_NESTING`. Truncated arguments and declared sizes past the end are caught
+    here too (``genops`` reads every argument).
     """
+    depth = 0
     try:
-        for op, arg, _ in pickletools.genops(data):
-            if op.name in _REFUSED_OPS:
-                raise CorruptCheckpointError(f"{source}: pickle uses {op.name}; not a DCP pickle")
-            if op.name in ("BINPUT", "LONG_BINPUT", "PUT") and int(arg) > len(data):
+        for n, (op, arg, _) in enumerate(pickletools.genops(data)):
+            name = op.name
+            if name in _REFUSED_OPS:
+                raise CorruptCheckpointError(f"{source}: pickle uses {name}; not a DCP pickle")
+            if name in _MEMO_OPS and int(arg) > n:
                 raise CorruptCheckpointError(f"{source}: pickle memo index {arg} is out of range")
+            if name == "MARK":
+                depth += 1
+                if depth > MAX_PICKLE_NESTING:
+                    raise CorruptCheckpointError(f"{source}: pickle nests deeper than {MAX_PICKLE_NESTING} levels")
+            elif op.stack_before and pickletools.markobject in op.stack_before:
+                depth -= 1
     except CorruptCheckpointError:
         raise
     except Exception as exc:
         raise CorruptCheckpointError(f"{source}: damaged pickle ({exc})") from None
+
+
+@contextlib.contextmanager
+def address_space_cap(extra: int) -> Iterator[None]:
+    """Let this process's address space grow by at most ``extra`` bytes inside the block (Linux:
+    ``RLIMIT_AS``; elsewhere no cap): an allocation past it raises MemoryError at once instead of
+    paging in gigabytes (a damaged memo index asks the C unpickler for 16 bytes per index)."""
+    try:
+        import resource
+
+        with open("/proc/self/statm", "rb") as f:
+            vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    cap = vm + extra
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        yield  # already capped tighter
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def safe_loads(
@@ -251,12 +303,18 @@ def safe_loads(
 ) -> Any:
     """Unpickle ``data`` with the allowlist; damaged pickles raise CorruptCheckpointError.
 
-    ``scan`` runs :func:`prescan` first (use it for small pickles such as ``data.pkl``).
+    ``scan`` runs :func:`prescan` first (use it for small pickles such as ``data.pkl``); without
+    it, pickles up to :data:`PRESCAN_MAX_BYTES` are prescanned and larger ones unpickle under
+    :func:`address_space_cap` (memory bounded by their size, whatever their memo indices say).
     """
-    if scan:
+    if scan or len(data) <= PRESCAN_MAX_BYTES:
         prescan(data, source)
+        cap = contextlib.nullcontext()
+    else:
+        cap = address_space_cap(CAP_BASE_BYTES + CAP_PER_BYTE * len(data))
     try:
-        return AllowlistUnpickler(data, source, resolve, persistent).load()
+        with cap:
+            return AllowlistUnpickler(data, source, resolve, persistent).load()
     except (UnsafePickleError, CorruptCheckpointError):
         raise
     except RecursionError:
