@@ -76,8 +76,11 @@ class LayoutReport:
 # per-tensor facts
 
 
+_BOX_KEY = operator.attrgetter("box.offsets", "box.sizes")
+
+
 def _order(chunks: Sequence[ChunkRef]) -> list[ChunkRef]:
-    return sorted(chunks, key=lambda c: (c.box.offsets, c.box.sizes))
+    return sorted(chunks, key=_BOX_KEY)
 
 
 def split_dims(entry: TensorEntry) -> dict[int, int]:

@@ -276,23 +276,11 @@ def _num(v: float | int | None) -> str:
 def render_stats(stats: Stats | Iterable[Stats], console) -> None:
     """Print one or more :class:`converter.stats.Stats` as a table (keys and numbers never cut)."""
     rows = [stats] if isinstance(stats, Stats) else list(stats)
-<<<<<<< HEAD
     columns = [Column("key"), Column("dtype"), *(Column(c, True) for c in
                ("count", "min", "max", "mean", "std", "nan", "+inf", "-inf", "zeros"))]
     cells = [(s.key + (" (|z|)" if s.of == "abs" else ""), s.dtype, str(s.count), _num(s.min), _num(s.max),
               _num(s.mean), _num(s.std), str(s.nan), str(s.posinf), str(s.neginf), str(s.zeros)) for s in rows]
     print_table(console, "statistics (min/max/mean/std over finite values; std with correction=0)", columns, cells)
-=======
-    table = Table(title="statistics (min/max/mean/std over finite values; std with correction=0)")
-    cols = ("key", "dtype", "count", "min", "max", "mean", "std", "nan", "+inf", "-inf", "zeros")
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("key", "dtype") else "right")
-    for s in rows:
-        key = s.key + (" (|z|)" if s.of == "abs" else "")
-        table.add_row(key, s.dtype, str(s.count), _num(s.min), _num(s.max), _num(s.mean), _num(s.std),
-                      str(s.nan), str(s.posinf), str(s.neginf), str(s.zeros))
-    console.print(table)
->>>>>>> 3fb0ae0 (hostile .metadata: small pickles prescanned (memo indices against opcodes read, MARK nesting, sizes), large ones unpickled under an address-space cap; inspect tables clip cells; tests/test_scale.py)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ class ChunkIndex:
     __slots__ = ("chunks", "_dim", "_starts", "_reach")
 
     def __init__(self, chunks: Iterable[ChunkRef]) -> None:
-        live = [c for c in chunks if c.box.numel or not c.box.ndim]
+        live = [c for c in chunks if 0 not in c.box.sizes]  # non-empty (and 0-d: sizes ())
         self._dim: int | None = None
         self._starts: list[int] = []
         self._reach = 0
@@ -136,7 +136,7 @@ class ChunkIndex:
     @property
     def numel(self) -> int:
         """Elements the chunks hold (the tensor's when they cover it exactly)."""
-        return sum(c.box.numel for c in self.chunks)
+        return sum(map(math.prod, (c.box.sizes for c in self.chunks)))
 
     def candidates(self, target: Box) -> Sequence[ChunkRef]:
         """Chunks that may meet ``target`` (a superset of those that do, in index order)."""
@@ -212,6 +212,10 @@ class PlannedPieces(Sequence[Piece]):
         return f"PlannedPieces({self._key!r}, {self._box.to_json()}, piece_bytes={self._piece_bytes})"
 
 
+#: Target boxes already checked to lie inside a shape (layouts repeat a few boxes many times).
+_IN_BOUNDS: dict[tuple[int, ...], set[Box]] = {}
+
+
 def _check_cover(entry: TensorEntry, index: ChunkIndex) -> None:
     """Disjoint source chunks fill every target box exactly iff they hold the tensor's elements."""
     if index.numel != entry.numel:
@@ -233,13 +237,18 @@ def plan_tensor(
     _check_cover(entry, index)
     shape = tuple(entry.shape)
     tasks = []
+    checked = _IN_BOUNDS.setdefault(shape, set()) if len(_IN_BOUNDS) < 4096 else set()
     for target_id, box in targets:
-        if len(box.offsets) != len(shape) or any(
+        if box in checked:
+            pass
+        elif len(box.offsets) != len(shape) or any(
             o < 0 or n < 0 or o + n > d for o, n, d in zip(box.offsets, box.sizes, shape)
         ):
             raise CorruptCheckpointError(
                 f"key {entry.key!r}: target {box.to_json()} lies outside the tensor's shape {list(shape)}"
             )
+        elif len(checked) < 1 << 16:
+            checked.add(box)
         pieces = PlannedPieces(index, box, itemsize, piece_bytes, entry.key)
         tasks.append(WriteTask(entry.key, entry.dtype, target_id, box, pieces))
     return tasks

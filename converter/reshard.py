@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Collection, Mapping
@@ -96,11 +97,11 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
             continue
         placement = by_key[key] = _placement_for(entry, refs.get(key), params, placements, mesh)
         dtype = by_name(_target_dtype(entry, refs.get(key), dtype_override)).name
-        itemsize, shape = by_name(dtype).itemsize, tuple(entry.shape)
+        itemsize, shape = by_name(dtype).itemsize, tuple(int(n) for n in entry.shape)
         for box, holders in placement.unique_boxes(shape, mesh):
             owner = min(holders, key=loads.__getitem__)  # least loaded; ties: lowest rank (holders ascend)
             loads[owner] += box.numel * itemsize
-            chunks.append(ChunkSpec(key, dtype, shape, box, owner))
+            chunks.append(ChunkSpec.of(key, dtype, shape, box, owner))  # layout boxes: Python ints
     return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key)
 
 
@@ -144,7 +145,12 @@ def _target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None)
 def target_nbytes(task: WriteTask) -> int:
     """Bytes ``task`` writes: its box in the TARGET chunk's dtype (``--dtype`` casts parameters;
     ``task.nbytes`` counts the source dtype, which is what the reads and the memory budget need)."""
-    return task.box.numel * by_name(task.target.dtype).itemsize
+    return task.box.numel * _itemsize(task.target.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _itemsize(dtype: str) -> int:
+    return by_name(dtype).itemsize
 
 
 class _RankChunkSink:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import operator
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -178,6 +179,10 @@ def _parse_tensor(rec: Record, source: str, key: str) -> TensorMeta:
     if not isinstance(dtype, DTypeRef):
         raise CorruptCheckpointError(f"{source}: key {key!r}: tensor has no dtype ({dtype!r})")
     size = _shape(rec.get("size", 1), source, what)
+    raw = rec.get("chunks", 2) or ()
+    boxes = _fast_chunks(raw)
+    if boxes is not None:
+        return TensorMeta(dtype.name, size, boxes)
     chunks = []
     fast = _RECORDS[(_DCP_MD, "ChunkStorageMetadata")]
     for c in rec.get("chunks", 2) or ():
@@ -191,6 +196,27 @@ def _parse_tensor(rec: Record, source: str, key: str) -> TensorMeta:
         chunks.append(ChunkMeta(_shape(c.get("offsets", 0), source, what),
                                 _shape(c.get("sizes", 1), source, what)))
     return TensorMeta(dtype.name, size, tuple(chunks))
+
+
+_OFFSETS_SIZES = operator.itemgetter("offsets", "sizes")
+
+
+def _fast_chunks(raw: Any) -> tuple[Box, ...] | None:
+    """The boxes of a chunk list exactly as torch writes it (records with a dict state holding
+    shapes seen before), with the per-chunk work in C-level ``map``; None when anything differs
+    (the caller then checks chunk by chunk and says what is wrong)."""
+    fast = _RECORDS[(_DCP_MD, "ChunkStorageMetadata")]
+    if type(raw) is not list or set(map(type, raw)) - {fast} or set(map(len, raw)) - {1}:
+        return None
+    states = [c[0] for c in raw]
+    if set(map(type, states)) - {dict}:
+        return None
+    try:
+        pairs = list(map(_OFFSETS_SIZES, states))
+        valid = _VALID_SHAPES
+        return tuple([Box(valid[o], valid[s]) for o, s in pairs])
+    except (KeyError, TypeError):  # a missing field, or a shape not validated yet
+        return None
 
 
 def _parse_entries(raw: Any, source: str) -> dict[str, TensorMeta | BytesMeta]:

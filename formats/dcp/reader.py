@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 import re
 import threading
@@ -156,18 +157,19 @@ def _load(st: Storage, name: str) -> DCPMetadata:
 def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> None:
     """Chunks (``boxes``, one per chunk of ``meta``) in bounds, pairwise disjoint, covering the
     tensor exactly (empty chunks allowed)."""
-    shape, covered = meta.size, 0
+    shape = meta.size
     ndim = len(shape)
-    for b in boxes:
-        offsets, sizes = b.offsets, b.sizes
-        if len(offsets) != ndim or len(sizes) != ndim or any(
-            o + n > d for o, n, d in zip(offsets, sizes, shape)
-        ):
-            raise CorruptCheckpointError(
-                f"{where}: key {key!r} has chunk {list(offsets)}+{list(sizes)} outside its "
-                f"shape {list(shape)}"
-            )
-        covered += math.prod(sizes)
+    if any(len(b.offsets) != ndim or len(b.sizes) != ndim for b in boxes) or (ndim and boxes and any(
+        max(map(operator.add, offs, sizes)) > d  # per dim, over every chunk (C-level iteration)
+        for offs, sizes, d in zip(zip(*(b.offsets for b in boxes)), zip(*(b.sizes for b in boxes)), shape)
+    )):
+        bad = next(b for b in boxes if len(b.offsets) != ndim or len(b.sizes) != ndim
+                   or any(o + n > d for o, n, d in zip(b.offsets, b.sizes, shape)))
+        raise CorruptCheckpointError(
+            f"{where}: key {key!r} has chunk {list(bad.offsets)}+{list(bad.sizes)} outside its "
+            f"shape {list(shape)}"
+        )
+    covered = sum(map(math.prod, (b.sizes for b in boxes)))
     _check_disjoint(key, boxes, where)
     if covered != math.prod(shape):
         raise CorruptCheckpointError(
@@ -191,9 +193,19 @@ def _check_files(st: Storage, refs: Iterable[tuple[str, StorageInfo]]) -> dict[s
     """``{relative_path: size}``; every referenced file exists and holds its items."""
     need: dict[str, tuple[int, str]] = {}
     for key, info in refs:
-        end = info.offset + info.length
-        if end > need.get(info.relative_path, (-1, ""))[0]:
-            need[info.relative_path] = (end, key)
+        _need(need, key, info)
+    return _check_sizes(st, need)
+
+
+def _need(need: dict[str, tuple[int, str]], key: str, info: StorageInfo) -> None:
+    """Record that ``info``'s file must hold ``info``'s item (for :func:`_check_sizes`)."""
+    end = info.offset + info.length
+    if end > need.get(info.relative_path, (-1, ""))[0]:
+        need[info.relative_path] = (end, key)
+
+
+def _check_sizes(st: Storage, need: dict[str, tuple[int, str]]) -> dict[str, int]:
+    """``{relative_path: size}``; every file of ``need`` exists and reaches its item's end."""
     sizes = {}
     root = st.root
     for rel, (end, key) in sorted(need.items()):
@@ -311,13 +323,15 @@ class DCPReader:
         md, where = self._md, str(self.root / self._md_files[0])
         tensors: dict[str, TensorEntry] = {}
         objects: dict[str, ObjectEntry] = {}
-        refs: list[tuple[str, StorageInfo]] = []
+        need: dict[str, tuple[int, str]] = {}  # file -> (end of its last item, a key there)
+        transforms: set[tuple[str, ...]] = set()
         sized: list[tuple[str, Any, int, StorageInfo]] = []  # chunks bigger than their items
         for key, meta in md.entries.items():
             path = md.planner_data.get(key) or _guess_path(key)
             if isinstance(meta, BytesMeta):
                 info = _storage_of(md, key, None, where)
-                refs.append((key, info))
+                _need(need, key, info)
+                transforms.add(info.transforms)
                 objects[key] = ObjectEntry(key, path, info.relative_path, _locator(info),
                                            info.length)
                 continue
@@ -331,15 +345,20 @@ class DCPReader:
                 nbytes = box.numel * itemsize
                 if nbytes > info.length:  # rare: compressed, or damaged
                     sized.append((key, box.offsets, nbytes, info))
-                refs.append((key, info))
-                chunks.append(ChunkRef(box, info.relative_path, info, _rank_of(info.relative_path)))
+                rel = info.relative_path
+                end = info.offset + info.length
+                if end > need.get(rel, (-1,))[0]:
+                    need[rel] = (end, key)
+                if info.transforms:
+                    transforms.add(info.transforms)
+                chunks.append(ChunkRef(box, rel, info, _rank_of(rel)))
             tensors[key] = TensorEntry(key, meta.dtype, meta.size, tuple(chunks), path)
-        files = _check_files(self._storage, refs)
+        files = _check_sizes(self._storage, need)
         for key, offsets, nbytes, info in sized:
             _check_item_size(key, offsets, nbytes, info, where)
-        return CheckpointIndex("dcp", str(self.root), tensors, objects, self._info(files, refs))
+        return CheckpointIndex("dcp", str(self.root), tensors, objects, self._info(files, transforms))
 
-    def _info(self, files: dict[str, int], refs: list[tuple[str, StorageInfo]]) -> dict[str, Any]:
+    def _info(self, files: dict[str, int], transforms: set[tuple[str, ...]]) -> dict[str, Any]:
         md = self._md
         names = self._storage.list()
         ranks = {r for r in map(_rank_of, names) if r is not None}
@@ -352,7 +371,7 @@ class DCPReader:
             "files": files,
             "metadata_files": list(self._md_files),
             "per_rank_metadata": self._md_files != [METADATA_NAME],
-            "transforms": sorted({"+".join(i.transforms) for _, i in refs if i.transforms}),
+            "transforms": sorted({"+".join(t) for t in transforms if t}),
             "storage_meta": None if sm is None else {
                 "checkpoint_id": sm.checkpoint_id, "save_id": sm.save_id,
                 "modules": list(sm.modules),

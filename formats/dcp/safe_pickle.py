@@ -66,35 +66,42 @@ class Record:
         return f"<{self._kind} args={self.args!r} state={self.state!r}>"
 
 
+class _Reduced(tuple):
+    """The REDUCE arguments of a :class:`FastRecord` (kept as its first element)."""
+
+
 class FastRecord(list):
     """A :class:`Record` the C unpickler fills without calling Python code, in little memory.
 
     NEWOBJ makes an empty instance and BUILD calls ``__setstate__``, here ``list.append`` (a C
     method): the record is a one-element list holding the pickled state, the very object the
     unpickler's memo holds anyway (a large ``.metadata`` has millions of these records: no
-    instance dict, no copy of the state, no Python call). REDUCE (``cls(*args)``) keeps its
-    arguments in the instance's own slots.
+    instance dict, no copy of the state, no Python call). REDUCE (``cls(*args)``) stores its
+    arguments as a first element of their own type.
     """
 
-    __slots__ = ("_args", "_kwargs")
+    __slots__ = ()
     _kind = "Record"
     __setstate__ = list.append
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
-        self._args, self._kwargs = args, kwargs
+        self.append(_Reduced((args, kwargs)))
+
+    def _reduced(self) -> tuple[tuple, dict]:
+        return tuple(self[0]) if self and type(self[0]) is _Reduced else ((), {})
 
     @property
     def args(self) -> tuple:
-        return getattr(self, "_args", ())
+        return self._reduced()[0]
 
     @property
     def kwargs(self) -> dict:
-        return getattr(self, "_kwargs", {})
+        return self._reduced()[1]
 
     @property
     def state(self) -> Any:
-        return self[-1] if self else None
+        return self[-1] if self and type(self[-1]) is not _Reduced else None
 
     @property
     def fields(self) -> dict:

@@ -61,6 +61,16 @@ class ChunkSpec:
     box: Box
     rank: int
 
+    @classmethod
+    def of(cls, key: str, dtype: str, global_shape: tuple[int, ...], box: Box, rank: int) -> ChunkSpec:
+        """A spec from values already in canonical form (a canonical dtype name, tuples of
+        Python ints), as layouts make them by the million: no normalisation pass."""
+        spec = object.__new__(cls)
+        for name, value in (("key", key), ("dtype", dtype), ("global_shape", global_shape), ("box", box),
+                            ("rank", rank)):
+            object.__setattr__(spec, name, value)
+        return spec
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", by_name(self.dtype).name)
         object.__setattr__(self, "global_shape", _int_tuple(self.global_shape))
