@@ -192,6 +192,10 @@ class PlannedPieces(Sequence[Piece]):
     def __getitem__(self, i):  # type: ignore[override]
         return tuple(self)[i]
 
+    def source_files(self) -> set[str]:
+        """The files of the source chunks this box is read from (one index query, no pieces)."""
+        return {c.src.file for c in self._index.copies(self._box)}
+
     @property
     def max_numel(self) -> int:
         """Elements of the largest piece (the first: only the last piece along the split is short)."""

@@ -17,6 +17,9 @@ from typing import Any
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
 from formats.dtypes import by_name
 
+#: Chunk lines shown per tensor key in the text form (a 1,024-rank target has a million chunks;
+#: ``--json`` keeps them all).
+PREVIEW_CHUNK_LINES = 16
 SCHEMA_NAME = "target-plan"
 SCHEMA_ID = "ckptconv.target-plan/1"
 
@@ -57,7 +60,11 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
     sources: dict[tuple[str, tuple, tuple], set[str]] = {}
     for t in tasks:
         files = sources.setdefault((t.key, t.box.offsets, t.box.sizes), set())
-        files.update(c.src.file for p in t.pieces for c in p.copies)
+        pieces = t.pieces
+        if hasattr(pieces, "source_files"):  # a lazy plan: one index query for the whole box
+            files.update(pieces.source_files())
+        else:
+            files.update(c.src.file for p in pieces for c in p.copies)
     per_rank = {r: [0, 0] for r in range(mesh.world_size)}
     by_key: dict[str, list[Any]] = {}
     for spec in layout.chunks:
@@ -68,8 +75,9 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
         placement = layout.key_placements[key]
         holders = {(b.offsets, b.sizes): h for b, h in placement.unique_boxes(tuple(entry.shape), mesh)}
         chunks = []
+        itemsize = by_name(specs[0].dtype).itemsize
         for s in specs:
-            nbytes = s.box.numel * by_name(s.dtype).itemsize
+            nbytes = s.box.numel * itemsize
             per_rank[s.rank][0] += 1
             per_rank[s.rank][1] += nbytes
             chunks.append({"rank": s.rank, "file": rank_file(s.rank), **_box_json(s.box), "bytes": nbytes,
@@ -123,12 +131,15 @@ def render_preview(doc: Mapping[str, Any], per_key: bool = True) -> str:
                          f"{stage}")
             place = "  ".join(f"{'+'.join(p['mesh_dims'])}: {p['placement']}" for p in t["placement"]) or "replicated"
             lines.append(f"    placement: {place}  (rule: {t['rule'] or '-'})")
-            for c in t["chunks"]:
+            shown = t["chunks"] if len(t["chunks"]) <= PREVIEW_CHUNK_LINES else t["chunks"][:PREVIEW_CHUNK_LINES]
+            for c in shown:
                 box = Box(tuple(c["offsets"]), tuple(c["sizes"]))
                 others = [h for h in c["holders"] if h != c["rank"]]
                 also = f" (also on {_ranks_text(others)})" if others else ""
                 lines.append(f"    rank {c['rank']}{also}: {_box_text(box, tuple(t['shape']))}  "
                              f"<- {', '.join(c['sources']) or '-'}")
+            if len(shown) < len(t["chunks"]):
+                lines.append(f"    ... and {len(t['chunks']) - len(shown)} more chunks (--json lists every one)")
     if doc["objects"]:
         files = sorted({o["file"] for o in doc["objects"]})
         lines.append(f"# {plural(len(doc['objects']), 'non-tensor entry', 'non-tensor entries')} in {', '.join(files)}")
