@@ -27,6 +27,7 @@ chunks are storage chunks, not a training layout.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -114,7 +115,7 @@ def _facts(entry: TensorEntry) -> tuple[dict[int, int], bool]:
 
 
 def _tiles(entry: TensorEntry, shape: tuple[int, ...], boxes: list[Box]) -> bool:
-    live = [b for b in boxes if b.numel > 0]
+    live = [b for b in boxes if 0 not in b.sizes]  # non-empty (a 0-d box has sizes ())
     ndim = len(shape)
     if any(len(b.offsets) != ndim or len(b.sizes) != ndim for b in live):
         return False
@@ -124,7 +125,7 @@ def _tiles(entry: TensorEntry, shape: tuple[int, ...], boxes: list[Box]) -> bool
         for d in range(ndim):
             if min(offs[d]) < 0 or max(map(operator.add, offs[d], sizes[d])) > shape[d]:
                 return False
-    if sum(b.numel for b in live) != entry.numel:
+    if sum(map(math.prod, (b.sizes for b in live))) != entry.numel:
         return False
     if entry.numel == 0:  # an empty tensor (a dim of size 0) has nothing to cover
         return True

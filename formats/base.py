@@ -11,6 +11,7 @@ index space. 0-d tensors have ``offsets == sizes == ()``.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -42,11 +43,13 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         """The common box, or None when they share no element (0-d boxes always intersect)."""
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
-        if any(h <= l for l, h in zip(lo, hi)):
+        a, b = self.offsets, other.offsets
+        lo = tuple(map(max, a, b))  # per-dim work in C: planning intersects millions of boxes
+        hi = map(min, map(operator.add, a, self.sizes), map(operator.add, b, other.sizes))
+        sizes = tuple(map(operator.sub, hi, lo))
+        if min(sizes, default=1) <= 0:
             return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        return Box(lo, sizes)
 
     def relative_to(self, outer: Box) -> Box:
         """This box expressed in the local coordinates of ``outer`` (which contains it)."""
