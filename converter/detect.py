@@ -223,10 +223,11 @@ def find_stages(index: CheckpointIndex) -> tuple[tuple[int, ...], ...]:
     groups = rank_groups(index)
     if len(groups) < 2:
         return groups
-    n = len(groups[0])
-    blocks = all(g == tuple(range(g[0], g[0] + n)) and g[0] % n == 0 for g in groups)
-    if blocks and not groups_share_modules(index, groups):
-        return groups
+    stages = merge_replica_groups(index, groups)  # PP x HSDP: each stage's replicas are one stage
+    n = len(stages[0])
+    blocks = all(g == tuple(range(g[0], g[0] + n)) and g[0] % n == 0 for g in stages)
+    if len(stages) > 1 and blocks:
+        return stages
     return (tuple(sorted(r for g in groups for r in g)),)
 
 
@@ -240,20 +241,32 @@ def module_of(atom: str) -> str:
     return parts[0]
 
 
-def groups_share_modules(index: CheckpointIndex, groups: Sequence[tuple[int, ...]]) -> bool:
-    """Whether tensors of one module (parameters with their optimizer states, see :func:`module_of`)
-    are sharded over different rank groups: then the groups are replicas, not PP stages."""
+def merge_replica_groups(index: CheckpointIndex, groups: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """``groups`` with every two that hold tensors of one module (parameters with their optimizer
+    states, see :func:`module_of`) merged: such groups are replicas of one another, not PP stages."""
     from converter.atoms import group_atoms
 
     paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
     refs = group_atoms(paths)[0]
     group_of = {r: i for i, g in enumerate(groups) for r in g}
-    seen: dict[str, int] = {}
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    first: dict[str, int] = {}
     for t in _sharded(index):
         g = group_of.get(t.chunks[0].rank)
-        if g is not None and seen.setdefault(module_of(refs[t.key].atom), g) != g:
-            return True
-    return False
+        if g is None:
+            continue
+        other = first.setdefault(module_of(refs[t.key].atom), g)
+        parent[root(g)] = root(other)
+    merged: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        merged.setdefault(root(i), []).extend(g)
+    return tuple(sorted(tuple(sorted(rs)) for rs in merged.values()))
 
 
 @dataclass(frozen=True)

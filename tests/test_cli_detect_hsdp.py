@@ -46,3 +46,14 @@ def test_real_pp_save_stays_pp(dcp_checkpoint, tmp_path):
     proc = ckptconv("from-universal", str(dcp_checkpoint("fsdp4")), str(out), "--mesh", "pp2,dp2", "--plan", "llama")
     assert proc.returncode == 0, proc.stderr
     assert _layout(out)["summary"].startswith("PP x FSDP: 2 stages"), _layout(out)
+
+
+def test_pp_of_hsdp_stages(dcp_checkpoint, tmp_path):
+    """PP over HSDP: the replicas of one stage merge, the stages stay apart."""
+    out = tmp_path / "pphsdp"
+    proc = ckptconv("from-universal", str(dcp_checkpoint("fsdp4")), str(out), "--mesh", "pp2,dp_replicate2,dp2",
+                    "--plan", "llama")
+    assert proc.returncode == 0, proc.stderr
+    lay = _layout(out)
+    assert lay["summary"].startswith("PP x HSDP: 2 stages (ranks 0-3 | 4-7)"), lay
+    assert lay["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 2} and lay["stages"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
