@@ -295,6 +295,15 @@ def remote_destination(fn: F) -> F:
                 check_spool_space(spool, need, str(dst), "the whole output: DCP and HF files upload when complete")
             result = fn(src, out, *args, **kwargs)
             _finish(out, st, uploader, options.workers, dist)
+        except KeyboardInterrupt as e:  # the spool goes away: --resume cannot continue a URL destination
+            import signal
+
+            from converter.destination import Interrupted
+
+            signum = getattr(e, "signum", signal.SIGINT)
+            how = "terminated" if signum == signal.SIGTERM else "interrupted"
+            raise Interrupted(f"aborted ({how}); {dst} was not marked complete: rerun with --overwrite "
+                              "(a URL destination cannot be resumed)", signum) from None
         finally:
             _SPOOLS.pop(str(out.resolve()), None)
             uploader.close()
