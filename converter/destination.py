@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from converter.journal import JOURNAL_NAME
-from formats.errors import DestinationError
+from formats.errors import DestinationError, clip
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -242,7 +242,7 @@ def _command_line() -> str:
     if args and args[0] in ("__main__.py", "-m"):
         args[0] = "ckptconv"
     text = " ".join(args)
-    return text if len(text) <= 300 else text[:297] + "..."
+    return clip(text, 300)  # whole words, "..." when cut
 
 
 def acquire_lock(out: Path) -> DestinationLock:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from formats.errors import CheckpointNotFoundError, ConfigError, DestinationError, StorageError
+from formats.errors import CheckpointNotFoundError, ConfigError, DestinationError, StorageError, clip
 from formats.fsutil import read_error, read_exact_into, safe_join
 
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
@@ -95,7 +95,7 @@ def _redact(text: str) -> str:
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return _redact(text[0][:200]) if text else type(exc).__name__
+    return clip(_redact(text[0]), 200) if text else type(exc).__name__
 
 
 def storage_error(url: str, exc: BaseException) -> Exception:
