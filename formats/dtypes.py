@@ -13,6 +13,7 @@ the storage dtype ("bit arrays"), and torch is imported only where a torch tenso
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -224,13 +225,18 @@ def cast_bits(data: Any, src: str, dst: str) -> np.ndarray:
         return _from_float32(_as_float32(bits, s), d, nan_bf16=0x7FC0 if s == "float16" else 0xFFFF)
 
 
+_HIGH = 1 if sys.byteorder == "little" else 0  # which uint16 of a uint32 holds its high half
+
+
 def _as_float32(bits: np.ndarray, src: str) -> np.ndarray:
     """float32 values of ``src`` bits: exact for float16/bfloat16 (float16 NaNs quieted, as
     torch's scalar path does), rounded to nearest for float64 (the hardware conversion)."""
     if src == "float32":
         return bits.view(np.float32) if bits.dtype != np.float32 else bits
-    if src == "bfloat16":
-        return (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if src == "bfloat16":  # the 16 bits become the high half of a float32 (zeros below): exact
+        out = np.zeros((*bits.shape, 2), dtype=np.uint16)
+        out[..., _HIGH] = bits.view(np.uint16)
+        return out.view(np.float32).reshape(bits.shape)
     if src == "float16":
         half = bits.view(np.float16)
         out = half.astype(np.float32)
@@ -255,8 +261,13 @@ def _from_float32(f: np.ndarray, dst: str, nan_bf16: int) -> np.ndarray:
             quiet = ((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7E00) | ((u >> np.uint32(13)) & np.uint32(0x1FF))
             out.view(np.uint16)[nan] = quiet[nan].astype(np.uint16)
         return out
-    # bfloat16: round to nearest even on the upper 16 bits (c10::round_to_nearest_even)
-    out = ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(np.uint16)
+    # bfloat16: round to nearest even on the upper 16 bits (c10::round_to_nearest_even), in place
+    r = u >> np.uint32(16)
+    r &= np.uint32(1)
+    r += np.uint32(0x7FFF)
+    r += u
+    out = np.ascontiguousarray(r.view(np.uint16).reshape(*r.shape, 2)[..., _HIGH]) if r.ndim else \
+        np.array(r >> np.uint32(16), dtype=np.uint16)
     if nan.any():
         out[nan] = np.uint16(nan_bf16)
     return out
