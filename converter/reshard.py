@@ -230,7 +230,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         header = conversion_header("from-universal", src, index, {
             "--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan), "--dtype": dtype,
             "--keys": None if selection is None or selection.everything else selection.to_json(),
-            "--drop-dataloader-state": bool(drop_dataloader)})
+            "--drop-dataloader-state": bool(drop_dataloader), "--config": option_value(config)})
         out, journal = open_destination(src, dst, header, options)
         objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
         planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
