@@ -12,6 +12,7 @@ exactly the picture ``inspect --layout KEY`` draws for the written output.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
@@ -24,6 +25,7 @@ SCHEMA_NAME = "target-plan"
 SCHEMA_ID = "ckptconv.target-plan/1"
 
 
+@lru_cache(maxsize=1 << 16)
 def rank_file(rank: int) -> str:
     """The DCP file a rank writes (``formats.dcp.writer``'s naming)."""
     from formats.dcp.writer import default_file_name
@@ -81,7 +83,7 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
             per_rank[s.rank][0] += 1
             per_rank[s.rank][1] += nbytes
             chunks.append({"rank": s.rank, "file": rank_file(s.rank), **_box_json(s.box), "bytes": nbytes,
-                           "holders": sorted(holders.get((s.box.offsets, s.box.sizes), (s.rank,))),
+                           "holders": list(holders.get((s.box.offsets, s.box.sizes), (s.rank,))),  # ascending
                            "sources": sorted(sources.get((key, s.box.offsets, s.box.sizes), ()))})
         tensors.append({"key": key, "dtype": specs[0].dtype, "source_dtype": entry.dtype, "shape": list(entry.shape),
                         "placement": _placement_json(placement, mesh), "pp_stage": placement.pp_stage,
