@@ -9,7 +9,7 @@ Example::
 from __future__ import annotations
 
 from converter.config import RunOptions, parse_size
-from converter.select import Selection
+from converter.selection import Selection
 from converter.sources import detect_format, open_checkpoint
 from converter.reshard import from_universal
 from converter.hf import export_hf, import_hf

@@ -75,8 +75,8 @@ def selection_options(f):
 
 
 def make_selection(keys: tuple[str, ...], model_only: bool, optim_only: bool):
-    """The :class:`converter.select.Selection` of the selection options."""
-    from converter.select import selection_from_options
+    """The :class:`converter.selection.Selection` of the selection options."""
+    from converter.selection import selection_from_options
 
     return selection_from_options(keys, model_only, optim_only)
 

@@ -18,7 +18,7 @@ from converter.journal import task_id
 from converter.detect import WHOLE, LayoutReport, detect_layout
 from converter.execute import os_errors_as_storage_errors
 from converter.plan import Piece, WriteTask, plan_tensor
-from converter.select import Selection, select_entries
+from converter.selection import Selection, select_entries
 from converter.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
 from formats.objects import object_label, preview_value, read_checked_object

@@ -31,7 +31,7 @@ from converter.execute import os_errors_as_storage_errors
 from converter.mesh import Mesh, parse_mesh
 from converter.plan import Piece, WriteTask, plan_tensor
 from converter.plans import HeadCounts, TensorPlacement, check_head_split, get_plan, plan_all, replicated
-from converter.select import Selection, select_entries
+from converter.selection import Selection, select_entries
 from converter.sources import open_checkpoint
 from converter.ingest import ConversionResult
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
