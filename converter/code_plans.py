@@ -29,15 +29,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from converter import knobs
-from converter.layout import Placement, Replicate, Shard, StridedShard, parse_placement
+from converter.layout import parse_placement
 from converter.mesh import Mesh, parse_mesh
-from converter.plans import PipelineSplit, TensorPlacement, replicated
+from converter.plans import PipelineSplit, TensorPlacement, module_owner, replicated
 from formats.base import Shape
 from formats.errors import ConfigError, PlanError
 
@@ -75,7 +75,7 @@ class CodePlan:
         if self.stage_modules is None:
             return PipelineSplit(last=("norm", "output", "lm_head")).assign(fqns, pp)
         owner = {m: self.stage_ranks[s] for s, mods in enumerate(self.stage_modules) for m in mods}
-        out = {f: _owner(f, owner) for f in fqns}
+        out = {f: module_owner(f, owner) for f in fqns}
         lost = [f for f, r in out.items() if r is None]
         more = f", ... {len(lost) - 5} more" if len(lost) > 5 else ""
         warnings = [f"plan {self.name}: {len(lost)} tensors belong to no pipeline stage ({', '.join(lost[:5])}{more}); "
@@ -84,15 +84,6 @@ class CodePlan:
 
     def unused_rule_warnings(self, used: set[str]) -> list[str]:
         return []
-
-
-def _owner(fqn: str, owner: Mapping[str, int]) -> int | None:
-    parts = fqn.split(".")
-    for i in range(len(parts), 0, -1):
-        hit = owner.get(".".join(parts[:i]))
-        if hit is not None:
-            return hit
-    return None
 
 
 # ---------------------------------------------------------------- converter side (no torch)

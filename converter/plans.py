@@ -189,7 +189,7 @@ class PipelineSplit:
         stages = self.modules_per_stage(self.num_layers(fqns), pp)
         ranks = self.stage_ranks(len(stages), pp)
         owner = {m: ranks[s] for s, mods in enumerate(stages) for m in mods}
-        out = {f: _module_owner(f, owner) for f in fqns}
+        out = {f: module_owner(f, owner) for f in fqns}
         lost = [f for f, r in out.items() if r is None]
         warnings = []
         if lost:
@@ -199,7 +199,8 @@ class PipelineSplit:
         return out, warnings
 
 
-def _module_owner(fqn: str, owner: Mapping[str, int]) -> int | None:
+def module_owner(fqn: str, owner: Mapping[str, int]) -> int | None:
+    """The value of the longest dotted prefix of ``fqn`` in ``owner`` (a module's pipeline stage)."""
     parts = fqn.split(".")
     for i in range(len(parts), 0, -1):
         hit = owner.get(".".join(parts[:i]))

@@ -58,6 +58,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from cli_runner import run_cli
+from pickle_support import saved_bytes as _saved, with_pickle as _with_pickle
 from converter.api import export_hf, to_universal
 
 REPO = Path(__file__).resolve().parent.parent
@@ -344,20 +345,6 @@ def replace_item(src: Path, fqn: str, data: bytes) -> None:
     path.write_bytes(raw[:info.offset] + data + raw[info.offset + info.length:])
     info.length = len(data)
     (src / ".metadata").write_bytes(pickle.dumps(md))
-
-
-def _saved(value, protocol: int = 2) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf, pickle_protocol=protocol)
-    return buf.getvalue()
-
-
-def _with_pickle(archive: bytes, payload: bytes) -> bytes:
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(archive)) as z, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as w:
-        for info in z.infolist():
-            w.writestr(info.filename, payload if info.filename.endswith("/data.pkl") else z.read(info))
-    return out.getvalue()
 
 
 def hostile_payloads(cmd: str) -> dict[str, bytes]:

@@ -18,12 +18,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import pickletools
 import subprocess
 import sys
 import textwrap
 import warnings
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -33,8 +31,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from cli_runner import run_cli
-from converter.api import from_universal, to_universal
-from converter.config import RunOptions
+from pickle_support import saved_bytes as _saved, with_pickle as _with_pickle
+from converter.api import to_universal
 from formats.errors import CorruptCheckpointError, UnsafePickleError, clip
 from formats.objects import SAFE_GLOBAL_NAMES, check_object_bytes
 from formats.pickle_scan import WEIGHTS_ONLY_GLOBALS, scan_globals
@@ -70,22 +68,6 @@ def _save(sd: dict, path: Path, planner=None) -> Path:
         warnings.simplefilter("ignore")
         dcp.save(sd, checkpoint_id=path, planner=planner)
     return path
-
-
-def _saved(value, protocol: int = 2) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf, pickle_protocol=protocol)
-    return buf.getvalue()
-
-
-def _with_pickle(archive: bytes, payload: bytes) -> bytes:
-    """``archive`` (a torch.save zip) with its data.pkl replaced by ``payload`` (CRCs valid)."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
-        for info in src.infolist():
-            data = payload if info.filename.endswith("/data.pkl") else src.read(info)
-            dst.writestr(info.filename, data)
-    return out.getvalue()
 
 
 def _one_line_error(code: int, err: str, *needles: str) -> str:
