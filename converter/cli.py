@@ -200,8 +200,7 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
     """Show what is inside a checkpoint (DCP directory, universal store or HF safetensors directory)."""
     from rich.console import Console
 
-    from converter.inspect import (build_report, key_matcher, layout_keys, no_match_message, render_layout,
-                                   render_report, render_stats)
+    from converter.inspect import build_report, key_matcher, no_match_message, render_report, render_stats
     from converter.sources import open_checkpoint
     from converter.stats import tensor_stats
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from converter.demo import demo_checkpoint

@@ -4,7 +4,6 @@ as README documents it (click's ``_CKPTCONV_COMPLETE``)."""
 from __future__ import annotations
 
 import tomllib
-from pathlib import Path
 
 import pytest
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
-import sys
 
 from test_cli_readable import REPO, ckptconv
 
