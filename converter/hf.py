@@ -299,8 +299,15 @@ def _fused_parts(kmap: KeyMap, shapes: Mapping[str, tuple]) -> dict[str, tuple[s
 
 
 def _fused_rows(shape: tuple, config: Mapping[str, Any] | None, map_name: str, key: str) -> tuple[np.ndarray, ...]:
-    """The source rows of q, k, v in a fused ``wqkv`` (head counts from the config)."""
+    """The source rows of q, k, v in a fused ``wqkv`` (head counts from the config; without
+    ``num_key_value_heads``, from the fused rows and the head size: ``rows = (heads + 2 kv) head_dim``,
+    never HF's default of as many k/v heads as q heads, whose split also divides a GQA tensor)."""
     n_heads = heads_for("num_attention_heads", config, map_name, key)
+    if (config or {}).get("num_key_value_heads") is None and len(shape) == 2:
+        head_dim = (config or {}).get("head_dim") or int(shape[1]) // n_heads  # HF Llama: hidden / heads
+        if isinstance(head_dim, int) and head_dim > 0 and int(shape[0]) % head_dim == 0 \
+                and (int(shape[0]) // head_dim - n_heads) % 2 == 0 and int(shape[0]) // head_dim > n_heads:
+            return fused_qkv_rows(int(shape[0]), n_heads, (int(shape[0]) // head_dim - n_heads) // 2, key)
     n_kv = heads_for("num_key_value_heads", config, map_name, key)
     return fused_qkv_rows(int(shape[0]), n_heads, n_kv, key)
 

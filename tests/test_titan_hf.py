@@ -159,3 +159,41 @@ def test_transformers_logits_equal_torchtitans_model(tmp_path):
         want = model(tokens, positions, model.get_attention_masks(positions))
         got = hf(tokens).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+def _gqa_state(n_kv: int = 4) -> dict[str, torch.Tensor]:
+    """Layer weights of a GQA Llama (16 heads of 16, ``n_kv`` k/v heads) in 0.3.0's saved names."""
+    sd = _model_state(seed=1, n_layers=1)
+    g = torch.Generator().manual_seed(2)
+    for name in ("wk", "wv"):
+        sd[f"layers.0.attention.qkv_linear.{name}.weight"] = torch.randn(16 * n_kv, 256, generator=g)
+    return sd
+
+
+def test_export_fused_gqa_derives_kv_heads_from_the_shapes(tmp_path):
+    """Fused wqkv of a GQA model with only num_attention_heads given (as for the split names): the
+    k/v head count comes from the fused rows, never the MHA default (which also divides them)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    titan_support.apply_cpu_patches()
+    from torchtitan.models.common.attention import FusedQKVLinear
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    split = _gqa_state()
+    fused = dict(split)
+    FusedQKVLinear._merge_qkv_on_load(types.SimpleNamespace(head_dim=16, heads_per_kv=4), fused,
+                                      "layers.0.attention.qkv_linear.")
+    assert fused["layers.0.attention.qkv_linear.wqkv.weight"].shape == (384, 256)
+    dcp.save(fused, checkpoint_id=str(tmp_path / "ckpt"))
+    code, _, err = run_cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--map", "torchtitan-llama",
+                           "--config", json.dumps(HEADS))
+    assert code == 0, err
+    attn = types.SimpleNamespace(n_heads=16, n_kv_heads=4, head_dim=None)
+    adapter = Llama3StateDictAdapter(types.SimpleNamespace(layers=[types.SimpleNamespace(attention=attn)], dim=256,
+                                                            enable_weight_tying=False), None)
+    want = adapter.to_hf(split)
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(got) == set(want)
+    assert all(got[k].shape == want[k].shape and torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_key_value_heads"] == 4
