@@ -184,6 +184,9 @@ def _scan_entry(data: bytes, where: str) -> PickleScan:
             raise _corrupt(where, f"not a torch.save archive or pickle: {e}") from None
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
+            why = _directory_problem(data, z.start_dir)
+            if why:
+                raise _corrupt(where, why)
             infos = z.infolist()
             big = next((i for i in infos if i.file_size > _MAX_INFLATION * len(data) + (1 << 20)), None)
             if big is not None:
@@ -212,6 +215,37 @@ def _scan_entry(data: bytes, where: str) -> PickleScan:
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")
 _ZIP64_MARK = 0xFFFFFFFF
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
+_ZIP64_RECORD_SIZE = 56
+
+
+def _directory_problem(data: bytes, start_dir: int) -> str | None:
+    """Why torch's reader (miniz) could read another central directory than Python's zipfile did
+    (None: both read the one at ``start_dir``). Python reads the directory just before the end
+    records whatever offset they record (it allows data prepended to the archive); miniz follows the
+    recorded offset, and the zip64 locator's pointer to the zip64 record: these must all agree, or a
+    scanned data.pkl is not the one ``torch.load`` runs."""
+    try:
+        end = zipfile._EndRecData(io.BytesIO(data))  # what ZipFile itself parsed (a stable private helper)
+    except OSError:
+        end = None
+    if not end:
+        return "no end of central directory record"
+    eocd = end[zipfile._ECD_LOCATION]
+    if end[zipfile._ECD_OFFSET] != start_dir:
+        return (f"its end record puts the central directory at byte {end[zipfile._ECD_OFFSET]}, "
+                f"it lies at byte {start_dir} (data before the archive, or two directories)")
+    at = eocd - _ZIP64_LOCATOR.size
+    has_locator = at >= 0 and data[at:at + 4] == zipfile.stringEndArchive64Locator
+    if end[zipfile._ECD_SIGNATURE] == zipfile.stringEndArchive64:
+        if _ZIP64_LOCATOR.unpack_from(data, at)[2] != at - _ZIP64_RECORD_SIZE:
+            return "its zip64 locator points away from the zip64 end record"
+        size, offset = struct.unpack_from("<LL", data, eocd + 12)  # the 32-bit record: unset or equal
+        if size not in (_ZIP64_MARK, end[zipfile._ECD_SIZE]) or offset not in (_ZIP64_MARK, start_dir):
+            return "its zip64 and 32-bit end records name different central directories"
+    elif has_locator:
+        return "its zip64 locator points at no zip64 end record"
+    return None
 
 
 def _local_header_problem(data: bytes, info: zipfile.ZipInfo) -> str | None:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from cli_runner import run_cli
-from pickle_support import saved_bytes as _saved, with_pickle as _with_pickle
+from pickle_support import saved_bytes as _saved, two_faced, with_pickle as _with_pickle
 from converter.api import to_universal
 from formats.errors import CorruptCheckpointError, UnsafePickleError, clip
 from formats.objects import SAFE_GLOBAL_NAMES, check_object_bytes
@@ -157,6 +157,53 @@ def test_damaged_archives_are_corrupt_even_when_trusted(damage):
         with pytest.raises(CorruptCheckpointError) as e:
             check_object_bytes(bytes(data), "f: key 'k'", trust)
         assert "key 'k'" in str(e.value) and "\n" not in str(e.value)
+
+
+def _torch_data_pkl(data: bytes) -> bytes:
+    """The data.pkl torch's own reader (miniz) finds in a torch.save archive, read without running it."""
+    return torch._C.PyTorchFileReader(io.BytesIO(data)).get_record("data.pkl")
+
+
+def _two_faced_entry(marker: Path) -> bytes:
+    """A non-tensor entry whose zip shows Python's zipfile a plain dict and torch an os.system call."""
+    data = two_faced(_saved({"step": 1, "x": 0}), _saved({"step": 2, "x": Evil(marker)}))
+    assert "posix.system" in scan_globals(_torch_data_pkl(data)).globals  # what torch.load would run
+    return data
+
+
+def test_zip_with_two_central_directories_is_refused(tmp_path):
+    """The end record's directory offset must be where Python's zipfile reads the directory: else
+    torch's reader (which follows the offset) unpickles another data.pkl than the one scanned."""
+    data = _two_faced_entry(_marker(tmp_path))
+    for trust in (False, True):
+        with pytest.raises(CorruptCheckpointError) as e:
+            check_object_bytes(data, "f: key 'k'", trust)
+        assert "key 'k'" in str(e.value) and "\n" not in str(e.value)
+    assert not _marker(tmp_path).exists()
+
+
+class TwoFacedPlanner(DefaultSavePlanner):
+    """dcp.save's planner writing one non-tensor entry as :func:`_two_faced_entry` bytes."""
+
+    def __init__(self, marker: Path) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def transform_object(self, write_item, object):  # noqa: A002 - torch's signature
+        if write_item.type == WriteItemType.BYTE_IO and write_item.index.fqn == "extra.state":
+            return io.BytesIO(_two_faced_entry(self.marker))
+        return super().transform_object(write_item, object)
+
+
+def test_two_faced_entry_in_a_real_checkpoint_is_never_copied(tmp_path):
+    marker = _marker(tmp_path)
+    ckpt = _save({"model": {"w": torch.ones(4, 3)}, "extra": {"state": "s", "lr": 0.1}}, tmp_path / "ckpt",
+                 TwoFacedPlanner(marker))
+    for args in (("to-universal", ckpt, tmp_path / "u"), ("from-universal", ckpt, tmp_path / "d", "--mesh", "dp2")):
+        code, out, err = run_cli(*map(str, args))
+        _one_line_error(code, err, "extra.state")
+    assert not (tmp_path / "u").exists() and not (tmp_path / "d").exists()
+    assert not marker.exists()
 
 
 # ------------------------------------------------------------------------------ real checkpoints
