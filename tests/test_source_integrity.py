@@ -230,6 +230,31 @@ def test_dcp_reader_checks_inline_or_streamed_once(dcp_checkpoint, monkeypatch):
         assert (plain.read_region_array(KEY, a, a.box) == whole).all()
 
 
+def test_dcp_reader_checks_empty_0d_and_strided_chunks(tmp_path):
+    """Whole-chunk reads of an empty, a 0-d and a transposed tensor are checked and equal what
+    torch's dcp.load reads (an empty chunk's bytes could not be viewed for its CRC-32)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"empty": torch.empty(0, 3), "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+          "t": torch.arange(6.0).reshape(2, 3).t(), "e3": torch.ones(2, 0, 4, dtype=torch.float16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=tmp_path / "ckpt")
+        back = {k: torch.full_like(v, 7) for k, v in sd.items()}
+        dcp.load(back, checkpoint_id=tmp_path / "ckpt")
+    with DCPReader(tmp_path / "ckpt", verify=True) as reader:
+        for key, entry in reader.index().tensors.items():
+            (chunk,) = entry.chunks
+            got = reader.read_region(key, chunk, chunk.box)
+            assert got.shape == back[key].shape and torch.equal(got, back[key]), key
+            out = bytearray(chunk.box.numel * got.element_size())
+            reader.read_region_into(key, chunk, chunk.box, memoryview(out))
+            assert bytes(out) == back[key].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), key
+
+
 def test_hf_file_changed_after_its_header_was_read(dcp_checkpoint, tmp_path):
     """safetensors has no checksums; a file whose size no longer matches its header is refused."""
     hf = tmp_path / "hf"

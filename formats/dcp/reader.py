@@ -453,7 +453,7 @@ class DCPReader:
 
         def read_checked() -> None:  # the whole chunk, stored exactly: check the bytes just read
             result.append(archive.read_region_array(parsed, read, local.offsets, local.sizes))
-            archive.check_crc(parsed, crc32(memoryview(result[0]).cast("B")), self._where(key, chunk))
+            archive.check_crc(parsed, crc32(result[0].reshape(-1).view("u1")), self._where(key, chunk))
 
         self._check(key, chunk, region, parsed, read, read_checked)
         if result:
