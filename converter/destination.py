@@ -161,8 +161,12 @@ def _empty_except_lock(out: Path) -> bool:
 
 
 def _clear(out: Path) -> None:
-    """Remove every entry of ``out`` but the lock; links are unlinked, never followed."""
-    for entry in os.scandir(out):
+    """Remove every entry of ``out`` but the lock; links are unlinked, never followed. The
+    completion markers go first, then the journal, then the data: an interrupted clear leaves
+    neither a complete-looking output nor a journal naming chunks already deleted."""
+    first = (*MARKERS.values(), "model.safetensors", JOURNAL_NAME)
+    entries = sorted(os.scandir(out), key=lambda e: first.index(e.name) if e.name in first else len(first))
+    for entry in entries:
         if entry.name == LOCK_NAME:
             continue
         if entry.is_dir(follow_symlinks=False):

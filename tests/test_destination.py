@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,45 @@ def test_overwrite_replaces_a_ckptconv_output(work, tmp_path, monkeypatch, previ
     interrupted(previous, work, partial, monkeypatch)  # a partial one
     convert(op, work, partial, RunOptions(overwrite=True))
     assert output_files(partial) == output_files(ref)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_an_interrupted_overwrite_leaves_no_complete_or_resumable_output(work, tmp_path, monkeypatch, partial):
+    """Ctrl-C while --overwrite clears the old output (a big one takes a while), whatever order the
+    directory lists in: what is left is never marked complete (the old marker over deleted data),
+    and --resume of it never publishes a store with missing data."""
+    from converter import destination
+
+    dst = tmp_path / "uni"
+    if partial:
+        interrupted("to-universal", work, dst, monkeypatch)
+    else:
+        convert("to-universal", work, dst, RunOptions())
+    removed = []
+
+    def stop_after_one(remove):
+        def run(path, *a, **k):
+            if os.fspath(path).endswith(destination.LOCK_NAME):
+                return remove(path, *a, **k)  # the lock's own release
+            if removed:  # stopped as soon as one entry went
+                raise KeyboardInterrupt()
+            removed.append(os.fspath(path))
+            return remove(path, *a, **k)
+        return run
+
+    with monkeypatch.context() as m:
+        own_os = types.SimpleNamespace(**{**vars(os), "unlink": stop_after_one(os.unlink),  # any listing order:
+                                          "scandir": lambda p: sorted(os.scandir(p), key=lambda e: e.name, reverse=True)})
+        m.setattr(destination, "os", own_os)  # the destination module's removals only
+        m.setattr(destination.shutil, "rmtree", stop_after_one(shutil.rmtree))
+        with pytest.raises(KeyboardInterrupt):
+            convert("from-universal", work, dst, RunOptions(overwrite=True))
+    assert destination.complete_marker(dst) is None, removed
+    try:  # refused, or a chunk recorded as written is missing; if it goes through, the output is whole
+        convert("to-universal", work, dst, RunOptions(resume=True))
+    except CkptConvError:
+        return
+    assert api.verify(dst).ok
 
 
 def test_overwrite_never_follows_a_link_out(work, tmp_path):
