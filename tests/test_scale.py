@@ -173,3 +173,22 @@ def test_inspect_of_a_20_mib_key_renders_quickly(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert time.monotonic() - start < 120
     assert len(proc.stdout) < 200_000
+
+
+@pytest.mark.parametrize("module", ["os\nsystem() # ", "x" * (1 << 20)])
+def test_global_with_a_newline_or_huge_name_is_one_short_line(dcp_checkpoint, tmp_path, module):
+    """A .metadata naming a global by STACK_GLOBAL (names from strings: any characters, any size):
+    the refusal is one line of bounded length."""
+    import shutil
+
+    from cli_runner import run_cli
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(dcp_checkpoint("fsdp4"), ckpt)
+    name = module.encode()
+    (ckpt / ".metadata").write_bytes(b"\x80\x04\x8d" + struct.pack("<Q", len(name)) + name
+                                     + b"\x8c\x06system\x93)R.")
+    code, out, err = run_cli("inspect", str(ckpt))
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("ckptconv: error: "), err[:2000]
+    assert ".metadata" in lines[0] and len(lines[0]) < 1000, lines[0][:2000]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from formats.dcp.torch_globals import DTYPE_NAMES, LAYOUT_NAMES, canonical_dtype_name
-from formats.errors import CorruptCheckpointError, UnsafePickleError
+from formats.errors import CorruptCheckpointError, UnsafePickleError, clip
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ class AllowlistUnpickler(pickle.Unpickler):
         found = self._resolve(module, name)
         if found is None:
             raise UnsafePickleError(
-                f"{self._source}: pickle references {module}.{name}, which is not on the "
+                f"{self._source}: pickle references {clip(f'{module}.{name}', 160)}, which is not on the "
                 "allowlist; it was not imported or executed (the file may be malicious)"
             )
         return found
@@ -267,7 +267,7 @@ def prescan(data: bytes, source: str) -> None:
     except CorruptCheckpointError:
         raise
     except Exception as exc:
-        raise CorruptCheckpointError(f"{source}: damaged pickle ({exc})") from None
+        raise CorruptCheckpointError(f"{source}: damaged pickle ({clip(str(exc), 160)})") from None
 
 
 @contextlib.contextmanager
@@ -330,6 +330,6 @@ def safe_loads(
         raise CorruptCheckpointError(f"{source}: pickle asks for too much memory") from None
     except Exception as exc:  # truncated / garbage pickles raise many builtin types
         raise CorruptCheckpointError(
-            f"{source}: damaged pickle ({type(exc).__name__}: {exc}); the file is truncated "
+            f"{source}: damaged pickle ({type(exc).__name__}: {clip(str(exc), 160)}); the file is truncated "
             "or not a pickle"
         ) from None
