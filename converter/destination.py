@@ -61,8 +61,9 @@ _OWN_FILES = {
 }
 _COMMON_FILES = [re.escape(JOURNAL_NAME), re.escape(LOCK_NAME)]
 _OWN_DIRS = {UNIVERSAL: ("tensors", "objects")}
-#: Entries whose presence says "ckptconv (or a DCP save) wrote this directory".
-_SIGNATURES = [r"ckptconv\.json", r"\.metadata", r"__\d+_\d+\.distcp", r".*\.safetensors(\.tmp)?",
+#: Entries whose presence says "ckptconv (or a DCP save) wrote this directory" (a store's root
+#: zarr.json too: what an interrupted --overwrite leaves once the marker and journal are gone).
+_SIGNATURES = [r"ckptconv\.json", r"zarr\.json", r"\.metadata", r"__\d+_\d+\.distcp", r".*\.safetensors(\.tmp)?",
                r"model\.safetensors\.index\.json", re.escape(JOURNAL_NAME), re.escape(LOCK_NAME)]
 #: Files that mark each kind of output complete (written last).
 MARKERS = {UNIVERSAL: "ckptconv.json", DCP: ".metadata", HF: "model.safetensors.index.json"}
