@@ -62,7 +62,7 @@ _OWN_FILES = {
 _COMMON_FILES = [re.escape(JOURNAL_NAME), re.escape(LOCK_NAME)]
 _OWN_DIRS = {UNIVERSAL: ("tensors", "objects")}
 #: Entries whose presence says "ckptconv (or a DCP save) wrote this directory" (a store's root
-#: zarr.json too: what an interrupted --overwrite leaves once the marker and journal are gone).
+#: zarr.json file too: what an interrupted --overwrite leaves once the marker and journal are gone).
 _SIGNATURES = [r"ckptconv\.json", r"zarr\.json", r"\.metadata", r"__\d+_\d+\.distcp", r".*\.safetensors(\.tmp)?",
                r"model\.safetensors\.index\.json", re.escape(JOURNAL_NAME), re.escape(LOCK_NAME)]
 #: Files that mark each kind of output complete (written last).
@@ -122,7 +122,7 @@ def foreign_entries(out: Path) -> tuple[list[str], bool]:
     signed = False
     for entry in sorted(os.scandir(out), key=lambda e: e.name):
         name = entry.name
-        if _SIG_RE.fullmatch(name):
+        if _SIG_RE.fullmatch(name) and not (name == "zarr.json" and entry.is_symlink()):  # (a link alone: no sign)
             signed = True
         if entry.is_dir(follow_symlinks=False):
             if RANK_DIR_RE.fullmatch(name):
