@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         _run(argv)
         return
     _stop_on_sigterm()
+    _raise_open_file_limit()
     try:
         rv = _run(argv)
     except SystemExit as e:  # errors too: skipping the teardown makes Ctrl-C / SIGTERM exit at once
@@ -391,6 +392,20 @@ def main(argv: list[str] | None = None) -> None:
             print(e.code, file=sys.stderr)
         _exit_now(code)
     _exit_now(rv if isinstance(rv, int) else 0)
+
+
+def _raise_open_file_limit() -> None:
+    """Readers keep one open file per source file, and a 1,024-rank checkpoint has more files than
+    the usual soft limit (1,024): raise the soft limit to the hard one, as far as the OS allows."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or the OS refuses: keep the limit
+        pass
 
 
 def _stop_on_sigterm() -> None:

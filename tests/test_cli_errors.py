@@ -136,3 +136,27 @@ def test_api_names_are_the_functions():
 
     for name in ("to_universal", "from_universal", "export_hf", "import_hf", "verify", "diff"):
         assert callable(getattr(converter, name)), name
+
+
+def test_more_source_files_than_the_soft_open_file_limit(tmp_path):
+    """A 100-file DCP read with a soft limit of 40 open files (the usual 1,024 is below a 1,024-rank
+    checkpoint's file count): the CLI raises its soft limit to the hard one and converts."""
+    import resource
+
+    src = tmp_path / "ckpt"
+    dcp.save({"model": {"w": torch.arange(800, dtype=torch.float32).view(200, 4)}}, checkpoint_id=str(src))
+    wide = tmp_path / "dp100"
+    assert run_subprocess("from-universal", str(src), str(wide), "--mesh", "dp100").returncode == 0
+    assert len(list(wide.glob("*.distcp"))) == 100
+
+    def low_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    proc = subprocess.run([sys.executable, "-m", "converter", "to-universal", str(wide), str(tmp_path / "uni")],
+                          capture_output=True, text=True, timeout=300, preexec_fn=low_soft_limit)
+    assert proc.returncode == 0, proc.stderr
+    from formats.universal_dcp import UniversalStorageReader
+
+    out = {"model": {"w": torch.zeros(200, 4)}}
+    dcp.load(out, storage_reader=UniversalStorageReader(str(tmp_path / "uni")))
+    assert torch.equal(out["model"]["w"], torch.arange(800, dtype=torch.float32).view(200, 4))
