@@ -148,6 +148,10 @@ class ChunkIndex:
         j = bisect.bisect_left(self._starts, hi, lo=i)
         return self.chunks[i:j]
 
+    def overlapping(self, target: Box) -> list[ChunkRef]:
+        """The chunks that share an element with ``target`` (those :meth:`copies` reads from)."""
+        return [chunk for chunk in self.candidates(target) if chunk.box.overlaps(target)]
+
     def copies(self, target: Box) -> tuple[CopyItem, ...]:
         """The regions of the chunks that fill ``target``."""
         items = []
@@ -194,7 +198,7 @@ class PlannedPieces(Sequence[Piece]):
 
     def source_files(self) -> set[str]:
         """The files of the source chunks this box is read from (one index query, no pieces)."""
-        return {c.src.file for c in self._index.copies(self._box)}
+        return {c.file for c in self._index.overlapping(self._box)}
 
     @property
     def max_numel(self) -> int:

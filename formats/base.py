@@ -51,6 +51,12 @@ class Box:
             return None
         return Box(lo, sizes)
 
+    def overlaps(self, other: Box) -> bool:
+        """Whether the boxes share an element (``intersect`` is not None) without building the box."""
+        a, b = self.offsets, other.offsets
+        hi = map(min, map(operator.add, a, self.sizes), map(operator.add, b, other.sizes))
+        return min(map(operator.sub, hi, map(max, a, b)), default=1) > 0
+
     def relative_to(self, outer: Box) -> Box:
         """This box expressed in the local coordinates of ``outer`` (which contains it)."""
         return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets)), self.sizes)

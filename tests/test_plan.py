@@ -127,6 +127,7 @@ def test_chunk_index_finds_what_the_straightforward_scan_finds(part, scan_limit,
                 for r in [c.box.intersect(target)] if r is not None and r.numel}
         found = {(c.src.locator, c.region) for c in index.copies(target)}
         assert found == scan
+        assert {c.locator for c in index.overlapping(target)} == {loc for loc, _ in scan}
         if target.numel:
             assert sum(r.numel for _, r in found) == target.numel
 
