@@ -420,9 +420,11 @@ def _stage_summary(mesh: _Mesh, layouts: Mapping[str, TensorLayout]) -> tuple[st
     """(head, detail, mesh guess) of one stage, e.g. ("FSDP", "dim 0 over 4 ranks", {"dp": 4})."""
     n = len(mesh.ranks)
     if mesh.tp > 1:
-        col, row = _count(layouts, TP_COLWISE), _count(layouts, TP_ROWWISE)
+        col = _count(layouts, TP_COLWISE)
+        inner = [t.tp_dim for t in layouts.values() if t.kind == TP_ROWWISE]
+        rows = "".join(f", TP dim {d}: {inner.count(d)}" for d in sorted({1, *inner}))  # dim 2: MoE experts
         rep = _count(layouts, FSDP) if mesh.dp > 1 else _count(layouts, WHOLE)
-        detail = f"TP dim 0: {col} tensors, TP dim 1: {row}, TP-replicated: {rep}"
+        detail = f"TP dim 0: {col} tensors{rows}, TP-replicated: {rep}"
         if mesh.replicas > 1:
             r, f = mesh.replicas, mesh.fsdp
             return "3-D", (f"HSDP x TP (dp_replicate{r} x dp_shard{f} x tp{mesh.tp}); {detail}"), \

@@ -277,6 +277,37 @@ def test_single_process_checkpoint(tmp_path):
     assert rep.world_size == 1
 
 
+def _moe_world(rank: int, world: int, port: int, root: str) -> None:
+    """dp2 x tp2: torchtitan's MoE TP puts grouped experts' w1 [experts, dim, hidden] on Shard(2)
+    (under FSDP's Shard(0), 5 experts over 2), a Linear weight on Shard(1), a norm TP-replicated."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        g = torch.Generator().manual_seed(0)
+        full = {"experts.w1": torch.randn(5, 4, 6, generator=g), "proj": torch.randn(9, 8, generator=g),
+                "norm": torch.randn(7, generator=g)}
+        places = {"experts.w1": [Shard(0), Shard(2)], "proj": [Shard(0), Shard(1)], "norm": [Shard(0), Replicate()]}
+        dcp.save({"model": {k: distribute_tensor(v, mesh, places[k]) for k, v in full.items()}}, checkpoint_id=root)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_on_dim_2_is_counted_as_dim_2(tmp_path):
+    """A 3-D MoE expert weight TP-split on dim 2 is TP row-wise on dim 2 (not counted as dim 1)."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(list(_PRELOAD))  # as make_checkpoints: forks are fast on 2 cores
+    mp.start_processes(_moe_world, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=True,
+                       start_method="forkserver")
+    rep = detect_layout(DCPReader(tmp_path).index())
+    assert rep.tensors["model.experts.w1"].tp_dim == 2 and rep.tensors["model.proj"].tp_dim == 1
+    assert "(dp2 x tp2); TP dim 0: 0 tensors, TP dim 1: 1, TP dim 2: 1, TP-replicated: 1" in rep.summary
+
+
 # ---------------------------------------------------------------------------------------------
 # pure helpers
 
