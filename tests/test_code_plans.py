@@ -157,3 +157,29 @@ def test_code_plan_stages_and_unknown_names():
     assert any("matched no rule" in w for w in warnings) and any("no pipeline stage (extra)" in w for w in warnings)
     with pytest.raises(PlanError, match="flavor"):
         plan_all({"layers.1.w": (5, 2)}, plan, mesh)
+
+
+@needs_titan
+@pytest.mark.slow
+@pytest.mark.parametrize("flavor,mesh", [("1B", "tp2,dp2"), ("1B", "dp_replicate2,dp2,tp4")])
+def test_torchtitan_plan_other_flavor_equals_builtin_llama(flavor, mesh):
+    """Another flavor (1B: GQA with 8 k/v heads of 32, weight tying), shapes from torchtitan's own meta
+    model: its parallelize_llama agrees with the built-in llama plan on every parameter but the save
+    hook's whole wq/wk/wv."""
+    import torch
+
+    titan_support.apply_cpu_patches()
+    from torchtitan.models.llama3 import model_registry
+
+    with torch.device("meta"):
+        model = model_registry(flavor).model.build()
+    params = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    m = parse_mesh(mesh)
+    got, warnings = plan_all(params, get_plan(f"torchtitan:llama3/{flavor}", mesh=m), m)
+    assert warnings == []
+    want, _ = plan_all(params, get_plan("llama"), m)
+    for fqn, shape in params.items():
+        if ".qkv_linear.w" in fqn and "wqkv" not in fqn:
+            assert len(got[fqn].unique_boxes(shape, m)) == 1, fqn
+            continue
+        assert got[fqn].unique_boxes(shape, m) == want[fqn].unique_boxes(shape, m), fqn

@@ -96,10 +96,11 @@ def test_export_fused_needs_head_counts(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_save_exports_byte_identical_to_adapter(titan_checkpoint, tmp_path):
+@pytest.mark.parametrize("mesh", ["tp2,dp2", "dp_replicate2,dp2"])
+def test_trainer_save_exports_byte_identical_to_adapter(titan_checkpoint, tmp_path, mesh):
     from safetensors.torch import save_file
 
-    src = titan_checkpoint("tp2,dp2")
+    src = titan_checkpoint(mesh)
     code, _, err = run_cli("export-hf", str(src / "ckpt"), str(tmp_path / "hf"), "--map", "torchtitan-llama",
                            "--config", json.dumps(HEADS))
     assert code == 0, err

@@ -1,7 +1,7 @@
 """torchtitan 0.3.0's own Trainer: its checkpoints converted by ckptconv load in its own Trainer on the
 target mesh through ``CheckpointManager.load`` (``-m slow``: multi-process gloo runs).
 
-Sources: torchtitan's saves at FSDP4 (``dp4``) and TP2 x FSDP2 (``tp2,dp2``), step 2 of 3
+Sources: torchtitan's saves at FSDP4 (``dp4``), TP2 x FSDP2 (``tp2,dp2``) and HSDP (``dp_replicate2,dp2``), step 2 of 3
 (``titan_checkpoint`` fixture). Each conversion (``from-universal`` straight from the DCP) is loaded
 by a fresh Trainer on the target mesh, which then runs step 3. Checked, per rank: the loaded state
 equals torch's own ``dcp_to_torch_save`` of the source bit for bit (model, optimizer states and
@@ -34,6 +34,11 @@ CASES = [  # (source mesh, target mesh, plan, drop the dataloader state)
     ("tp2,dp2", "dp2", "llama", False),
     ("tp2,dp2", "dp4", "torchtitan:llama3/debugmodel", True),
     ("tp2,dp2", "tp2,dp2", "llama", False),
+    # HSDP source and targets, DDP-only target: every box replicated over dp_replicate has one
+    # storage entry, read by both replicas (as in torchtitan's own HSDP save, same bytes per rank)
+    ("dp_replicate2,dp2", "tp2,dp2", "torchtitan:llama3/debugmodel", True),
+    ("dp4", "dp_replicate2,dp2", "llama", False),  # same DP degree: the dataloader state is kept
+    ("tp2,dp2", "dp_replicate2", "torchtitan:llama3/debugmodel", True),
     # No pp target: torchtitan 0.3.0 calls PipelineSchedule.step(arg_mbs=..., kwarg_mbs=...), which
     # torch 2.13's schedules do not take ("Expecting 4 arg_mbs but got 1"); its PP needs a newer torch.
 ]
