@@ -42,6 +42,10 @@ from formats.errors import DestinationError, clip
 F = TypeVar("F", bound=Callable[..., Any])
 
 LOCK_NAME = ".ckptconv-lock"
+#: Written into a DCP output just before its .metadata: what tells ckptconv's own DCP outputs from
+#: a checkpoint torch or a training job wrote (which --overwrite never deletes). HF exports carry
+#: none (they are exactly the files HF writes), so --overwrite replaces any HF file set.
+OUTPUT_RECORD = ".ckptconv-output.json"
 RANK_DIR_RE = re.compile(r"\.ckptconv-rank-\d+")
 
 UNIVERSAL, DCP, HF = "universal store", "DCP checkpoint", "Hugging Face export"
@@ -59,12 +63,15 @@ _OWN_FILES = {
          r"model\.safetensors\.index\.json", r"config\.json",
          _TMP.format(name=r"(config\.json|model\.safetensors\.index\.json)")],
 }
-_COMMON_FILES = [re.escape(JOURNAL_NAME), re.escape(LOCK_NAME)]
+_COMMON_FILES = [re.escape(JOURNAL_NAME), re.escape(LOCK_NAME), re.escape(OUTPUT_RECORD)]
 _OWN_DIRS = {UNIVERSAL: ("tensors", "objects")}
 #: Entries whose presence says "ckptconv (or a DCP save) wrote this directory" (a store's root
 #: zarr.json file too: what an interrupted --overwrite leaves once the marker and journal are gone).
 _SIGNATURES = [r"ckptconv\.json", r"zarr\.json", r"\.metadata", r"__\d+_\d+\.distcp", r".*\.safetensors(\.tmp)?",
-               r"model\.safetensors\.index\.json", re.escape(JOURNAL_NAME), re.escape(LOCK_NAME)]
+               r"model\.safetensors\.index\.json", re.escape(JOURNAL_NAME), re.escape(LOCK_NAME),
+               re.escape(OUTPUT_RECORD)]
+#: Files of a DCP checkpoint, which are ckptconv's only with its record or journal beside them.
+_CHECKPOINT_FILES = re.compile(r"\.metadata|__\d+_\d+\.distcp|__\d+\.metadata")
 #: Files that mark each kind of output complete (written last).
 MARKERS = {UNIVERSAL: "ckptconv.json", DCP: ".metadata", HF: "model.safetensors.index.json"}
 
@@ -143,6 +150,7 @@ def foreign_entries(out: Path) -> tuple[list[str], bool]:
 def refuse_foreign_keys(dst: str, rels: list[str]) -> None:
     """For ``--overwrite`` of a URL destination: refuse unless every object under it (``rels``,
     relative paths) is one a ckptconv output holds."""
+    _refuse_unrecorded(unrecorded_checkpoint([r for r in rels if "/" not in r]), dst)
     foreign = sorted(r for r in rels if not owned_path(r))
     signed = any("/" not in r and _SIG_RE.fullmatch(r) for r in rels)
     if foreign or not signed:
@@ -166,7 +174,12 @@ def _clear(out: Path) -> None:
     completion markers go first, then the journal, then the data: an interrupted clear leaves
     neither a complete-looking output nor a journal naming chunks already deleted."""
     first = (*MARKERS.values(), "model.safetensors", JOURNAL_NAME)
-    entries = sorted(os.scandir(out), key=lambda e: first.index(e.name) if e.name in first else len(first))
+    last = len(first) + 1  # the output record goes last: what an interrupted clear leaves is still ours
+
+    def order(e: os.DirEntry) -> int:
+        return first.index(e.name) if e.name in first else last if e.name == OUTPUT_RECORD else len(first)
+
+    entries = sorted(os.scandir(out), key=order)
     for entry in entries:
         if entry.name == LOCK_NAME:
             continue
@@ -436,7 +449,33 @@ def _check_overlap(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return d
 
 
+def write_output_record(out: Path, header: Mapping[str, Any]) -> None:
+    """Mark the DCP output in ``out`` as ckptconv's (before its completion marker)."""
+    from formats.fsutil import atomic_write_bytes
+
+    record = {"written_by": "ckptconv", **{k: v for k, v in header.items() if k not in ("rank", "world")}}
+    atomic_write_bytes(out / OUTPUT_RECORD, json.dumps(record, sort_keys=True, default=str).encode())
+
+
+def unrecorded_checkpoint(names: list[str]) -> list[str]:
+    """The DCP checkpoint files among the top-level ``names`` of a destination when neither
+    ckptconv's output record nor its journal is there (a checkpoint ckptconv did not write)."""
+    if OUTPUT_RECORD in names or JOURNAL_NAME in names:
+        return []
+    return sorted(n for n in names if _CHECKPOINT_FILES.fullmatch(n))
+
+
+def _refuse_unrecorded(found: list[str], dst: Any) -> None:
+    if found:
+        raise DestinationError(
+            f"{dst}: holds a checkpoint ckptconv did not write (found {_listing(found)}, no {OUTPUT_RECORD}); "
+            "--overwrite only replaces ckptconv's own outputs: delete it yourself or choose another path"
+        )
+
+
 def _refuse_foreign(out: Path, dst: Any, what: str) -> None:
+    if what == "--overwrite":
+        _refuse_unrecorded(unrecorded_checkpoint([e.name for e in os.scandir(out)]), dst)
     foreign, signed = foreign_entries(out)
     if foreign or not signed:
         found = _listing(foreign or sorted(e.name for e in os.scandir(out)))

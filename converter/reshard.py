@@ -25,7 +25,8 @@ from converter.atoms import AtomRef, group_atoms
 from converter.dataloader_state import plan_objects
 from converter.remote import remote_destination
 from converter.config import RunOptions
-from converter.destination import conversion_header, guarded, open_destination, option_value
+from converter.destination import (conversion_header, guarded, open_destination, option_value,
+                                   write_output_record)
 from converter import distributed
 from converter.execute import os_errors_as_storage_errors
 from converter.mesh import Mesh, parse_mesh
@@ -249,7 +250,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                                     label="from-universal", journal=journal)
             written = sum(dist.gather(sink.written))  # target-dtype bytes, every rank's share
 
-            dist.publish(writer, journal, out, lambda: [writer.adopt_chunk(t.target) for t in tasks])
+            dist.publish(writer, journal, out, lambda: [writer.adopt_chunk(t.target) for t in tasks],
+                         lambda: write_output_record(out, journal.header))
         except BaseException:
             writer.close()
             raise

@@ -216,6 +216,23 @@ def test_overwrite_refuses_what_is_not_ckptconvs(work, tmp_path, op):
     assert tree_bytes(dst) == {"important.txt": b"keep", "sub/x": b"keep"}
 
 
+@pytest.mark.parametrize("op", ["from-universal", "to-universal"])
+def test_overwrite_never_deletes_a_checkpoint_torch_wrote(work, tmp_path, op):
+    """`from-universal uni/ ck_original/ --overwrite` onto a real 4-rank torch save (no ckptconv
+    output record, no journal) is refused and the checkpoint is left byte for byte; a DCP output
+    of ckptconv (which carries the record) is replaced."""
+    original = tmp_path / "ck_original"
+    shutil.copytree(work["src"], original)
+    before = tree_bytes(original)
+    with pytest.raises(DestinationError, match=r"ckptconv did not write \(found \.metadata, __0_0\.distcp"):
+        convert(op, work, original, RunOptions(overwrite=True))
+    assert tree_bytes(original) == before
+    ours = tmp_path / "ours"
+    convert("from-universal", work, ours, RunOptions())
+    assert (ours / ".ckptconv-output.json").is_file()
+    convert(op, work, ours, RunOptions(overwrite=True))
+
+
 def test_overwrite_refuses_a_foreign_file_inside_a_store(work, tmp_path):
     dst = tmp_path / "uni"
     convert("to-universal", work, dst, RunOptions())
