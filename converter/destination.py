@@ -45,7 +45,7 @@ LOCK_NAME = ".ckptconv-lock"
 #: Written into a DCP output just before its .metadata: what tells ckptconv's own DCP outputs from
 #: a checkpoint torch or a training job wrote (which --overwrite never deletes). HF exports carry
 #: none (they are exactly the files HF writes), so --overwrite replaces any HF file set.
-OUTPUT_RECORD = ".ckptconv-output.json"
+OUTPUT_RECORD = ".written-by-ckptconv.json"
 RANK_DIR_RE = re.compile(r"\.ckptconv-rank-\d+")
 
 UNIVERSAL, DCP, HF = "universal store", "DCP checkpoint", "Hugging Face export"
@@ -453,7 +453,8 @@ def write_output_record(out: Path, header: Mapping[str, Any]) -> None:
     """Mark the DCP output in ``out`` as ckptconv's (before its completion marker)."""
     from formats.fsutil import atomic_write_bytes
 
-    record = {"written_by": "ckptconv", **{k: v for k, v in header.items() if k not in ("rank", "world")}}
+    # what wrote it, not from where: two runs of one conversion stay byte-identical
+    record = {"written_by": "ckptconv", "op": header.get("op"), "tool": header.get("tool")}
     atomic_write_bytes(out / OUTPUT_RECORD, json.dumps(record, sort_keys=True, default=str).encode())
 
 

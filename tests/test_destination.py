@@ -229,7 +229,7 @@ def test_overwrite_never_deletes_a_checkpoint_torch_wrote(work, tmp_path, op):
     assert tree_bytes(original) == before
     ours = tmp_path / "ours"
     convert("from-universal", work, ours, RunOptions())
-    assert (ours / ".ckptconv-output.json").is_file()
+    assert (ours / ".written-by-ckptconv.json").is_file()
     convert(op, work, ours, RunOptions(overwrite=True))
 
 
