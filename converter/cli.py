@@ -145,12 +145,15 @@ def process_seconds() -> float:
 
 
 def count_files(dst: str) -> int | None:
-    """Files under a local output directory (None for a URL or a missing path)."""
+    """Checkpoint files under a local output directory, not counting ckptconv's output record
+    (None for a URL or a missing path); a DCP output's count is the dry run's (ranks + .metadata)."""
     import os
+
+    from converter.destination import OUTPUT_RECORD
 
     if "://" in str(dst) or not os.path.isdir(dst):
         return None
-    return sum(len(names) for _, _, names in os.walk(dst))
+    return sum(len(names) - (OUTPUT_RECORD in names) for _, _, names in os.walk(dst))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
