@@ -106,6 +106,15 @@ def source_path(root: str | os.PathLike, relative: str, what: str = "") -> Path:
     return path
 
 
+def pwrite_all(fd: int, data: object, offset: int) -> None:
+    """Write all of ``data`` (bytes or any C-contiguous buffer) at ``offset`` of ``fd`` (pwrite may
+    write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def read_exact_into(fd: int, buf: memoryview, offset: int) -> int:
     """pread into ``buf`` from ``offset`` until it is full or the file ends; bytes read."""
     done = 0

@@ -43,7 +43,7 @@ from formats.errors import (
     PlanError,
     UnsupportedError,
 )
-from formats.fsutil import atomic_write_bytes, fsync_dir, loads_json, read_error, short, source_path
+from formats.fsutil import atomic_write_bytes, fsync_dir, loads_json, pwrite_all, read_error, short, source_path
 from formats.storage import RandomFile, Storage, check_relative, close_file, open_storage, read_into
 
 if TYPE_CHECKING:
@@ -579,7 +579,7 @@ class HFWriter:
         for plan in self.plans:
             fd = os.open(self._tmp(plan), os.O_CREAT | trunc | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o644)
             self._fds[plan.name] = fd
-            _pwrite_all(fd, memoryview(plan.header), 0)
+            pwrite_all(fd, memoryview(plan.header), 0)
             os.ftruncate(fd, plan.size)
 
     def write(self, name: str, byte_offset: int, data: memoryview) -> None:
@@ -587,7 +587,7 @@ class HFWriter:
         plan, begin, nbytes = self._where[name]
         if byte_offset < 0 or byte_offset + len(data) > nbytes:
             raise PlanError(f"tensor {name!r}: write of {len(data)} bytes at {byte_offset} is outside its {nbytes} bytes")
-        _pwrite_all(self._fds[plan.name], data, begin + byte_offset)
+        pwrite_all(self._fds[plan.name], data, begin + byte_offset)
         with self._lock:
             self._written[name] += len(data)
 
@@ -648,8 +648,3 @@ class HFWriter:
             self._tmp(plan).unlink(missing_ok=True)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)

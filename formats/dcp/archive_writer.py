@@ -22,7 +22,6 @@ produced without importing torch: ``data.pkl`` is pickled from stand-ins
 from __future__ import annotations
 
 import math
-import os
 import struct
 import sys
 import zlib
@@ -37,7 +36,7 @@ from formats.integrity import crc32 as _data_crc32  # ISA-L's when installed (sa
 
 from formats.dcp.torch_globals import NEW_DTYPES, STORAGE_TYPE_BY_DTYPE, Global, dtype_global, dumps, module_name
 from formats.dtypes import by_name, is_torch_tensor, itemsize_of, raw_bytes
-from formats.fsutil import start_writeback
+from formats.fsutil import pwrite_all, start_writeback
 from formats.errors import IncompleteCheckpointError, InvalidCheckpointError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -294,13 +293,6 @@ def _hash_combine(seed: int, value: int) -> int:
     return (seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _U64)) & _U64
 
 
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
 # ----------------------------------------------------------------------------- the writer
 
 
@@ -351,7 +343,7 @@ class TensorArchiveWriter:
         for rec, body in zip(recs, self._small_records()):
             parts += [rec.local_header(), body, rec.descriptor(zlib.crc32(body))]
         parts.append(recs[_DATA].local_header())
-        _pwrite_all(self._fd, b"".join(parts), self._base)
+        pwrite_all(self._fd, b"".join(parts), self._base)
 
     def write(self, piece: np.ndarray | torch.Tensor) -> None:
         """Append the bytes of ``piece``, in C order: a C-contiguous numpy bit array of the
@@ -366,7 +358,7 @@ class TensorArchiveWriter:
             raise InvalidCheckpointError(f"pieces exceed the {self.nbytes} bytes of a {self._what} chunk")
         if len(self._head) < 8:
             self._head += data[: 8 - len(self._head)].tobytes()
-        _pwrite_all(self._fd, data, self._base + self._layout.data_offset + self._written)
+        pwrite_all(self._fd, data, self._base + self._layout.data_offset + self._written)
         start_writeback(self._fd, self._base + self._layout.data_offset + self._written, data.nbytes)
         self._crc = _data_crc32(data, self._crc)
         self._written += data.nbytes
@@ -404,7 +396,7 @@ class TensorArchiveWriter:
                 f"{self._what} chunk got {self._written} of {self.nbytes} bytes; "
                 "write every piece before close()"
             )
-        _pwrite_all(self._fd, self._tail(), self._base + self._layout.data_offset + self.nbytes)
+        pwrite_all(self._fd, self._tail(), self._base + self._layout.data_offset + self.nbytes)
         self._closed = True
 
     def _small_records(self) -> tuple[bytes, ...]:

@@ -36,7 +36,7 @@ from formats.base import Box, first_overlap
 from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
 from formats.dtypes import by_name
 from formats.errors import ConfigError, DestinationError, IncompleteCheckpointError
-from formats.fsutil import atomic_write_bytes, fsync_dir, safe_join
+from formats.fsutil import atomic_write_bytes, fsync_dir, pwrite_all, safe_join
 
 if TYPE_CHECKING:
     import torch
@@ -333,7 +333,7 @@ class DCPWriter:
             if self._objects_written:
                 return
             for obj in self._objects:
-                _pwrite_all(self._fds[obj.rank], obj.data, self._object_loc[obj.key].offset)
+                pwrite_all(self._fds[obj.rank], obj.data, self._object_loc[obj.key].offset)
             self._objects_written = True
 
     def commit(self) -> None:
@@ -473,13 +473,6 @@ class _Adopted:
 
 def _chunk_id(spec: ChunkSpec) -> tuple:
     return (spec.key, spec.rank, spec.box.offsets, spec.box.sizes)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def _make_metadata(sd_md: dict, planner_data: dict, storage: dict, root: Path) -> Any:
