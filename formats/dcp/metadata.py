@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, NamedTuple
 
 from formats.base import Box
+from formats.dcp.metadata_fast import fast_loads
 from formats.dcp.safe_pickle import SAFE_BUILTINS, DTypeRef, Record, record_class, safe_loads
 from formats.dcp.safe_pickle import resolve_torch_dtype, resolve_torch_layout
 from formats.errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -50,6 +51,7 @@ _RECORDS: dict[tuple[str, str], type[Record]] = {
     )
 }
 _RECORDS[(_DCP_FS, "_StorageInfo")] = record_class("_StorageInfo", fast=True)
+_RECORD_KINDS = {cls._kind: cls for cls in _RECORDS.values()}
 
 
 def _mem_format(value: Any) -> int:
@@ -180,12 +182,17 @@ def _parse_tensor(rec: Record, source: str, key: str) -> TensorMeta:
         raise CorruptCheckpointError(f"{source}: key {key!r}: tensor has no dtype ({dtype!r})")
     size = _shape(rec.get("size", 1), source, what)
     raw = rec.get("chunks", 2) or ()
+    if type(raw) is list and raw and not set(map(type, raw)) - {Box}:  # read by the fast reader
+        return TensorMeta(dtype.name, size, tuple(raw))
     boxes = _fast_chunks(raw)
     if boxes is not None:
         return TensorMeta(dtype.name, size, boxes)
     chunks = []
     fast = _RECORDS[(_DCP_MD, "ChunkStorageMetadata")]
-    for c in rec.get("chunks", 2) or ():
+    for c in raw:
+        if type(c) is Box:  # read by the fast reader (validated there)
+            chunks.append(c)
+            continue
         if type(c) is fast and len(c) == 1 and type(c[0]) is dict:  # what torch writes
             d = c[0]
             offsets, sizes = d.get("offsets"), d.get("sizes")
@@ -241,9 +248,14 @@ def _parse_storage(raw: Any, source: str) -> dict[StorageKey, StorageInfo]:
         raise CorruptCheckpointError(
             f"{source}: storage_data is not a dict of _StorageInfo (a custom storage writer?)"
         )
+    if raw and not set(map(type, raw)) - {tuple} and not set(map(type, raw.values())) - {StorageInfo}:
+        return raw  # every item read by the fast reader: already (fqn, offsets) -> StorageInfo
     out: dict[StorageKey, StorageInfo] = {}
     index_type, info_type = _RECORDS[(_DCP_MD, "MetadataIndex")], _RECORDS[(_DCP_FS, "_StorageInfo")]
     for index, info in raw.items():
+        if type(index) is tuple and type(info) is StorageInfo:  # read by the fast reader
+            out[index] = info
+            continue
         if (type(index) is index_type and type(info) is info_type and len(index) == 1
                 and len(info) == 1 and type(index[0]) is dict and type(info[0]) is dict):  # what torch writes
             d, f = index[0], info[0]
@@ -336,7 +348,20 @@ def parse_metadata_bytes(data: bytes, source: str) -> DCPMetadata:
     if not data:
         raise CorruptCheckpointError(f"{source}: empty metadata file; the save did not finish")
     with gc_paused():
-        return _parse_root(safe_loads(data, source, _resolve_metadata_global), source)
+        root = fast_loads(data, _resolve_metadata_global, _RECORD_KINDS, StorageInfo, _intern_shape)
+        if root is None:  # not exactly what dcp.save writes: the general allowlist unpickler
+            root = safe_loads(data, source, _resolve_metadata_global)
+        return _parse_root(root, source)
+
+
+def _intern_shape(shape: Shape) -> Shape:
+    """The shared tuple of a shape the fast reader validated (non-negative ints)."""
+    found = _VALID_SHAPES.get(shape)
+    if found is not None:
+        return found
+    if len(_VALID_SHAPES) < 65536:
+        _VALID_SHAPES[shape] = shape
+    return shape
 
 
 def _parse_root(root: Any, source: str) -> DCPMetadata:
