@@ -465,14 +465,18 @@ def plan_import(index: CheckpointIndex, kmap: KeyMap, config: Mapping[str, Any] 
 @os_errors_as_storage_errors("import-hf")
 def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               config: str | os.PathLike | Mapping[str, Any] | None = None, prefix: str | None = None,
-              options: RunOptions | None = None, chunk_bytes: int | None = None) -> ConversionResult:
+              options: RunOptions | None = None, chunk_bytes: int | None = None,
+              backend: str = "zarr") -> ConversionResult:
     """Convert the HF safetensors directory ``src`` into a universal store at ``dst``.
 
     ``key_map`` renames HF names to native ones (the inverse of the export map); ``config``
     (default: ``src/config.json`` when the map needs head counts) gives the head counts;
     ``prefix`` puts the weights under an object-path root (e.g. ``model`` for DCP's
-    ``get_state_dict`` style), top level by default (torchtitan's style).
+    ``get_state_dict`` style), top level by default (torchtitan's style). ``backend`` puts the
+    tensors' chunks in zarr arrays (default) or safetensors files.
     """
+    from converter.ingest import plan_universal
+    from converter.plan import store_tasks
     from formats.universal import UniversalWriter
     from formats.universal_meta import SourceInfo
 
@@ -499,24 +503,19 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         view = MappedReader(reader, sources, paths)
         vindex = view.index()
         chunk_bytes = chunk_bytes or universal_chunk_bytes(options)
+        store = plan_universal(vindex, chunk_bytes, backend)
+        tasks = store_tasks(vindex.tensors, store, chunk_bytes)  # the same plan for the dry run and the run
         if options.dry_run:
-            from formats.universal import chunk_grid, chunk_shape_for
-
-            tasks = []
-            for e in vindex.tensors.values():
-                grid = chunk_grid(e.shape, chunk_shape_for(e.shape, by_name(e.dtype).itemsize, chunk_bytes))
-                tasks += plan_tensor(e, list(grid), chunk_bytes)
             return ConversionResult(str(dst), len(sources), 0, sum(t.nbytes for t in tasks), 0.0, plan=describe(tasks))
         header = conversion_header("import-hf", src, index, {
             "--map": option_value(key_map), "--config": option_value(cfg), "--prefix": prefix,
-            "--chunk-size": chunk_bytes})
+            "--chunk-size": chunk_bytes, **({"--backend": backend} if backend != "zarr" else {})})
         out, journal = open_destination(src, dst, header, options)
         refs, atoms = group_atoms(paths)
-        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out))  # URL dst: upload as final
-        tasks: list[WriteTask] = []
+        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out), backend=backend)  # URL dst: upload as final
         for key, entry in vindex.tensors.items():
-            writer.add_tensor(entry, refs[key].atom, refs[key].role)
-            tasks += plan_tensor(entry, writer.chunks(key), piece_bytes=chunk_bytes)
+            writer.add_tensor(entry, refs[key].atom, refs[key].role, plan=store.arrays[key])
+        writer.prepare()
         for task in tasks:
             if journal.is_done(task):
                 writer.restore_chunk(task.key, task.target, journal.info(task))

@@ -17,12 +17,12 @@ from converter.destination import conversion_header, guarded, open_destination
 from converter.journal import task_id
 from converter.detect import WHOLE, LayoutReport, detect_layout
 from converter.execute import os_errors_as_storage_errors
-from converter.plan import Piece, WriteTask, plan_tensor
+from converter.plan import Piece, WriteTask, describe, store_tasks
 from converter.selection import Selection, select_entries
 from converter.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
 from formats.objects import object_label, preview_value, read_checked_object
-from formats.universal import UniversalWriter
+from formats.universal import DEFAULT_BACKEND, StorePlan, UniversalWriter, plan_store
 from formats.universal_meta import SourceInfo
 from formats.storage import source_label
 
@@ -120,12 +120,14 @@ def universal_chunk_bytes(options: RunOptions) -> int:
 @guarded  # the destination's lock is held for the call; an interrupt says how to resume
 @os_errors_as_storage_errors("to-universal")
 def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
-                 chunk_bytes: int | None = None, selection: Selection | None = None) -> ConversionResult:
+                 chunk_bytes: int | None = None, selection: Selection | None = None,
+                 backend: str = DEFAULT_BACKEND) -> ConversionResult:
     """Convert the checkpoint at ``src`` into a universal store at ``dst``.
 
     Streams chunk by chunk under ``options.memory_budget``; ``dst`` is marked complete (its
     ``ckptconv.json`` written) only after every chunk and object is on disk. ``selection``
     (``--keys``, ``--model-only``, ``--optim-only``) copies only the entries it keeps.
+    ``backend`` puts the tensors' chunks in zarr arrays (default) or safetensors files.
     """
     options = options or RunOptions()
     dist = distributed.current()
@@ -137,22 +139,25 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         refs, atoms = group_atoms(paths)  # of the whole checkpoint: a selection keeps atoms' names
         selected = select_entries(index, selection or Selection(), refs)
         index, atoms = selected.restrict(index), selected.restrict_atoms(atoms)
+        store = plan_universal(index, chunk_bytes, backend)
+        tasks = store_tasks(index.tensors, store, chunk_bytes)  # the same plan for the dry run and the run
         if options.dry_run:
-            return _dry_run(index, dst, chunk_bytes)
+            total = sum(t.nbytes for t in tasks)
+            return ConversionResult(str(dst), len(index.tensors), len(index.objects), total, 0.0, plan=describe(tasks))
         header = conversion_header("to-universal", src, index, {
             "--chunk-size": chunk_bytes,
-            "--keys": None if selection is None or selection.everything else selection.to_json()})
+            "--keys": None if selection is None or selection.everything else selection.to_json(),
+            **({"--backend": backend} if backend != DEFAULT_BACKEND else {})})
         objects = _checked_objects(reader, index, options.trust_pickle)
         out, journal = open_destination(src, dst, header, options)
-        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out))  # URL dst: upload as final
+        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out), backend=backend)  # URL dst: upload as final
         layout = detect_layout(index)
         hints = source_hints(layout, index)
-        tasks: list[WriteTask] = []
         for key, entry in index.tensors.items():
             h = hints[key]
             writer.add_tensor(entry, refs[key].atom, refs[key].role, source_split=h.split,
-                              source_replicated=h.replicated, tp_split_dim=h.tp_dim)
-            tasks += plan_tensor(entry, writer.chunks(key), piece_bytes=chunk_bytes)
+                              source_replicated=h.replicated, tp_split_dim=h.tp_dim, plan=store.arrays[key])
+        writer.prepare()
         for task in tasks:
             if journal.is_done(task):
                 writer.restore_chunk(task.key, task.target, journal.info(task))
@@ -177,14 +182,6 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         reader.close()
 
 
-def _dry_run(index: CheckpointIndex, dst: str | os.PathLike, chunk_bytes: int) -> ConversionResult:
-    from converter.plan import describe
-    from formats.dtypes import by_name
-    from formats.universal import chunk_grid, chunk_shape_for
-
-    tasks: list[WriteTask] = []
-    for entry in index.tensors.values():
-        cshape = chunk_shape_for(entry.shape, by_name(entry.dtype).itemsize, chunk_bytes)
-        tasks += plan_tensor(entry, list(chunk_grid(entry.shape, cshape)), piece_bytes=chunk_bytes)
-    total = sum(t.nbytes for t in tasks)
-    return ConversionResult(str(dst), len(index.tensors), len(index.objects), total, 0.0, plan=describe(tasks))
+def plan_universal(index: CheckpointIndex, chunk_bytes: int, backend: str = DEFAULT_BACKEND) -> StorePlan:
+    """The universal store's layout for ``index``'s tensors (pure: no I/O)."""
+    return plan_store(((k, e.dtype, tuple(e.shape)) for k, e in index.tensors.items()), chunk_bytes, backend)

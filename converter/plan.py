@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from formats.base import Box, ChunkRef, TensorEntry
 from formats.dtypes import by_name
 from formats.errors import CorruptCheckpointError
+from formats.universal.plan import StorePlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +260,15 @@ def plan_tensor(
             checked.add(box)
         pieces = PlannedPieces(index, box, itemsize, piece_bytes, entry.key)
         tasks.append(WriteTask(entry.key, entry.dtype, target_id, box, pieces))
+    return tasks
+
+
+def store_tasks(tensors: Mapping[str, TensorEntry], store: StorePlan, piece_bytes: int) -> list[WriteTask]:
+    """One write task per chunk of every tensor's array in the universal store ``store`` (the
+    layout :func:`formats.universal.plan_store` planned); the dry run and the run alike."""
+    tasks: list[WriteTask] = []
+    for key, entry in tensors.items():
+        tasks += plan_tensor(entry, store.arrays[key].grid(), piece_bytes=piece_bytes)
     return tasks
 
 

@@ -45,6 +45,10 @@ class TensorRecord:
     source_split: dict[str, int] = field(default_factory=dict)
     source_replicated: bool = False
     tp_split_dim: int | None = None
+    # safetensors backend only (left out of the JSON otherwise): chunk id -> its file, and the
+    # name of the chunk's tensor inside each file
+    files: dict[str, str] = field(default_factory=dict)
+    tensor: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class UniversalMetadata:
     objects: dict[str, ObjectRecord]
     atoms: dict[str, dict[str, str]]  # atom name -> role -> key
     created: str = ""
+    backend: str = "zarr"  # where the chunks' bytes are: "zarr" or "safetensors" (formats/universal/)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document (validated against the schema)."""
@@ -80,6 +85,7 @@ class UniversalMetadata:
             "created": self.created,
             "complete": True,
             "checksum": "xxh3_64",
+            **({"backend": self.backend} if self.backend != "zarr" else {}),
             "source": {k: v for k, v in asdict(self.source).items() if v is not None or k == "format"},
             "tensors": {k: _tensor_json(r) for k, r in self.tensors.items()},
             "objects": {k: _object_json(r) for k, r in self.objects.items()},
@@ -105,6 +111,7 @@ class UniversalMetadata:
         return cls(
             tool_version=doc["tool"]["version"],
             created=doc.get("created", ""),
+            backend=doc.get("backend", "zarr"),
             source=SourceInfo(**doc["source"]),
             tensors={k: _tensor_from(v) for k, v in doc["tensors"].items()},
             objects={k: _object_from(v) for k, v in doc["objects"].items()},
@@ -115,6 +122,9 @@ class UniversalMetadata:
 def _tensor_json(r: TensorRecord) -> dict[str, Any]:
     d = asdict(r)
     d["shape"], d["chunk_shape"], d["path"] = list(r.shape), list(r.chunk_shape), list(r.path)
+    if not r.files and r.tensor is None:  # a zarr store's record: as before the safetensors backend
+        d.pop("files")
+        d.pop("tensor")
     return d
 
 

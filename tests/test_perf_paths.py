@@ -103,7 +103,7 @@ def test_fill_piece_in_place_matches_read_region(tmp_path, monkeypatch):
     api.to_universal(tmp_path / "ckpt", tmp_path / "uni", api.RunOptions(piece_bytes=64), chunk_bytes=64)
     reader = UniversalReader(tmp_path / "uni")
     for batch in (4 << 20, 1):  # partial rows read all at once, then one row per batch
-        monkeypatch.setattr("formats.universal.ROWS_BATCH_BYTES", batch)
+        monkeypatch.setattr("formats.universal.store.ROWS_BATCH_BYTES", batch)
         for key, tg in targets.items():
             for piece_bytes in (1 << 20, 16):
                 _check_pieces(reader, key, tg, piece_bytes)

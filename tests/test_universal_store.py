@@ -40,6 +40,8 @@ def _write_store(root, tensors: dict, chunk_bytes=64):
     for key, t in tensors.items():
         entry = TensorEntry(key, str(t.dtype).removeprefix("torch."), tuple(t.shape), (), ("model", key))
         w.add_tensor(entry, key, "param")
+    w.prepare()
+    for key, t in tensors.items():
         for idx, box in w.chunks(key):
             w.write_chunk(key, idx, t[box.slices()].clone())
     w.commit(SourceInfo("test"), "0", {k: {"param": k} for k in tensors}, "now")
@@ -94,6 +96,8 @@ def test_array_names_never_escape():
 def test_incomplete_store_is_refused(tmp_path):
     w = UniversalWriter(tmp_path / "u", 64)
     w.add_tensor(TensorEntry("w", "float32", (2,), (), ("w",)), "w", "param")
+    assert not (tmp_path / "u").exists()  # planned, nothing written before prepare()
+    w.prepare()
     with pytest.raises(IncompleteCheckpointError, match="incomplete universal store"):
         UniversalReader(tmp_path / "u")
 

@@ -1,30 +1,29 @@
-"""The universal store (format version 1): a Zarr v3 group written and read without zarr's I/O.
+"""The universal store (format version 1): one writer and one reader over either backend.
 
 Layout::
 
-    uni/zarr.json                      group
-    uni/tensors/<name>/zarr.json       one array per tensor key (name = encoded key)
-    uni/tensors/<name>/c/<i>/<j>...    chunks: raw little-endian C-order bytes, no codec
+    uni/tensors/...                    the tensors' bytes, laid out by the backend:
+                                       zarr (default): a Zarr v3 array per tensor, a file per chunk
+                                       (formats/universal/zarr_backend.py); safetensors: a
+                                       safetensors file per chunk (formats/universal/safetensors_backend.py)
     uni/objects/<n>.pt                 non-tensor entries, the exact torch.save bytes from the source
     uni/ckptconv.json                  root metadata; written last, atomically: the completion marker
 
-Arrays use the ``bytes`` codec only (no compression), so every chunk file is the chunk's raw bytes
-(edge chunks padded to the full chunk shape with zeros, as zarr does). ckptconv writes each chunk
-file whole, by one writer, through a temp file and a rename; stock zarr (3.x) opens every array.
-bfloat16 and float8 are stored as uint16 / uint8 bit patterns (see ``formats.dtypes``); the array
-attributes ``torch_dtype`` and ``key`` name the original dtype and key.
+Both backends chunk a tensor the same way (:mod:`formats.universal.plan`, planned before any
+I/O) and record the same xxh3_64 of every chunk's logical bytes, so one store converts to the
+other chunk for chunk. ckptconv writes each chunk file whole, by one writer, through a temp file
+and a rename.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 import numpy as np
 import xxhash
@@ -42,6 +41,16 @@ from formats.fsutil import (atomic_write_bytes, fsync_dir, loads_json, pooled_bu
                             source_path, start_writeback)
 from formats.integrity import ChunkChecks
 from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
+from formats.universal import safetensors_backend, zarr_backend
+from formats.universal.plan import (
+    DEFAULT_BACKEND,
+    OBJECTS_DIR,
+    TENSORS_DIR,
+    ArrayPlan,
+    chunk_grid,
+    chunk_id,
+    plan_array,
+)
 from formats.universal_meta import (
     METADATA_FILE,
     ObjectRecord,
@@ -53,115 +62,35 @@ from formats.universal_meta import (
 if TYPE_CHECKING:
     import torch
 
-TENSORS_DIR = "tensors"
-OBJECTS_DIR = "objects"
-_GROUP_JSON = {"zarr_format": 3, "node_type": "group", "attributes": {}}
-
-
-def array_name(key: str) -> str:
-    """The zarr array name for a tensor key: the key, percent-encoded where it is unsafe.
-
-    '/' and control characters are encoded, a leading '.' or '__' too, so that a key can never
-    name a path outside ``tensors/`` or a name zarr reserves; overlong names get a hash suffix.
-    """
-    if not key:
-        return "%00empty"
-    name = quote(key, safe="")
-    if name.startswith("."):
-        name = "%2E" + name[1:]
-    if name.startswith("__"):
-        name = "%5F" + name[1:]
-    if name.lower() == "zarr.json":  # the group's own metadata file lives beside the arrays
-        name = "zarr%2Ejson"
-    if len(name.encode()) > 200:
-        name = name[:160] + "~" + xxhash.xxh3_64_hexdigest(key.encode())
-    return name
-
-
-def chunk_shape_for(shape: tuple[int, ...], itemsize: int, target_bytes: int) -> tuple[int, ...]:
-    """A chunk shape of about ``target_bytes``: split the outermost dims first, balanced.
-
-    Chunks are row blocks (whole trailing dims) whenever one row fits the target, so reads for
-    any target mesh touch few chunks; the blocks are balanced so the last one is not a sliver.
-    """
-    chunk = [max(1, s) for s in shape]
-    for d in range(len(shape)):
-        inner = math.prod(chunk[d + 1 :]) * itemsize
-        if inner * chunk[d] <= target_bytes:
-            break
-        if inner <= target_bytes:
-            per = max(1, target_bytes // inner)
-            n = math.ceil(shape[d] / per)
-            chunk[d] = math.ceil(shape[d] / n)
-            break
-        chunk[d] = 1
-    return tuple(chunk)
-
-
-def chunk_grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], Box]]:
-    """Every (chunk index, global box clipped to the shape) of a regular grid, in C order."""
-    counts = [math.ceil(s / c) if s else 0 for s, c in zip(shape, chunk)]
-    for flat in range(math.prod(counts)):
-        idx = []
-        for n in reversed(counts):
-            idx.append(flat % n)
-            flat //= n
-        idx = tuple(reversed(idx))
-        offsets = tuple(i * c for i, c in zip(idx, chunk))
-        sizes = tuple(min(c, s - o) for c, s, o in zip(chunk, shape, offsets))
-        yield idx, Box(offsets, sizes)
-
-
-def chunk_id(index: tuple[int, ...]) -> str:
-    """The checksum key of a chunk: indices joined by '.', 'c' for a 0-d array."""
-    return ".".join(map(str, index)) if index else "c"
-
-
-def _chunk_file(array: str, index: tuple[int, ...]) -> str:
-    return "/".join([array, "c", *map(str, index)])
+def backend_module(name: str) -> ModuleType:
+    """The module that lays a backend's chunk files out (same functions in each)."""
+    return {zarr_backend.NAME: zarr_backend, safetensors_backend.NAME: safetensors_backend}[name]
 
 
 def _array_json(record: TensorRecord, key: str) -> dict[str, Any]:
-    d = by_name(record.dtype)
-    codec: dict[str, Any] = {"name": "bytes"}
-    if d.numpy_dtype.itemsize > 1:
-        codec["configuration"] = {"endian": "little"}
-    fill: Any = False if d.storage == "bool" else 0
-    if d.storage.startswith("complex"):
-        fill = [0.0, 0.0]
-    return {
-        "shape": list(record.shape),
-        "data_type": d.storage,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(record.chunk_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": fill,
-        "codecs": [codec],
-        "attributes": {"torch_dtype": record.dtype, "key": key},
-        "zarr_format": 3,
-        "node_type": "array",
-        "storage_transformers": [],
-    }
+    """A zarr array's ``zarr.json`` document (:func:`formats.universal.zarr_backend.array_json`)."""
+    return zarr_backend.array_json(record, key)
 
 
-def _padded_bytes(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[memoryview, int]:
-    """The bytes to store for one chunk and the full chunk size (edge chunks padded with zeros)."""
-    full = math.prod(chunk) * data.itemsize
-    if data.shape == chunk or data.ndim == 0:
-        return memoryview(data).cast("B"), full
-    if data.shape[1:] == chunk[1:]:  # only dim 0 is short: the data is a prefix of the chunk
-        return memoryview(np.ascontiguousarray(data)).cast("B"), full
-    padded = np.zeros(chunk, dtype=data.dtype)
-    padded[tuple(slice(0, s) for s in data.shape)] = data
-    return memoryview(padded).cast("B"), full
+def chunk_box(record: TensorRecord, index: tuple[int, ...]) -> Box:
+    """The global box of chunk ``index`` of a tensor's grid, clipped to its shape."""
+    offsets = tuple(i * c for i, c in zip(index, record.chunk_shape))
+    return Box(offsets, tuple(min(c, s - o) for c, s, o in zip(record.chunk_shape, record.shape, offsets)))
 
 
 class UniversalWriter:
-    """Writes a universal store: arrays created up front, chunks written whole, metadata last."""
+    """Writes a universal store: laid out from the plan, chunks written whole, metadata last.
+
+    Nothing is written before :meth:`prepare` (the constructor and :meth:`add_tensor` only
+    record the plan); then chunks and objects in any order, from any thread; :meth:`commit` last.
+    """
 
     def __init__(self, root: str | os.PathLike, chunk_bytes: int,
-                 on_file_final: Callable[[str], None] | None = None) -> None:
+                 on_file_final: Callable[[str], None] | None = None, backend: str = DEFAULT_BACKEND) -> None:
         self.root = Path(root)
         self.chunk_bytes = chunk_bytes
+        self.backend = backend
+        self._layout = backend_module(backend)
         # spool mode (a URL destination, converter/remote.py): each chunk / object file is handed to
         # ``on_file_final(relpath)`` once final (it uploads and deletes it); no local fsyncs
         self._on_final = on_file_final
@@ -171,29 +100,29 @@ class UniversalWriter:
         self._lock = threading.Lock()
         self._unsynced: list[Path] = []
         self._synced_dirs: set[str] = set()  # directories holding only chunk files already synced
-        (self.root / TENSORS_DIR).mkdir(parents=True, exist_ok=True)
-        (self.root / OBJECTS_DIR).mkdir(exist_ok=True)
-        for d in (self.root, self.root / TENSORS_DIR):
-            (d / "zarr.json").write_text(json.dumps(_GROUP_JSON))
+        self._prepared = False
 
     def add_tensor(self, entry: TensorEntry, atom: str, role: str, *, source_split: dict[str, int] | None = None,
-                   source_replicated: bool = False, tp_split_dim: int | None = None) -> TensorRecord:
-        """Create the zarr array for ``entry`` (metadata only) and return its record.
+                   source_replicated: bool = False, tp_split_dim: int | None = None,
+                   plan: ArrayPlan | None = None) -> TensorRecord:
+        """Record ``entry``'s array (no I/O) and return its record.
 
-        ``source_split`` / ``source_replicated`` / ``tp_split_dim`` record how the source laid the
-        tensor out, for placement plans that follow the source.
+        ``plan``: the array as :func:`formats.universal.plan.plan_store` planned it (planned here
+        from the chunk size when not given). ``source_split`` / ``source_replicated`` /
+        ``tp_split_dim`` record how the source laid the tensor out, for placement plans that
+        follow the source.
         """
-        name = array_name(entry.key)
-        if name in self._names:
-            name = f"{name}~{xxhash.xxh3_64_hexdigest(entry.key.encode())}"
-        self._names.add(name)
-        d = by_name(entry.dtype)
+        if plan is None:
+            plan = plan_array(entry.key, entry.dtype, tuple(entry.shape), self.chunk_bytes, self._names)
+        else:
+            self._names.add(plan.array.rsplit("/", 1)[-1])
+        d = by_name(plan.dtype)
         record = TensorRecord(
-            array=f"{TENSORS_DIR}/{name}",
+            array=plan.array,
             dtype=d.name,
             storage_dtype=d.storage,
-            shape=tuple(entry.shape),
-            chunk_shape=chunk_shape_for(tuple(entry.shape), d.itemsize, self.chunk_bytes),
+            shape=plan.shape,
+            chunk_shape=plan.chunk_shape,
             path=tuple(entry.path),
             atom=atom,
             role=role,
@@ -201,12 +130,15 @@ class UniversalWriter:
             source_split=dict(source_split or {}),
             source_replicated=source_replicated,
             tp_split_dim=tp_split_dim,
+            **self._layout.record_fields(plan),
         )
-        array_dir = self.root / record.array
-        array_dir.mkdir(parents=True, exist_ok=True)
-        (array_dir / "zarr.json").write_text(json.dumps(_array_json(record, entry.key), indent=1))
         self._tensors[entry.key] = record
         return record
+
+    def prepare(self) -> None:
+        """Create the store's folders and the backend's metadata files (the first I/O)."""
+        self._layout.prepare(self.root, self._tensors)
+        self._prepared = True
 
     def chunks(self, key: str) -> list[tuple[tuple[int, ...], Box]]:
         """The (chunk index, box) pairs of a tensor's array; each is one write task."""
@@ -218,32 +150,32 @@ class UniversalWriter:
 
         ``tensor`` is the chunk's bit array (numpy, storage dtype) or a torch tensor.
         """
+        if not self._prepared:
+            raise RuntimeError("internal error: UniversalWriter.prepare() was not called before writing")
         record = self._tensors[key]
         data = to_storage_array(tensor)
         if data.dtype != np.dtype(record.storage_dtype):
             raise ValueError(f"{key!r}: chunk data of dtype {data.dtype}, the array stores {record.storage_dtype}")
         checksum = xxhash.xxh3_64_hexdigest(raw_bytes(data))
-        payload, full = _padded_bytes(data, record.chunk_shape)
-        path = self.root / _chunk_file(record.array, index)
+        relative = self._layout.chunk_file(record, index)
+        path = self.root / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "wb") as f:
-            f.write(payload)
-            if len(payload) < full:
-                f.truncate(full)
+            self._layout.write_chunk_file(f, key, record, chunk_box(record, index), data)
             start_writeback(f.fileno())
         os.replace(tmp, path)
         with self._lock:
             record.checksums[chunk_id(index)] = checksum
             self._unsynced.append(path)
         if self._on_final is not None:  # spool mode: the chunk file is final
-            self._on_final(_chunk_file(record.array, index))
+            self._on_final(relative)
         return checksum
 
     def restore_chunk(self, key: str, index: tuple[int, ...], checksum: str) -> None:
         """Adopt a chunk written by an interrupted run (resume): its file must be there."""
         record = self._tensors[key]
-        path = self.root / _chunk_file(record.array, index)
+        path = self.root / self._layout.chunk_file(record, index)
         if self._on_final is None and not path.is_file():  # spool mode: uploaded, maybe by another rank
             raise CorruptCheckpointError(f"{path}: chunk of {key!r} recorded as written is missing; rerun with --overwrite")
         with self._lock:
@@ -266,6 +198,8 @@ class UniversalWriter:
 
     def add_object(self, key: str, data: bytes, path: tuple, atom: str, role: str, json_view: Any) -> None:
         """Store a non-tensor entry's exact bytes with a JSON view."""
+        if not self._prepared:
+            raise RuntimeError("internal error: UniversalWriter.prepare() was not called before writing")
         file = f"{OBJECTS_DIR}/{len(self._objects):06d}.pt"
         target = self.root / file
         with open(target, "wb") as f:
@@ -294,7 +228,7 @@ class UniversalWriter:
             _fsync_tree(self.root, skip_files=self._synced_dirs)
         meta = UniversalMetadata(
             tool_version=tool_version, source=source, tensors=self._tensors,
-            objects=self._objects, atoms=atoms, created=created,
+            objects=self._objects, atoms=atoms, created=created, backend=self.backend,
         )
         atomic_write_bytes(self.root / METADATA_FILE, meta.dumps())
 
@@ -367,11 +301,12 @@ def _inside(root: Path, relative: str, top: str, key: str, where: Path) -> Path:
                                      "store; the metadata is damaged: reconvert it") from None
 
 
-def _check_record(root: Path, key: str, r: TensorRecord, where: Path, st: Storage | None = None) -> None:
+def _check_record(root: Path, key: str, r: TensorRecord, where: Path, st: Storage | None = None,
+                  layout: ModuleType = zarr_backend) -> None:
     """A tensor record must be consistent before anything is planned from it: known dtype, chunk
     shape of the tensor's rank, an array path inside ``tensors/``, one checksum per chunk of the
-    grid, and a first chunk file of the full chunk size (so damaged shapes cannot plan or
-    allocate more than the store holds)."""
+    grid, the backend's own fields, and a first chunk file of the size the backend writes (so
+    damaged shapes cannot plan or allocate more than the store holds)."""
 
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: key {key!r}: {what}; the store is damaged: reconvert it")
@@ -384,13 +319,17 @@ def _check_record(root: Path, key: str, r: TensorRecord, where: Path, st: Storag
     counts = [math.ceil(s / c) for s, c in zip(r.shape, r.chunk_shape)]
     if len(r.checksums) != math.prod(counts):
         raise bad(f"{len(r.checksums)} chunk checksums for a grid of {math.prod(counts)} chunks")
+    problem = layout.check_record(r, key)
+    if problem:
+        raise bad(problem)
     if not math.prod(counts):
         return
-    first = _chunk_file(r.array, tuple(0 for _ in r.shape))
-    full = math.prod(r.chunk_shape) * BY_NAME[r.dtype].itemsize
+    index = tuple(0 for _ in r.shape)
+    first = layout.chunk_file(r, index)
+    full = layout.file_size(r, chunk_box(r, index))
     try:
         if st is None or st.is_local:
-            size = array.joinpath("c", *("0" for _ in r.shape)).stat().st_size
+            size = array.joinpath(*first[len(r.array) + 1:].split("/")).stat().st_size
         else:
             size = st.size(first)
     except _LAYOUT_ERRORS as e:
@@ -418,11 +357,13 @@ class UniversalReader:
         self._checks = ChunkChecks() if verify else None
         self._paths: dict[str, Path] = {}  # chunk file -> its checked local path
         self.meta = read_metadata(self._storage)
+        self._layout = backend_module(self.meta.backend)
+        self._located: dict[str, tuple[int, tuple[int, ...]]] = {}  # chunk file -> (data offset, stored shape)
         where = self.root / METADATA_FILE
         if not self._storage.is_local:  # one listing for the chunk checks, not a request per tensor
             self._storage.prefetch_sizes(TENSORS_DIR)
         for key, record in self.meta.tensors.items():
-            _check_record(self.root, key, record, where, self._storage)
+            _check_record(self.root, key, record, where, self._storage, self._layout)
         for key, obj in self.meta.objects.items():
             _inside(self.root, obj.file, OBJECTS_DIR, key, where)
         self._index: CheckpointIndex | None = None
@@ -436,7 +377,7 @@ class UniversalReader:
         tensors = {}
         for key, r in self.meta.tensors.items():
             chunks = tuple(
-                ChunkRef(box=box, file=_chunk_file(r.array, idx), locator=(key, idx))
+                ChunkRef(box=box, file=self._layout.chunk_file(r, idx), locator=(key, idx))
                 for idx, box in chunk_grid(r.shape, r.chunk_shape)
             )
             tensors[key] = TensorEntry(key, r.dtype, r.shape, chunks, r.path)
@@ -451,6 +392,7 @@ class UniversalReader:
             "source": src.__dict__,
             "world_size": None,
             "atoms": self.meta.atoms,
+            "backend": self.meta.backend,
         }
         return CheckpointIndex("universal", str(self.root), tensors, objects, info)
 
@@ -501,8 +443,17 @@ class UniversalReader:
                 f"{self.root / chunk.file}: key {key!r} chunk {cid}: xxh3_64 {actual} != recorded {expected}; the "
                 "chunk's bytes are damaged: reconvert the store (--no-verify-source copies them anyway)")
 
+    def _stored(self, record: TensorRecord, chunk: ChunkRef) -> tuple[int, tuple[int, ...]]:
+        """(byte offset of the chunk's data in its file, shape of the array stored there): pure,
+        from the record (the backend wrote the file from it), cached per file."""
+        got = self._located.get(chunk.file)
+        if got is None:
+            got = self._located[chunk.file] = (self._layout.data_offset(record, chunk.box),
+                                               tuple(self._layout.stored_shape(record, chunk.box)))
+        return got
+
     def _read_into(self, record: TensorRecord, chunk: ChunkRef, region: Box, out: memoryview) -> None:
-        cshape = record.chunk_shape
+        cshape = self._stored(record, chunk)[1]
         if not cshape or region.sizes[0] <= 1 or region.sizes[1:] == cshape[1:]:
             batches = [(0, region)]  # one row, or whole rows: one read straight into ``out``
         else:  # partial rows: read full rows in batches of at most ROWS_BATCH_BYTES (bounded buffer)
@@ -522,7 +473,7 @@ class UniversalReader:
         """xxh3_64 of a chunk's logical bytes (C order, without the edge padding), read in slabs
         of whole chunk rows of at most ROWS_BATCH_BYTES (one pooled buffer)."""
         hasher = xxhash.xxh3_64()
-        cshape, sizes = record.chunk_shape, chunk.box.sizes
+        cshape, sizes = self._stored(record, chunk)[1], chunk.box.sizes
         if not cshape:
             hasher.update(memoryview(np.ascontiguousarray(self._read_chunk_part(record, chunk, chunk.box))).cast("B"))
             return hasher.hexdigest()
@@ -556,8 +507,9 @@ class UniversalReader:
         return path
 
     def _pread(self, record: TensorRecord, chunk: ChunkRef, into: memoryview, offset: int) -> None:
-        """Fill ``into`` from ``offset`` of the chunk file; errors name the file and key."""
+        """Fill ``into`` from ``offset`` of the chunk's data in its file; errors name the file and key."""
         path = self.root / chunk.file
+        offset += self._stored(record, chunk)[0]
         try:
             fd = os.open(self._file(chunk), os.O_RDONLY) if self._storage.is_local else self._storage.open_random(chunk.file)
             try:
@@ -579,7 +531,7 @@ class UniversalReader:
         """The region's stored array; with ``into`` (the region's bytes), rows that hold exactly
         the region are read into it and None is returned."""
         storage = np.dtype(record.storage_dtype)
-        cshape = record.chunk_shape
+        cshape = self._stored(record, chunk)[1]
         local = region.relative_to(chunk.box)
         whole_rows = not cshape or (all(o == 0 for o in local.offsets[1:]) and local.sizes[1:] == cshape[1:])
         direct = into is not None and whole_rows
