@@ -56,7 +56,7 @@ def main() -> None:
     a = ap.parse_args()
     dist = distributed.init_from_env()
     distributed.Dist.execute = _execute
-    from converter.reshard import from_universal
+    from converter.commands.from_universal import from_universal
 
     try:
         from_universal(a.src, a.out, a.mesh, plan=a.plan, options=RunOptions(overwrite=True, workers=1))

@@ -9,13 +9,13 @@ Example::
 from __future__ import annotations
 
 from converter.config import RunOptions, parse_size
-from converter.selection import Selection
-from converter.sources import detect_format, open_checkpoint
-from converter.reshard import from_universal
-from converter.hf import export_hf, import_hf
-from converter.ingest import ConversionResult, to_universal
-from converter.verify import VerifyReport, verify
-from converter.diff import DiffReport, diff
+from converter.plan.selection import Selection
+from converter.run.sources import detect_format, open_checkpoint
+from converter.commands.from_universal import from_universal
+from converter.commands.hf import export_hf, import_hf
+from converter.commands.to_universal import ConversionResult, to_universal
+from converter.tools.verify import VerifyReport, verify
+from converter.tools.diff import DiffReport, diff
 
 __all__ = [
     "RunOptions", "ConversionResult", "Selection", "detect_format", "open_checkpoint", "parse_size",

@@ -20,7 +20,7 @@ _REAL_CLOSE = None
 
 
 def _inject_failure(on: bool) -> None:
-    import converter.distributed as d
+    import converter.run.distributed as d
     from formats.errors import StorageError
 
     global _REAL_CLOSE
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> None:
             cur.append(a)
     commands.append(cur)
 
-    from converter import distributed
+    from converter.run import distributed
     from converter.cli import cli
 
     dist = distributed.init_from_env()

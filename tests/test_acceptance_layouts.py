@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import acceptance_factory as af
 from converter import api
 from converter.config import RunOptions
-from converter.mesh import parse_mesh
+from converter.plan.mesh import parse_mesh
 from tests.cli_runner import run_cli
 from tests.oracle import assert_same_value, torch_reference
 

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 
 from converter import api
 from converter.config import RunOptions
-from converter.detect import TP_ROWWISE, detect_layout, tiles
-from converter.plans import FSDP_PLAN
+from converter.plan.source_layout import TP_ROWWISE, detect_layout, tiles
+from converter.plan.placement_rules import FSDP_PLAN
 from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
 from formats.errors import CorruptCheckpointError, UnsafePickleError
 from formats.objects import load_torch_object
@@ -100,7 +100,7 @@ def test_tp_on_dim_2_is_detected():
 def test_hsdp_x_tp_is_detected():
     """dp_replicate2 x dp_shard2 x tp2 (rank = r*4 + s*2 + t): replicated chunks are written by
     either replica. Column-wise TP has dp_shard * tp blocks (not 8): it must still be TP dim 0."""
-    from converter.detect import TP_COLWISE
+    from converter.plan.source_layout import TP_COLWISE
 
     row = _entry("w", (4, 6), [((s * 2, t * 3), (2, 3)) for s in (0, 1) for t in (0, 1)], [0, 1, 2, 3])
     # _StridedShard order: block t * 2 + s holds rank (s, t)'s rows; written by replica 1
@@ -115,7 +115,7 @@ def test_hsdp_x_tp_is_detected():
 def test_colwise_only_tp_x_fsdp_is_detected():
     """dp2 x tp2 with column-wise TP only (no dim-1 split to give tp away): the TP-major block
     order (block t * 2 + d on rank d * 2 + t) still says TP."""
-    from converter.detect import TP_COLWISE
+    from converter.plan.source_layout import TP_COLWISE
 
     col = _entry("c", (8, 6), [((b * 2, 0), (2, 6)) for b in range(4)], [(b % 2) * 2 + b // 2 for b in range(4)])
     report = detect_layout(CheckpointIndex("dcp", "x", {"c": col}, {}, {"world_size": 4}))
@@ -264,7 +264,7 @@ def test_layout_listing_names_every_dim():
 
     from rich.console import Console
 
-    from converter.inspect import render_layout
+    from converter.tools.inspect import render_layout
 
     kernel = _entry("k", (5, 3, 10), [((0, 0, 0), (5, 3, 5)), ((0, 0, 5), (5, 3, 5))], [0, 1])
     console = Console(file=_io.StringIO(), width=100)

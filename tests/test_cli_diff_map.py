@@ -7,8 +7,8 @@ import json
 
 from safetensors.torch import load_file, save_file
 
-from converter.demo import demo_checkpoint
-from converter.sources import open_checkpoint
+from converter.tools.demo import demo_checkpoint
+from converter.run.sources import open_checkpoint
 from test_cli_readable import ckptconv
 
 HEADS = '{"num_attention_heads": 4, "num_key_value_heads": 2}'

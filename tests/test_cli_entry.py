@@ -7,7 +7,7 @@ import tomllib
 
 import pytest
 
-from converter.demo import demo_checkpoint
+from converter.tools.demo import demo_checkpoint
 from test_cli_readable import REPO, ckptconv
 
 

@@ -130,8 +130,8 @@ def test_happy_path_and_overwrite(small_ckpt, tmp_path):
 
 def test_api_names_are_the_functions():
     """Submodules that share an API name (verify, diff) never shadow the functions."""
-    import converter.diff  # noqa: F401
-    import converter.verify  # noqa: F401
+    import converter.tools.diff  # noqa: F401
+    import converter.tools.verify  # noqa: F401
     import converter
 
     for name in ("to_universal", "from_universal", "export_hf", "import_hf", "verify", "diff"):

@@ -83,8 +83,8 @@ def test_dividing_tp_converts_and_loads(ckpt, tmp_path):
     out = tmp_path / "out"
     proc = ckptconv("from-universal", str(ckpt), str(out), "--mesh", "tp2", "--plan", "llama", "--config", CONFIG)
     assert proc.returncode == 0, proc.stderr
-    from converter.demo import load_with_torch
-    from converter.sources import open_checkpoint
+    from converter.tools.demo import load_with_torch
+    from converter.run.sources import open_checkpoint
 
     got = load_with_torch(out, open_checkpoint(out).index())
     ref = load_with_torch(ckpt, open_checkpoint(ckpt).index())

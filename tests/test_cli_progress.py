@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from converter.demo import demo_checkpoint
+from converter.tools.demo import demo_checkpoint
 from test_cli_readable import REPO, ckptconv
 
 LINE = re.compile(r"^(?:\[rank (?P<rank>\d+)/(?P<world>\d+)\] )?(?P<label>[\w-]+): (?P<done>[\d.]+)/(?P<total>[\d.]+ \w+) "

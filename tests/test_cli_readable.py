@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from converter.demo import demo_checkpoint
-from converter.sources import open_checkpoint
+from converter.tools.demo import demo_checkpoint
+from converter.run.sources import open_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

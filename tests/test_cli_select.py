@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from converter.demo import demo_checkpoint, load_with_torch
-from converter.sources import open_checkpoint
+from converter.tools.demo import demo_checkpoint, load_with_torch
+from converter.run.sources import open_checkpoint
 from test_cli_readable import ckptconv, ckptconv_here
 
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from converter.code_plans import is_code_plan, mesh_dim_groups
-from converter.layout import Replicate, Shard, StridedShard
-from converter.mesh import parse_mesh
-from converter.plans import get_plan, plan_all
+from converter.plan.from_code import is_code_plan, mesh_dim_groups
+from converter.plan.placements import Replicate, Shard, StridedShard
+from converter.plan.mesh import parse_mesh
+from converter.plan.placement_rules import get_plan, plan_all
 from formats.errors import ConfigError, PlanError
 
 import titan_support
@@ -25,7 +25,7 @@ needs_titan = pytest.mark.skipif(titan_support.skip_reason() is not None, reason
 def _private_plan_cache(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("CKPTCONV_PLAN_CACHE", str(tmp_path_factory.mktemp("plans")))
-    from converter import code_plans
+    from converter.plan import from_code as code_plans
 
     code_plans._load.cache_clear()
     yield
@@ -124,7 +124,7 @@ def test_torchtitan_plan_1024_ranks_one_process():
     assert out["layers.2.attention.wo.weight"].pp_stage == 0 and out["layers.3.attention.wo.weight"].pp_stage == 1
     boxes = out["lm_head.weight"].unique_boxes((2048, 256), m)
     assert len(boxes) == 512 and sum(b.numel for b, _ in boxes) == 2048 * 256
-    from converter import code_plans
+    from converter.plan import from_code as code_plans
 
     code_plans._load.cache_clear()
     t0 = time.monotonic()
@@ -144,7 +144,7 @@ def test_torchtitan_plan_errors():
 def test_code_plan_stages_and_unknown_names():
     """PP owners come from the framework's stage split (module prefixes); a name the model does not
     have is replicated with a warning, a wrong shape is an error."""
-    from converter.code_plans import CodePlan, plan_from_json
+    from converter.plan.from_code import CodePlan, plan_from_json
 
     mesh = parse_mesh("pp2,dp2")
     doc = {"name": "t", "table": {"layers.1.w": {"shape": [4, 2], "placements": ["S(0)"], "dims": [["dp_shard"]]}},

@@ -11,8 +11,8 @@ import pickle
 import torch
 
 from cli_runner import run_cli
-from converter import dataloader_state as dl
-from converter.mesh import parse_mesh
+from converter.plan import dataloader_state as dl
+from converter.plan.mesh import parse_mesh
 from formats.base import CheckpointIndex, ObjectEntry
 
 

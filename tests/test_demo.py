@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from converter.demo import demo_checkpoint, run_demo
+from converter.tools.demo import demo_checkpoint, run_demo
 
 
 def test_demo_pipeline(tmp_path, capsys):

@@ -263,7 +263,7 @@ def test_an_interrupted_overwrite_leaves_no_complete_or_resumable_output(work, t
     """Ctrl-C while --overwrite clears the old output (a big one takes a while), whatever order the
     directory lists in: what is left is never marked complete (the old marker over deleted data),
     --resume of it never publishes a store with missing data, and --overwrite again clears it."""
-    from converter import destination
+    from converter.run import destination
 
     dst = tmp_path / "uni"
     if partial:
@@ -384,7 +384,7 @@ def test_a_dead_process_lock_is_taken_over(work, tmp_path):
 
 
 def test_lock_is_released_after_a_failure(work, tmp_path, monkeypatch):
-    import converter.reshard as reshard
+    import converter.commands.from_universal as reshard
 
     dst = tmp_path / "out"
     with monkeypatch.context() as m:

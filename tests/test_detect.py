@@ -158,7 +158,7 @@ def torch_index(path: Path) -> CheckpointIndex:
 # ---------------------------------------------------------------------------------------------
 # fixtures
 
-from converter.detect import (  # noqa: E402
+from converter.plan.source_layout import (  # noqa: E402
     CHUNKED, FSDP, TP_COLWISE, TP_ROWWISE, WHOLE, detect_layout, tp_major_factor, tp_split_dims,
 )
 from formats.dcp import DCPReader  # noqa: E402

@@ -24,7 +24,7 @@ from formats.errors import CheckpointNotFoundError, ConfigError
 from schemas import validation_errors
 from tests.oracle import torch_reference
 
-diff_module = importlib.import_module("converter.diff")  # the module (converter.diff is the function)
+diff_module = importlib.import_module("converter.tools.diff")  # the module (converter.tools.diff is the function)
 from cli_runner import run_cli
 
 

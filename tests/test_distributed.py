@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from converter.distributed import assign, share
-from converter.journal import task_id
-from converter.plan import Piece, WriteTask
+from converter.run.distributed import assign, share
+from converter.run.journal import task_id
+from converter.plan.copy_tasks import Piece, WriteTask
 from formats.base import Box
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
@@ -164,7 +164,7 @@ def _to_uni(ref: dict, dst: Path, *extra: str) -> list[str]:
 
 def _single_process_failure(ref: dict, dst: Path, monkeypatch) -> None:
     """A one-process to-universal that fails midway (a journal for world size 1 is left)."""
-    import converter.ingest as ingest
+    import converter.commands.to_universal as ingest
     from formats.errors import StorageError
 
     calls = []

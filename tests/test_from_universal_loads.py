@@ -33,7 +33,7 @@ import torch
 from ckpt_factory import fixture_info, spec_from_info
 from converter import api
 from converter.config import RunOptions
-from converter.mesh import parse_mesh
+from converter.plan.mesh import parse_mesh
 from load_worker import LoadJob, run_jobs
 from oracle import torch_reference
 

@@ -778,7 +778,7 @@ def _differs(want: dict, got: dict, objects: bool) -> str | None:
 def _by_fqn(src: Path, flat: dict) -> dict:
     """torch_reference's keys (joined nested paths) renamed to the DCP keys (fqns) they come from:
     planner_data may nest a key elsewhere (only the key mapping is read with our reader)."""
-    from converter.sources import open_checkpoint
+    from converter.run.sources import open_checkpoint
 
     reader = open_checkpoint(src)
     try:

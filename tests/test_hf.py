@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 from converter import api
 from converter.cli import cli
 from converter.config import RunOptions
-from converter.hf import MappedReader, Source, permuted_chunks
-from converter.key_maps import (TORCHTITAN_LLAMA, Renamer, get_key_map, key_map_from_doc, rename_all,
+from converter.commands.hf import MappedReader, Source, permuted_chunks
+from converter.plan.key_maps import (TORCHTITAN_LLAMA, Renamer, get_key_map, key_map_from_doc, rename_all,
                                 rope_permutation)
 from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
 from formats.errors import (ConfigError, CorruptCheckpointError, DestinationError, InvalidCheckpointError,

@@ -18,10 +18,10 @@ import torch.distributed.checkpoint as dcp
 from rich.console import Console
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from converter.inspect import (
+from converter.tools.inspect import (
     NEEDS_TRUST, axis_cells, build_report, key_matcher, render_layout, render_report, render_stats,
 )
-from converter.stats import slabs, tensor_stats
+from converter.tools.stats import slabs, tensor_stats
 from formats.base import Box
 from formats.dcp import DCPReader
 from formats.errors import ConfigError

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from converter.layout import (
+from converter.plan.placements import (
     Replicate,
     Shard,
     StridedShard,
@@ -37,8 +37,8 @@ from converter.layout import (
     rank_boxes,
     unique_boxes,
 )
-from converter.mesh import parse_mesh
-from converter.plans import FSDP_PLAN, LLAMA_PLAN, RulePlan
+from converter.plan.mesh import parse_mesh
+from converter.plan.placement_rules import FSDP_PLAN, LLAMA_PLAN, RulePlan
 from formats.base import Box
 from formats.errors import PlanError
 

@@ -23,7 +23,7 @@ dcp.save(sd, checkpoint_id=sys.argv[1])
 _MEASURE = """
 import json, sys, threading, time
 import psutil, torch, numpy, xxhash
-import converter.cli, converter.ingest, converter.reshard, formats.dcp, formats.universal
+import converter.cli, converter.commands.to_universal, converter.commands.from_universal, formats.dcp, formats.universal
 import torch.distributed.checkpoint  # imported late by the DCP writer: library code, not buffers
 proc = psutil.Process()
 base = proc.memory_info().rss

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from converter.mesh import Mesh, MeshDim, parse_mesh
+from converter.plan.mesh import Mesh, MeshDim, parse_mesh
 from formats.errors import ConfigError, UnsupportedError
 
 

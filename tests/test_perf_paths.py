@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import torch
 
-from converter.execute import _dense_offset, _fill_piece_tensors, fill_piece
-from converter.plan import plan_tensor
+from converter.run.executor import _dense_offset, _fill_piece_tensors, fill_piece
+from converter.plan.copy_tasks import plan_tensor
 from formats.base import Box
 from formats.dtypes import to_storage_array
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
@@ -110,7 +110,7 @@ def test_fill_piece_in_place_matches_read_region(tmp_path, monkeypatch):
 
 
 def test_progress_lines_when_stderr_is_not_a_terminal(monkeypatch, capsys):
-    from converter import execute
+    from converter.run import executor as execute
 
     monkeypatch.setattr(execute, "PROGRESS_LINE_SECONDS", 0.0)
     bar = execute._Progress(2_000_000_000, "converting", None)

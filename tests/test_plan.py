@@ -7,7 +7,7 @@ import math
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from converter.plan import plan_copies, plan_tensor, split_pieces
+from converter.plan.copy_tasks import plan_copies, plan_tensor, split_pieces
 from formats.base import Box, ChunkRef, TensorEntry, full_box
 
 
@@ -110,7 +110,7 @@ def partitions(draw, max_dims=3, max_size=12):
 @settings(max_examples=300, deadline=None)
 def test_chunk_index_finds_what_the_straightforward_scan_finds(part, scan_limit, data):
     """The per-tensor index (sorted along one dim, windowed) against intersecting every chunk."""
-    from converter import plan
+    from converter.plan import copy_tasks as plan
 
     shape, parts = part
     chunks = [ChunkRef(b, f"f{i}", i, i) for i, b in enumerate(parts)]

@@ -11,9 +11,9 @@ import json
 import jsonschema
 import pytest
 
-from converter.layout import Replicate, Shard, StridedShard
-from converter.mesh import parse_mesh
-from converter.plans import (
+from converter.plan.placements import Replicate, Shard, StridedShard
+from converter.plan.mesh import parse_mesh
+from converter.plan.placement_rules import (
     SCHEMA_PATH,
     PipelineSplit,
     SourceSplits,
@@ -323,8 +323,8 @@ def test_llama_pp_puts_lm_head_last():
 def test_fused_optimizer_states_follow_their_parameter():
     """An atom with optimizer states but no model value (0.3.0's fused wqkv: the save hook writes
     wq/wk/wv) is placed like its parameter, not written whole."""
-    from converter.atoms import AtomRef
-    from converter.reshard import stateful_atoms, target_layout
+    from converter.plan.atoms import AtomRef
+    from converter.commands.from_universal import stateful_atoms, target_layout
     from formats.base import Box, ChunkRef, CheckpointIndex, TensorEntry
 
     def entry(key, shape):

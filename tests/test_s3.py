@@ -215,10 +215,10 @@ def test_to_universal_streams_uploads_with_a_bounded_spool(s3_bucket, tmp_path, 
     (uploads slowed down, so the writer is back-pressured), and the store is bit-exact."""
     import time
 
-    from converter import remote
+    from converter.run import remote
     from converter.config import RunOptions
-    from converter.ingest import to_universal
-    from converter.reshard import from_universal
+    from converter.commands.to_universal import to_universal
+    from converter.commands.from_universal import from_universal
 
     src = _big_source(tmp_path / "src")
     spool_base = tmp_path / "spool"
@@ -249,9 +249,9 @@ def test_to_universal_streams_uploads_with_a_bounded_spool(s3_bucket, tmp_path, 
 
 
 def test_upload_failure_fails_the_run_without_marker(s3_bucket, tmp_path, monkeypatch):
-    from converter import remote
+    from converter.run import remote
     from converter.config import RunOptions
-    from converter.ingest import to_universal
+    from converter.commands.to_universal import to_universal
     from formats.errors import StorageError
 
     src = _big_source(tmp_path / "src")
@@ -299,8 +299,8 @@ def test_torchrun_to_s3_bit_identical_and_no_marker_on_failure(s3_bucket, tmp_pa
     marker after every rank uploaded: the stores equal the single-process local runs bit for bit.
     One rank's failure fails every rank and no marker goes up; DCP/HF outputs are refused."""
     from converter.config import RunOptions
-    from converter.hf import export_hf, import_hf
-    from converter.ingest import to_universal
+    from converter.commands.hf import export_hf, import_hf
+    from converter.commands.to_universal import to_universal
 
     src = _big_source(tmp_path / "src")
     opts = RunOptions(memory_budget=2 * MIB)
@@ -331,7 +331,7 @@ def test_torchrun_to_s3_bit_identical_and_no_marker_on_failure(s3_bucket, tmp_pa
 def test_spool_without_room_for_a_dcp_output_is_refused(s3_bucket, tmp_path, monkeypatch):
     import collections
 
-    from converter import remote
+    from converter.run import remote
 
     uni = tmp_path / "uni"
     _ok("to-universal", str(_big_source(tmp_path / "src")), str(uni))
@@ -352,8 +352,8 @@ def test_import_hf_from_s3_reads_the_remote_config_json(s3_bucket, tmp_path):
     from safetensors.torch import save_file
 
     from converter.config import RunOptions
-    from converter.hf import import_hf
-    from converter.reshard import from_universal
+    from converter.commands.hf import import_hf
+    from converter.commands.from_universal import from_universal
 
     g = torch.Generator().manual_seed(3)
     weights = {"model.embed_tokens.weight": torch.randn(11, 8, generator=g),

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import synthetic_metadata as syn  # noqa: E402
 
-from converter.plan import ChunkIndex, plan_copies  # noqa: E402
+from converter.plan.copy_tasks import ChunkIndex, plan_copies  # noqa: E402
 from formats.base import Box  # noqa: E402
 from formats.errors import CorruptCheckpointError  # noqa: E402
 
@@ -64,7 +64,7 @@ def test_dry_run_of_a_1024_rank_checkpoint_is_fast(tmp_path):
 
 def test_lazy_plan_matches_the_straightforward_scan():
     """Every piece's copies from the index equal those of intersecting every source chunk."""
-    from converter.plan import plan_tensor
+    from converter.plan.copy_tasks import plan_tensor
     from formats.base import ChunkRef, TensorEntry
 
     rows, cols = 1000, 24
@@ -155,7 +155,7 @@ def test_deep_nesting_is_refused(dcp_checkpoint):
 
 
 def test_table_cells_are_clipped():
-    from converter.tables import MAX_CELL_CHARS, clip_cell
+    from converter.tools.tables import MAX_CELL_CHARS, clip_cell
 
     assert clip_cell("k" * MAX_CELL_CHARS) == "k" * MAX_CELL_CHARS
     long = clip_cell("k" * (20 << 20))

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from converter.api import diff, export_hf, from_universal, import_hf, to_universal, verify
 from converter.config import RunOptions
-from converter.sources import open_checkpoint
+from converter.run.sources import open_checkpoint
 from formats.errors import CkptConvError, DestinationError, UnsafePickleError
 from tests.oracle import bits_equal, torch_reference
 

@@ -168,7 +168,7 @@ def test_every_flipped_dcp_data_byte_is_caught(ckpts, tmp_path, name, flips=FLIP
 
 def test_streamed_archive_checks(ckpts, tmp_path, monkeypatch):
     """Items bigger than WHOLE_ITEM_BYTES are checked through a window on the file (bounded reads)."""
-    monkeypatch.setattr(importlib.import_module("converter.verify"), "WHOLE_ITEM_BYTES", 0)
+    monkeypatch.setattr(importlib.import_module("converter.tools.verify"), "WHOLE_ITEM_BYTES", 0)
     assert_sound(verify(ckpts["dp3"]))
     test_every_flipped_dcp_data_byte_is_caught(ckpts, tmp_path, "dp3", flips=10, seed=9)
 

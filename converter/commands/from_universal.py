@@ -21,20 +21,20 @@ from typing import Any
 
 import numpy as np
 
-from converter.atoms import AtomRef, group_atoms
-from converter.dataloader_state import plan_objects
-from converter.remote import remote_destination
+from converter.plan.atoms import AtomRef, group_atoms
+from converter.plan.dataloader_state import plan_objects
+from converter.run.remote import remote_destination
 from converter.config import RunOptions
-from converter.destination import (conversion_header, guarded, open_destination, option_value,
+from converter.run.destination import (conversion_header, guarded, open_destination, option_value,
                                    write_output_record)
-from converter import distributed
-from converter.execute import os_errors_as_storage_errors
-from converter.mesh import Mesh, parse_mesh
-from converter.plan import Piece, WriteTask, plan_tensor
-from converter.plans import HeadCounts, TensorPlacement, check_head_split, get_plan, plan_all, replicated
-from converter.selection import Selection, select_entries
-from converter.sources import open_checkpoint
-from converter.ingest import ConversionResult
+from converter.run import distributed
+from converter.run.executor import os_errors_as_storage_errors
+from converter.plan.mesh import Mesh, parse_mesh
+from converter.plan.copy_tasks import Piece, WriteTask, plan_tensor
+from converter.plan.placement_rules import HeadCounts, TensorPlacement, check_head_split, get_plan, plan_all, replicated
+from converter.plan.selection import Selection, select_entries
+from converter.run.sources import open_checkpoint
+from converter.commands.to_universal import ConversionResult
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype
@@ -65,8 +65,8 @@ def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dic
         splits = {k: r.tp_split_dim for k, r in meta.tensors.items()}
         replicated = {k for k, r in meta.tensors.items() if r.source_replicated}
         return splits, replicated
-    from converter.detect import detect_layout
-    from converter.ingest import source_hints
+    from converter.plan.source_layout import detect_layout
+    from converter.commands.to_universal import source_hints
 
     hints = source_hints(detect_layout(index), index)
     return {k: h.tp_dim for k, h in hints.items()}, {k for k, h in hints.items() if h.replicated}
@@ -196,7 +196,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
 
     ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
     ``drop_dataloader`` leaves the per-rank dataloader state out (and writes torchtitan an empty one
-    for the target's DP degree; see :mod:`converter.dataloader_state`).
+    for the target's DP degree; see :mod:`converter.plan.dataloader_state`).
     ``config`` (a config.json path, inline JSON or a mapping; default: ``src/config.json`` when
     present) gives the attention head counts a TP split must divide.
     """
@@ -222,7 +222,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                          warnings=layout.warnings + tuple(notes))
         tasks = _plan(index, layout, options)
         if options.dry_run:
-            from converter.preview import build_preview, render_preview
+            from converter.plan.dry_run import build_preview, render_preview
 
             doc = build_preview(source_label(src), str(dst), plan, layout, tasks, index,
                                 [(k, r) for k, _, _, r in object_specs])
@@ -264,8 +264,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
 
 def _head_counts(src: str | os.PathLike, config: Any) -> HeadCounts | None:
     """The model's head counts from ``config``, else from a config.json beside the source."""
-    from converter.hf import load_config_arg, source_config
-    from converter.plans import head_counts
+    from converter.commands.hf import load_config_arg, source_config
+    from converter.plan.placement_rules import head_counts
 
     if config is None:
         config = source_config(src)

@@ -9,17 +9,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from converter import __version__
-from converter.atoms import group_atoms
-from converter.remote import remote_destination, spool_hook
+from converter.plan.atoms import group_atoms
+from converter.run.remote import remote_destination, spool_hook
 from converter.config import RunOptions
-from converter import distributed
-from converter.destination import conversion_header, guarded, open_destination
-from converter.journal import task_id
-from converter.detect import WHOLE, LayoutReport, detect_layout
-from converter.execute import os_errors_as_storage_errors
-from converter.plan import Piece, WriteTask, describe, store_tasks
-from converter.selection import Selection, select_entries
-from converter.sources import open_checkpoint
+from converter.run import distributed
+from converter.run.destination import conversion_header, guarded, open_destination
+from converter.run.journal import task_id
+from converter.plan.source_layout import WHOLE, LayoutReport, detect_layout
+from converter.run.executor import os_errors_as_storage_errors
+from converter.plan.copy_tasks import Piece, WriteTask, describe, store_tasks
+from converter.plan.selection import Selection, select_entries
+from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
 from formats.objects import object_label, preview_value, read_checked_object
 from formats.universal import DEFAULT_BACKEND, StorePlan, UniversalWriter, plan_store

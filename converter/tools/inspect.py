@@ -10,17 +10,17 @@ Works for any :class:`formats.base.CheckpointReader` (DCP, universal store, Hugg
 
 from __future__ import annotations
 
-import fnmatch
 import io
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from converter.atoms import root_prefix
-from converter.detect import LayoutReport, TensorLayout, detect_layout
-from converter.stats import Stats
-from converter.tables import Column, print_table
+from converter.plan.atoms import root_prefix
+from converter.plan.keys import box_text as _box_text
+from converter.plan.keys import key_matcher, no_match_message
+from converter.plan.source_layout import LayoutReport, TensorLayout, detect_layout
+from converter.tools.stats import Stats
+from converter.tools.tables import Column, print_table
 from converter.units import human_bytes, plural
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
 from formats.errors import CkptConvError, ConfigError, MissingClassError, UnsafePickleError, clip
@@ -42,18 +42,6 @@ NON_MODEL_ROOTS = frozenset({
 # selection and classification
 
 
-def key_matcher(pattern: str | None) -> Callable[[str], bool]:
-    """A predicate for ``pattern``: a glob (``fnmatch``, whole key), or a regex after ``re:``
-    (``re.search``). None matches everything."""
-    if pattern is None:
-        return lambda key: True
-    if pattern.startswith("re:"):
-        try:
-            rx = re.compile(pattern[3:])
-        except re.error as e:
-            raise ConfigError(f"bad key pattern {pattern!r}: {e}; write a Python regex after 're:'") from None
-        return lambda key: rx.search(key) is not None
-    return lambda key: fnmatch.fnmatchcase(key, pattern)
 
 
 def parameter_rule(index: CheckpointIndex) -> tuple[str, Callable[[TensorEntry], bool]]:
@@ -214,7 +202,7 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 def render_report(report: Mapping[str, Any], console) -> None:
     """Print ``report`` (from :func:`build_report`): a summary, then one row per tensor key and
-    one per non-tensor entry (keys are never cut: see :mod:`converter.tables`)."""
+    one per non-tensor entry (keys are never cut: see :mod:`converter.tools.tables`)."""
     from rich.markup import escape
 
     r = report
@@ -274,7 +262,7 @@ def _num(v: float | int | None) -> str:
 
 
 def render_stats(stats: Stats | Iterable[Stats], console) -> None:
-    """Print one or more :class:`converter.stats.Stats` as a table (keys and numbers never cut)."""
+    """Print one or more :class:`converter.tools.stats.Stats` as a table (keys and numbers never cut)."""
     rows = [stats] if isinstance(stats, Stats) else list(stats)
     columns = [Column("key"), Column("dtype"), *(Column(c, True) for c in
                ("count", "min", "max", "mean", "std", "nan", "+inf", "-inf", "zeros"))]
@@ -372,15 +360,6 @@ def layout_grid(entry: TensorEntry, lay: TensorLayout, width: int, height: int) 
     return rows, cols, grid
 
 
-def _box_text(box, shape) -> str:
-    if not shape:
-        return "scalar"
-    names = ("rows", "cols", *(f"dim{d}" for d in range(2, len(shape)))) if len(shape) >= 2 else ("elems",)
-    parts = []
-    for d, name in enumerate(names):
-        o, s = box.offsets[d], box.sizes[d]
-        parts.append(f"{name} {o}-{o + s - 1}" if s else f"{name} {o} (empty)")
-    return "  ".join(parts)
 
 
 def layout_keys(index: CheckpointIndex, pattern: str) -> list[str]:
@@ -394,18 +373,6 @@ def layout_keys(index: CheckpointIndex, pattern: str) -> list[str]:
     return keys
 
 
-def no_match_message(index: CheckpointIndex, pattern: str, what: str = "tensor") -> str:
-    """``<root>: no tensor matches 'x'; did you mean 'a', 'b'?`` (difflib's closest keys), with how
-    to list the keys."""
-    import difflib
-
-    close = difflib.get_close_matches(pattern, list(index.tensors), n=3, cutoff=0.6)
-    if not close and not pattern.startswith("re:"):
-        stem = pattern.replace("*", "").replace("?", "").strip(".")
-        close = [k for k in sorted(index.tensors) if stem and stem in k][:3]
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    return (f"{index.root}: no {what} matches {pattern!r}{hint} (list keys with 'ckptconv inspect {index.root}'; "
-            "patterns are globs, e.g. 'model.layers.0.*', or 're:REGEX')")
 
 
 def render_layout(index: CheckpointIndex, key: str, console, width: int | None = None, height: int = 20) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from converter import knobs
-from converter.plan import WriteTask
+from converter.plan.copy_tasks import WriteTask
 from formats.errors import DestinationError
 
 JOURNAL_NAME = ".ckptconv-journal.jsonl"

@@ -86,7 +86,7 @@ def prepare_remote(src: Any, dst: str, overwrite: bool) -> RemoteStorage:
     if names and not overwrite:
         raise DestinationError(f"{dst}: destination is not empty; pass --overwrite to replace it or choose a new prefix")
     if names:
-        from converter.destination import refuse_foreign_keys
+        from converter.run.destination import refuse_foreign_keys
 
         base = st._key("").rstrip("/") + "/"
         with remote_errors(dst):
@@ -270,7 +270,7 @@ def remote_destination(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
-        from converter import distributed
+        from converter.run import distributed
 
         if not is_remote(dst):
             return fn(src, local_path(dst) if is_url(dst) else dst, *args, **kwargs)
@@ -298,7 +298,7 @@ def remote_destination(fn: F) -> F:
         except KeyboardInterrupt as e:  # the spool goes away: --resume cannot continue a URL destination
             import signal
 
-            from converter.destination import Interrupted
+            from converter.run.destination import Interrupted
 
             signum = getattr(e, "signum", signal.SIGINT)
             how = "terminated" if signum == signal.SIGTERM else "interrupted"

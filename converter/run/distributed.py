@@ -10,7 +10,7 @@ ranks. Each rank keeps its own resume journal (rank 0's at the usual place, rank
 ``<dst>/.ckptconv-rank-<r>/``); the journal header names the world size, so ``--resume`` needs
 the same world size (another one is refused as "a different conversion").
 
-URL destinations (``s3://...``, :mod:`converter.remote`) work for universal outputs
+URL destinations (``s3://...``, :mod:`converter.run.remote`) work for universal outputs
 (``to-universal``, ``import-hf``): every rank spools and uploads its own chunk files; rank 0 uploads
 the metadata and, once every rank reported a successful upload (an agreed step), the marker.
 DCP / HF outputs to a URL are refused under torchrun (their files are shared by the ranks).
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from converter.execute import ExecStats, PieceWriter, TaskSink, execute
-from converter.journal import JOURNAL_NAME, Journal, task_id
-from converter.plan import WriteTask
+from converter.run.executor import ExecStats, PieceWriter, TaskSink, execute
+from converter.run.journal import JOURNAL_NAME, Journal, task_id
+from converter.plan.copy_tasks import WriteTask
 from formats import errors
 
 T = TypeVar("T")
@@ -106,7 +106,7 @@ class Dist:
         if failed:
             rank, (name, message) = failed[0]
             if name in ("KeyboardInterrupt", "Interrupted", "Terminated"):  # a peer was stopped: stop too
-                from converter.destination import Terminated
+                from converter.run.destination import Terminated
 
                 raise Terminated()
             cls = getattr(errors, name, None)
@@ -159,7 +159,7 @@ class Dist:
         """This rank's resume journal (opened on every rank, outcome agreed).
 
         Resuming needs the world size of the interrupted run (each rank's share depends on it):
-        :func:`converter.destination.prepare` checked that on rank 0.
+        :func:`converter.run.destination.prepare` checked that on rank 0.
         """
 
         def open_journal() -> Journal:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 
-from converter.plan import split_pieces
-from converter.sources import open_checkpoint
+from converter.plan.copy_tasks import split_pieces
+from converter.run.sources import open_checkpoint
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry
 from formats.errors import ConfigError
 
@@ -341,10 +341,10 @@ def _compare_object(ra: CheckpointReader, rb: CheckpointReader, ka: str, kb: str
 
 def _selected(index: CheckpointIndex, key_pattern: str | None, model_only: bool) -> tuple[dict[str, str], dict[str, str]]:
     """(compared name -> tensor key, compared name -> object key) of one side."""
-    from converter.inspect import key_matcher
+    from converter.plan.keys import key_matcher
 
     if model_only:
-        from converter.hf import model_weights
+        from converter.commands.hf import model_weights
 
         tensors = {fqn: key for key, fqn in model_weights(index).items()}
         objects: dict[str, str] = {}
@@ -361,8 +361,8 @@ def _selected(index: CheckpointIndex, key_pattern: str | None, model_only: bool)
 def _as_exported(ra: CheckpointReader, rb: CheckpointReader, a: str | os.PathLike, b: str | os.PathLike,
                  key_map: str, config: Any) -> tuple[CheckpointReader, CheckpointReader]:
     """Each non-HF side seen through ``key_map`` exactly as export-hf would write it."""
-    from converter.hf import MappedReader, load_config_arg, plan_export, source_config
-    from converter.key_maps import get_key_map
+    from converter.commands.hf import MappedReader, load_config_arg, plan_export, source_config
+    from converter.plan.key_maps import get_key_map
 
     kmap = get_key_map(key_map)
     if config is None:  # the export's own config.json (export-hf writes one), else one beside the source

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from converter.layout import (
+from converter.plan.placements import (
     Placement,
     Replicate,
     Shard,
@@ -38,12 +38,12 @@ from converter.layout import (
     rank_boxes,
     unique_boxes,
 )
-from converter.mesh import Mesh
+from converter.plan.mesh import Mesh
 from formats.base import Box, Shape
 from formats.errors import ConfigError, PlanError
 
 BUILTIN_PLANS = ("fsdp", "llama", "source")
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "plan.schema.json"
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "plan.schema.json"
 _FSDP_DIMS = ("dp_shard", "cp")  # flattened into one FSDP dim, as torchtitan's dp_shard_cp
 _MAX_NAMES = 5  # tensor names quoted in one warning
 
@@ -393,7 +393,7 @@ def get_plan(name_or_path: str, source_splits: SourceSplits | Mapping[str, int |
              mesh: Mesh | None = None) -> PlacementPlan:
     """A built-in plan (``fsdp``, ``llama``, ``source``), a plan read from code
     (``torchtitan:MODEL/FLAVOR``, ``python:MODULE:FUNCTION``; needs ``mesh``) or a plan file."""
-    from converter.code_plans import is_code_plan, load_code_plan
+    from converter.plan.from_code import is_code_plan, load_code_plan
 
     if is_code_plan(name_or_path):
         if mesh is None:

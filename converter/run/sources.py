@@ -21,7 +21,7 @@ def detect_format(path: str | os.PathLike) -> str:
         if not p.is_dir():
             raise InvalidCheckpointError(f"{p}: is a file; pass the checkpoint directory (the one holding .metadata)")
         names = os.listdir(p)
-        from converter.destination import unfinished_message
+        from converter.run.destination import unfinished_message
 
         unfinished = unfinished_message(p)  # a ckptconv output not finished (yet): say how to finish it
         if unfinished is not None:

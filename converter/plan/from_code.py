@@ -14,7 +14,7 @@ gathered whole from the fused ``wqkv``) are read. A DTensor mesh dim is matched 
 dims it spans by the global ranks along it, so flattened dims (torchtitan's ``fsdp`` = ``dp_shard``
 x ``cp``) need no name table. PP stages come from torchtitan's own pipeline split.
 
-The work runs in a subprocess (``python -m converter.code_plans SPEC MESH``): torch and the framework
+The work runs in a subprocess (``python -m converter.plan.from_code SPEC MESH``): torch and the framework
 are imported only there, the process group and the framework's module state never touch the
 converter process (which may run under torchrun), and the result is cached per (plan, mesh, versions)
 on disk (``$CKPTCONV_PLAN_CACHE``, default ``~/.cache/ckptconv/plans``) and in memory.
@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from converter import knobs
-from converter.layout import parse_placement
-from converter.mesh import Mesh, parse_mesh
-from converter.plans import PipelineSplit, TensorPlacement, module_owner, replicated
+from converter.plan.placements import parse_placement
+from converter.plan.mesh import Mesh, parse_mesh
+from converter.plan.placement_rules import PipelineSplit, TensorPlacement, module_owner, replicated
 from formats.base import Shape
 from formats.errors import ConfigError, PlanError
 
@@ -142,11 +142,11 @@ def _cached_doc(spec: str, mesh: Mesh) -> dict:
 
 def _run_subprocess(spec: str, mesh: Mesh) -> dict:
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)  # never join the converter's own torchrun job
-    cmd = [sys.executable, "-m", "converter.code_plans", spec, str(mesh), ",".join(mesh.names)]
+    cmd = [sys.executable, "-m", "converter.plan.from_code", spec, str(mesh), ",".join(mesh.names)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=knobs.CODE_PLAN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -284,12 +284,12 @@ def _python_plan(target: str, mesh: Mesh) -> dict:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m converter.code_plans SPEC MESH ORDER``: print the plan as one JSON line."""
+    """``python -m converter.plan.from_code SPEC MESH ORDER``: print the plan as one JSON line."""
     spec, mesh_text, order = argv
     try:
         mesh = parse_mesh(mesh_text, order)
         if spec.startswith("torchtitan:"):
-            from converter.titan_plans import torchtitan_plan
+            from converter.plan.torchtitan import torchtitan_plan
 
             doc = torchtitan_plan(spec[len("torchtitan:"):], mesh)
         elif spec.startswith("python:"):

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from converter.journal import JOURNAL_NAME
+from converter.run.journal import JOURNAL_NAME
 from formats.errors import DestinationError, clip
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -326,7 +326,7 @@ def source_identity(src: str | os.PathLike, index: Any) -> dict[str, Any]:
     """What makes a source this source: its path, a fingerprint of its index (keys, dtypes,
     shapes, chunks) and the name, size and modification time of its top-level files (the
     ``.metadata`` / ``ckptconv.json`` / safetensors files and, for DCP and HF, the data)."""
-    from converter.journal import index_fingerprint
+    from converter.run.journal import index_fingerprint
     from formats.storage import source_label
 
     return {"path": source_label(src), "index": index_fingerprint(index), "files": _top_files(src)}
@@ -606,7 +606,7 @@ def _check_resume(out: Path, dst: Any, header: Mapping[str, Any], world: int) ->
 def open_destination(src: str | os.PathLike, dst: str | os.PathLike, header: Mapping[str, Any],
                      options: Any) -> tuple[Path, Any]:
     """Prepare ``dst`` (rank 0) and open this rank's resume journal: ``(out, journal)``."""
-    from converter import distributed
+    from converter.run import distributed
 
     dist = distributed.current()
     out = dist.on_leader(lambda: prepare(src, dst, header, overwrite=options.overwrite, resume=options.resume,

@@ -1,7 +1,7 @@
 """Hugging Face safetensors export and import, on the plan/execute core.
 
 - ``export_hf``: a universal store or DCP checkpoint -> ``model.safetensors`` (or shards and an
-  index). Model weights only (role "param" of :mod:`converter.atoms`, the ``model.`` prefix
+  index). Model weights only (role "param" of :mod:`converter.plan.atoms`, the ``model.`` prefix
   stripped), renamed by a key map, optionally cast; every HF tensor is one write task whose
   pieces are streamed into the file at their offsets (:class:`formats.hf.HFWriter`).
 - ``import_hf``: an HF directory -> a universal store (the inverse map), ready for
@@ -28,18 +28,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from converter import __version__
-from converter.atoms import group_atoms
-from converter.remote import remote_destination, spool_hook
+from converter.plan.atoms import group_atoms
+from converter.run.remote import remote_destination, spool_hook
 from converter.config import RunOptions, parse_size
-from converter import distributed
-from converter.destination import conversion_header, guarded, open_destination, option_value
-from converter.execute import os_errors_as_storage_errors
-from converter.journal import task_id
-from converter.key_maps import (CONFIG_FILLERS, KeyMap, fused_qkv_rows, get_key_map, heads_for, parse_transform,
+from converter.run import distributed
+from converter.run.destination import conversion_header, guarded, open_destination, option_value
+from converter.run.executor import os_errors_as_storage_errors
+from converter.run.journal import task_id
+from converter.plan.key_maps import (CONFIG_FILLERS, KeyMap, fused_qkv_rows, get_key_map, heads_for, parse_transform,
                                 rename_all, rope_permutation)
-from converter.plan import Piece, WriteTask, describe, plan_tensor
-from converter.sources import detect_format, open_checkpoint
-from converter.ingest import ConversionResult, _ChunkSink, universal_chunk_bytes
+from converter.plan.copy_tasks import Piece, WriteTask, describe, plan_tensor
+from converter.run.sources import detect_format, open_checkpoint
+from converter.commands.to_universal import ConversionResult, _ChunkSink, universal_chunk_bytes
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, full_box
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype, from_storage_array, to_storage_array
 from formats.storage import source_label
@@ -475,8 +475,8 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     ``get_state_dict`` style), top level by default (torchtitan's style). ``backend`` puts the
     tensors' chunks in zarr arrays (default) or safetensors files.
     """
-    from converter.ingest import plan_universal
-    from converter.plan import store_tasks
+    from converter.commands.to_universal import plan_universal
+    from converter.plan.copy_tasks import store_tasks
     from formats.universal import UniversalWriter
     from formats.universal_meta import SourceInfo
 

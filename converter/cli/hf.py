@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from converter.cli import SIZE, dry_run_line, make_options, result_line, run_options
+from converter.cli.common import SIZE, dry_run_line, make_options, result_line, run_options
 
 MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k RoPE permutation; exports older and "
             "torchtitan 0.3.0 names, fused qkv_linear.wqkv split; imports older names), torchtitan-llama3 (imports "

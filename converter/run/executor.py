@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from converter import knobs
-from converter.plan import Piece, WriteTask
+from converter.plan.copy_tasks import Piece, WriteTask
 from formats.base import Box, CheckpointReader
 from formats.dtypes import by_name, to_storage_array
 from formats.errors import CkptConvError, StorageError
 from formats.fsutil import pooled_buffer
 
 if TYPE_CHECKING:
-    from converter.journal import Journal
+    from converter.run.journal import Journal
 
 
 def _pin_malloc_threshold() -> None:

@@ -13,148 +13,11 @@ from typing import Any
 import click
 
 from converter import __version__
-from converter.config import RunOptions, parse_size
+from converter.cli import hf as hf_commands
+from converter.cli import tools as tool_commands
+from converter.cli.common import (EXIT_ERROR, EXIT_INTERNAL, SIZE, dry_run_line, make_options, make_selection,
+                                 result_line, run_options, selection_options)
 from formats.errors import CkptConvError
-
-EXIT_ERROR = 2
-_IMPORTED = __import__("time").time()
-EXIT_INTERNAL = 3
-
-
-class _Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> int:
-        try:
-            size = parse_size(value)
-        except CkptConvError as e:
-            self.fail(str(e), param, ctx)
-        if size < 1:  # 0 would otherwise read as "use the default" somewhere down the line
-            self.fail(f"{value!r}: a size must be positive, e.g. 512MiB", param, ctx)
-        return size
-
-
-SIZE = _Size()
-
-
-def run_options(f):
-    """The execution options every conversion command takes."""
-    opts = [
-        click.option("--workers", type=int, default=None, help="I/O worker threads (default: CPU count, 2..8)."),
-        click.option("--memory-budget", type=SIZE, default=None, help="Bytes of buffers in flight, e.g. 512MiB (default 512MiB)."),
-        click.option("--overwrite", is_flag=True, help="Replace a previous ckptconv output (complete or partial) at DST; anything else there is refused."),
-        click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same destination (same source and options)."),
-        click.option("--trust-pickle", is_flag=True, help="Allow non-tensor entries that need arbitrary classes (runs their pickle code)."),
-        click.option("--dry-run", is_flag=True, help="Print the plan, write nothing."),
-        click.option("--progress/--no-progress", default=None, help="Progress on stderr: a bar on a terminal, else a line every 5 s and one at 100 % "
-                     "(under torchrun: each rank's lines prefixed [rank R/N]; default on; --no-progress: none)."),
-        click.option("--spool-dir", default=None, help="Local directory to stage a URL destination before upload "
-                     "(default: $CKPTCONV_SPOOL_DIR or the temp dir). Universal outputs stream through it (about "
-                     "twice --memory-budget); DCP and HF outputs need room for the whole output."),
-        click.option("--no-verify-source", "no_verify_source", is_flag=True,
-                     help="Skip checking each source chunk's stored checksum (DCP zip CRC-32, universal xxh3) "
-                          "while copying it (default: checked; a mismatch stops the run)."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def selection_options(f):
-    """``--keys``, ``--model-only``, ``--optim-only``: which entries a conversion copies."""
-    opts = [
-        click.option("--keys", "keys", multiple=True, metavar="PATTERN",
-                     help="Copy only keys matching a glob ('model.layers.0.*') or 're:REGEX'; repeatable (any matches)."),
-        click.option("--model-only", is_flag=True,
-                     help="Copy model weights and buffers only (no optimizer state, schedulers, step, RNG...)."),
-        click.option("--optim-only", is_flag=True, help="Copy the optimizer entries only (states and param groups)."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-def make_selection(keys: tuple[str, ...], model_only: bool, optim_only: bool):
-    """The :class:`converter.selection.Selection` of the selection options."""
-    from converter.selection import selection_from_options
-
-    return selection_from_options(keys, model_only, optim_only)
-
-
-def make_options(workers, memory_budget, overwrite, resume, trust_pickle, dry_run, progress,
-                 spool_dir=None, no_verify_source=False) -> RunOptions:
-    from converter import knobs
-
-    return RunOptions(
-        workers=knobs.WORKERS if workers is None else workers,  # 0 is refused, not the default
-        memory_budget=knobs.MEMORY_BUDGET if memory_budget is None else memory_budget,
-        overwrite=overwrite, resume=resume, trust_pickle=trust_pickle, dry_run=dry_run, progress=progress,
-        spool_dir=spool_dir, verify_source=not no_verify_source,
-    )
-
-
-def dry_run_line(result: Any) -> str:
-    """The last line of a ``--dry-run``: what would be written."""
-    from converter.units import human_bytes, plural
-
-    return (f"# dry run: {plural(result.tensors, 'tensor')}, {plural(result.objects, 'object')}, "
-            f"{human_bytes(result.bytes)} ({result.bytes} bytes); nothing written")
-
-
-def result_line(result: Any) -> str:
-    """The end-of-run summary of a conversion (one line on stdout): what was written (entries,
-    bytes, files), the target mesh and world size, the processes that did it, the wall time since
-    this process started (what ``time`` reports, start-up included) and the rate over it."""
-    from converter import distributed
-    from converter.units import human_bytes, human_rate, plural
-
-    files = count_files(result.dst)
-    where = f" in {plural(files, 'file')}" if files is not None else ""
-    parts = [f"wrote {result.dst}: {plural(result.tensors, 'tensor')}, {plural(result.objects, 'object')}, "
-             f"{human_bytes(result.bytes)}{where}"]
-    if getattr(result, "mesh", None):
-        parts.append(f"mesh {result.mesh} (world size {result.world_size})")
-    wall = process_seconds()
-    procs = distributed.env_world()[1]
-    parts.append(f"{plural(procs, 'process', 'processes')}, {wall:.2f} s wall, {human_rate(result.bytes, wall)}")
-    return "; ".join(parts)
-
-
-def process_seconds() -> float:
-    """Seconds since this process started, as ``time`` measures it: on Linux from the kernel's
-    own clocks (``/proc/uptime`` minus the process start in ``/proc/self/stat``, both since boot:
-    psutil's start time adds the whole-second rounding of the boot time), else psutil's, else
-    since this module was imported."""
-    import os
-    import time
-
-    try:
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, AttributeError):
-        pass
-    try:
-        import psutil
-
-        return max(0.0, time.time() - psutil.Process().create_time())
-    except Exception:  # noqa: BLE001 - a summary must never fail a finished conversion
-        return time.time() - _IMPORTED
-
-
-def count_files(dst: str) -> int | None:
-    """Checkpoint files under a local output directory, not counting ckptconv's output record
-    (None for a URL or a missing path); a DCP output's count is the dry run's (ranks + .metadata)."""
-    import os
-
-    from converter.destination import OUTPUT_RECORD
-
-    if "://" in str(dst) or not os.path.isdir(dst):
-        return None
-    return sum(len(names) - (OUTPUT_RECORD in names) for _, _, names in os.walk(dst))
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptconv")
@@ -203,9 +66,9 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
     """Show what is inside a checkpoint (DCP directory, universal store or HF safetensors directory)."""
     from rich.console import Console
 
-    from converter.inspect import build_report, key_matcher, no_match_message, render_report, render_stats
-    from converter.sources import open_checkpoint
-    from converter.stats import tensor_stats
+    from converter.tools.inspect import build_report, key_matcher, no_match_message, render_report, render_stats
+    from converter.run.sources import open_checkpoint
+    from converter.tools.stats import tensor_stats
 
     if (svg_file or vs_path) and layout_key is None:
         from formats.errors import ConfigError
@@ -246,7 +109,7 @@ def draw_layouts(sides: list[tuple[str, Any]], pattern: str, svg_file: str | Non
                  key_side: int = 0) -> None:
     """The layout of every key ``pattern`` selects (in side ``key_side``'s index), as each side
     holds it: text pictures one after another, or one SVG with the sides next to each other."""
-    from converter.inspect import layout_keys, no_match_message, render_layout
+    from converter.tools.inspect import layout_keys, no_match_message, render_layout
 
     keys = layout_keys(sides[key_side][1], pattern)
     for name, index in sides:
@@ -262,8 +125,8 @@ def draw_layouts(sides: list[tuple[str, Any]], pattern: str, svg_file: str | Non
                     console.print(f"[dim]# {name}[/dim]", soft_wrap=True, highlight=False)
                 render_layout(index, key, console)
         return
-    from converter.detect import detect_layout
-    from converter.svg import Panel, write_svg
+    from converter.plan.source_layout import detect_layout
+    from converter.tools.svg import Panel, write_svg
     from converter.units import plural
 
     layouts = [detect_layout(index) for _, index in sides]
@@ -349,13 +212,13 @@ def _show_preview(doc: dict, as_json: bool, layout_key: str | None, svg_file: st
         return
     from rich.console import Console
 
-    from converter.preview import preview_index
+    from converter.plan.dry_run import preview_index
 
     target = (f"{doc['dst']} (planned, mesh {doc['mesh']['spec']})", preview_index(doc))
     if svg_file is None:
         draw_layouts([target], layout_key, None, Console())
         return
-    from converter.sources import open_checkpoint
+    from converter.run.sources import open_checkpoint
 
     reader = open_checkpoint(src, trust_pickle=trust_pickle)
     try:
@@ -369,7 +232,7 @@ def _show_preview(doc: dict, as_json: bool, layout_key: str | None, svg_file: st
 @click.option("--workdir", type=click.Path(), default=None, help="Where to write the demo outputs (default: a temp dir).")
 def demo_cmd(workdir: str | None) -> None:
     """Run the whole pipeline on the bundled demo checkpoint (FSDP2, 2 ranks)."""
-    from converter.demo import run_demo
+    from converter.tools.demo import run_demo
 
     run_demo(workdir)
 
@@ -415,7 +278,7 @@ def _stop_on_sigterm() -> None:
     """SIGTERM stops a run like Ctrl-C (workers stop, the journal is kept for --resume), exit 143."""
     import signal
 
-    from converter.destination import Terminated
+    from converter.run.destination import Terminated
 
     def handler(signum: int, frame: Any) -> None:
         raise Terminated()
@@ -472,7 +335,7 @@ def _run(argv: list[str] | None) -> object:
         click.echo(f"ckptconv: internal error: {type(e).__name__}: {msg} (rerun with --debug for a traceback)", err=True)
         sys.exit(EXIT_INTERNAL)
     finally:
-        from converter import distributed
+        from converter.run import distributed
 
         distributed.current().shutdown()
 
@@ -486,7 +349,7 @@ def usage_error_text(e: click.ClickException) -> str:
 
 
 def _aborted(e: BaseException | None) -> None:
-    """One line for Ctrl-C or SIGTERM (:class:`converter.destination.Interrupted` says whether
+    """One line for Ctrl-C or SIGTERM (:class:`converter.run.destination.Interrupted` says whether
     ``--resume`` continues the run), exit status 128 + the signal number (130, 143)."""
     import signal
 
@@ -499,7 +362,7 @@ def _aborted(e: BaseException | None) -> None:
 
 def _join_torchrun() -> None:
     """Under torchrun (WORLD_SIZE > 1) join the job; only rank 0 prints results (errors: every rank)."""
-    from converter import distributed
+    from converter.run import distributed
 
     if distributed.env_world()[1] <= 1:
         return
@@ -514,5 +377,5 @@ def _echo_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=1, default=str))
 
 
-from converter.cli_hf import register as _register_hf; _register_hf(cli)  # noqa: E402
-from converter.cli_tools import register as _register_tools; _register_tools(cli)  # noqa: E402
+hf_commands.register(cli)
+tool_commands.register(cli)

@@ -53,8 +53,11 @@ def run_demo(workdir: str | None = None) -> None:
     """inspect -> to-universal -> from-universal (two meshes) -> reload with torch and compare."""
     from rich.console import Console
 
-    from converter.api import RunOptions, from_universal, open_checkpoint, to_universal
-    from converter.inspect import build_report, render_layout, render_report
+    from converter.commands.from_universal import from_universal
+    from converter.commands.to_universal import to_universal
+    from converter.config import RunOptions
+    from converter.run.sources import open_checkpoint
+    from converter.tools.inspect import build_report, render_layout, render_report
     from converter.units import human_bytes
 
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ckptconv-demo-"))

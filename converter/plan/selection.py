@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from converter.atoms import OPTIMIZER_ROOTS, AtomRef, group_atoms, root_prefix
+from converter.plan.atoms import OPTIMIZER_ROOTS, AtomRef, group_atoms, root_prefix
 from formats.base import CheckpointIndex
 from formats.errors import ConfigError
 
@@ -91,7 +91,7 @@ def select_entries(index: CheckpointIndex, selection: Selection,
     """
     if selection.everything:
         return Selected(None, None)
-    from converter.inspect import key_matcher, no_match_message
+    from converter.plan.keys import key_matcher, no_match_message
 
     paths = _paths(index)
     if refs is None:

@@ -65,7 +65,7 @@ def _rect_of(box: Box, ndim: int) -> tuple[int, int, int, int]:
 
 
 def _box_label(box: Box, ndim: int) -> str:
-    from converter.inspect import _box_text
+    from converter.plan.keys import box_text as _box_text
 
     return _box_text(box, tuple(range(ndim))) if ndim else "scalar"
 

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from converter.mesh import Mesh
+from converter.plan.mesh import Mesh
 from formats.base import CheckpointIndex
 from formats.objects import load_plain_object
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from converter.sources import detect_format
+from converter.run.sources import detect_format
 from formats.base import ChunkRef
 from formats.errors import CkptConvError, UnsafePickleError
 from formats.fsutil import read_exact_into, safe_join
@@ -609,7 +609,7 @@ def _verify_remote(url: str, found: _Findings, quick: bool, trust_pickle: bool) 
     """A checkpoint behind a URL, through its reader (ranged reads, nothing downloaded whole):
     opening validates the metadata, every referenced file and its size; then every universal
     chunk's xxh3_64, every DCP chunk's zip CRC-32, every HF tensor read, every object loaded."""
-    from converter.sources import open_checkpoint
+    from converter.run.sources import open_checkpoint
 
     found.checks += ["metadata valid; every referenced file present and long enough (the reader's open checks)"]
     try:
@@ -646,7 +646,7 @@ def _remote_chunk(reader: Any, key: str, entry: Any, chunk: ChunkRef) -> int:
 
 def _read_all(reader: Any, key: str, entry: Any) -> int:
     """Read a whole tensor in bounded slabs (row blocks). Bytes read."""
-    from converter.plan import split_pieces
+    from converter.plan.copy_tasks import split_pieces
     from formats.dtypes import by_name
 
     chunk = entry.chunks[0]

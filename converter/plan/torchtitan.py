@@ -1,6 +1,6 @@
 """``--plan torchtitan:MODEL/FLAVOR``: torchtitan's own model and parallelize function on a fake world.
 
-Runs only inside ``python -m converter.code_plans`` (see there): it imports torch and torchtitan,
+Runs only inside ``python -m converter.plan.from_code`` (see there): it imports torch and torchtitan,
 starts a fake process group and sets torchtitan's device type, none of which the converter process
 should see.
 """
@@ -13,8 +13,8 @@ import sys
 import types
 from typing import Any
 
-from converter.code_plans import _init_fake_world, read_model
-from converter.mesh import Mesh
+from converter.plan.from_code import _init_fake_world, read_model
+from converter.plan.mesh import Mesh
 from formats.errors import ConfigError, PlanError
 
 _TRITON_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"

@@ -244,7 +244,7 @@ def module_of(atom: str) -> str:
 def merge_replica_groups(index: CheckpointIndex, groups: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     """``groups`` with every two that hold tensors of one module (parameters with their optimizer
     states, see :func:`module_of`) merged: such groups are replicas of one another, not PP stages."""
-    from converter.atoms import group_atoms
+    from converter.plan.atoms import group_atoms
 
     paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
     refs = group_atoms(paths)[0]

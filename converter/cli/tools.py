@@ -36,7 +36,7 @@ def verify_cmd(path: str, as_json: bool, quick: bool, workers: int | None, trust
     flipped data bytes cannot be found there). Exit status 0 only when sound, 1 when not.
     """
     from converter.api import verify
-    from converter.verify import render_text
+    from converter.tools.verify import render_text
 
     report = verify(path, quick=quick, trust_pickle=trust_pickle, workers=_workers(workers))
     _emit(report.to_json() if as_json else render_text(report), as_json)
@@ -71,7 +71,7 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, key_pattern: str | None, 
     elements differ with the max abs/rel difference. Exit status 0 when they match, 1 when not.
     """
     from converter.api import diff
-    from converter.diff import render_text
+    from converter.tools.diff import render_text
 
     report = diff(a, b, atol=atol, rtol=rtol, key_pattern=key_pattern, model_only=model_only,
                   trust_pickle=trust_pickle, workers=_workers(workers), key_map=key_map, config=config,

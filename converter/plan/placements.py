@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from converter.mesh import Mesh
+from converter.plan.mesh import Mesh
 from formats.base import Box, Shape
 from formats.errors import ConfigError, PlanError
 

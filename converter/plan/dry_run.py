@@ -35,7 +35,7 @@ def rank_file(rank: int) -> str:
 
 def placement_name(p: Any) -> str:
     """torch's name of a placement: ``Shard(0)``, ``_StridedShard(dim=0, sf=2)``, ``Replicate()``."""
-    from converter.layout import Shard, StridedShard
+    from converter.plan.placements import Shard, StridedShard
 
     if isinstance(p, StridedShard):
         return f"_StridedShard(dim={p.dim}, sf={p.split_factor})"
@@ -56,7 +56,7 @@ def _box_json(box: Box) -> dict[str, list[int]]:
 def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterable[Any],
                   index: CheckpointIndex, objects: Sequence[tuple[str, int]]) -> dict[str, Any]:
     """The dry-run document (JSON-able; see the module docstring). ``layout`` is the
-    :class:`converter.reshard.TargetLayout`, ``tasks`` its copy tasks, ``objects`` the non-tensor
+    :class:`converter.commands.from_universal.TargetLayout`, ``tasks`` its copy tasks, ``objects`` the non-tensor
     entries as ``(key, rank file)``."""
     mesh = layout.mesh
     sources: dict[tuple[str, tuple, tuple], set[str]] = {}
@@ -114,7 +114,7 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 def render_preview(doc: Mapping[str, Any], per_key: bool = True) -> str:
     """The dry-run as text: one line per rank, then (``per_key``) one block per tensor key."""
-    from converter.inspect import _box_text
+    from converter.plan.keys import box_text as _box_text
     from converter.units import human_bytes, plural
 
     mesh = doc["mesh"]

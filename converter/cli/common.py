@@ -1,0 +1,150 @@
+"""What every ``ckptconv`` command shares: the size type, the run and selection options, how
+options become :class:`converter.config.RunOptions`, and the one-line result printers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from converter.config import RunOptions, parse_size
+from formats.errors import CkptConvError
+
+EXIT_ERROR = 2
+_IMPORTED = __import__("time").time()
+EXIT_INTERNAL = 3
+
+
+class _Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        try:
+            size = parse_size(value)
+        except CkptConvError as e:
+            self.fail(str(e), param, ctx)
+        if size < 1:  # 0 would otherwise read as "use the default" somewhere down the line
+            self.fail(f"{value!r}: a size must be positive, e.g. 512MiB", param, ctx)
+        return size
+
+
+SIZE = _Size()
+
+
+def run_options(f):
+    """The execution options every conversion command takes."""
+    opts = [
+        click.option("--workers", type=int, default=None, help="I/O worker threads (default: CPU count, 2..8)."),
+        click.option("--memory-budget", type=SIZE, default=None, help="Bytes of buffers in flight, e.g. 512MiB (default 512MiB)."),
+        click.option("--overwrite", is_flag=True, help="Replace a previous ckptconv output (complete or partial) at DST; anything else there is refused."),
+        click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same destination (same source and options)."),
+        click.option("--trust-pickle", is_flag=True, help="Allow non-tensor entries that need arbitrary classes (runs their pickle code)."),
+        click.option("--dry-run", is_flag=True, help="Print the plan, write nothing."),
+        click.option("--progress/--no-progress", default=None, help="Progress on stderr: a bar on a terminal, else a line every 5 s and one at 100 % "
+                     "(under torchrun: each rank's lines prefixed [rank R/N]; default on; --no-progress: none)."),
+        click.option("--spool-dir", default=None, help="Local directory to stage a URL destination before upload "
+                     "(default: $CKPTCONV_SPOOL_DIR or the temp dir). Universal outputs stream through it (about "
+                     "twice --memory-budget); DCP and HF outputs need room for the whole output."),
+        click.option("--no-verify-source", "no_verify_source", is_flag=True,
+                     help="Skip checking each source chunk's stored checksum (DCP zip CRC-32, universal xxh3) "
+                          "while copying it (default: checked; a mismatch stops the run)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def selection_options(f):
+    """``--keys``, ``--model-only``, ``--optim-only``: which entries a conversion copies."""
+    opts = [
+        click.option("--keys", "keys", multiple=True, metavar="PATTERN",
+                     help="Copy only keys matching a glob ('model.layers.0.*') or 're:REGEX'; repeatable (any matches)."),
+        click.option("--model-only", is_flag=True,
+                     help="Copy model weights and buffers only (no optimizer state, schedulers, step, RNG...)."),
+        click.option("--optim-only", is_flag=True, help="Copy the optimizer entries only (states and param groups)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def make_selection(keys: tuple[str, ...], model_only: bool, optim_only: bool):
+    """The :class:`converter.plan.selection.Selection` of the selection options."""
+    from converter.plan.selection import selection_from_options
+
+    return selection_from_options(keys, model_only, optim_only)
+
+
+def make_options(workers, memory_budget, overwrite, resume, trust_pickle, dry_run, progress,
+                 spool_dir=None, no_verify_source=False) -> RunOptions:
+    from converter import knobs
+
+    return RunOptions(
+        workers=knobs.WORKERS if workers is None else workers,  # 0 is refused, not the default
+        memory_budget=knobs.MEMORY_BUDGET if memory_budget is None else memory_budget,
+        overwrite=overwrite, resume=resume, trust_pickle=trust_pickle, dry_run=dry_run, progress=progress,
+        spool_dir=spool_dir, verify_source=not no_verify_source,
+    )
+
+
+def dry_run_line(result: Any) -> str:
+    """The last line of a ``--dry-run``: what would be written."""
+    from converter.units import human_bytes, plural
+
+    return (f"# dry run: {plural(result.tensors, 'tensor')}, {plural(result.objects, 'object')}, "
+            f"{human_bytes(result.bytes)} ({result.bytes} bytes); nothing written")
+
+
+def result_line(result: Any) -> str:
+    """The end-of-run summary of a conversion (one line on stdout): what was written (entries,
+    bytes, files), the target mesh and world size, the processes that did it, the wall time since
+    this process started (what ``time`` reports, start-up included) and the rate over it."""
+    from converter.run import distributed
+    from converter.units import human_bytes, human_rate, plural
+
+    files = count_files(result.dst)
+    where = f" in {plural(files, 'file')}" if files is not None else ""
+    parts = [f"wrote {result.dst}: {plural(result.tensors, 'tensor')}, {plural(result.objects, 'object')}, "
+             f"{human_bytes(result.bytes)}{where}"]
+    if getattr(result, "mesh", None):
+        parts.append(f"mesh {result.mesh} (world size {result.world_size})")
+    wall = process_seconds()
+    procs = distributed.env_world()[1]
+    parts.append(f"{plural(procs, 'process', 'processes')}, {wall:.2f} s wall, {human_rate(result.bytes, wall)}")
+    return "; ".join(parts)
+
+
+def process_seconds() -> float:
+    """Seconds since this process started, as ``time`` measures it: on Linux from the kernel's
+    own clocks (``/proc/uptime`` minus the process start in ``/proc/self/stat``, both since boot:
+    psutil's start time adds the whole-second rounding of the boot time), else psutil's, else
+    since this module was imported."""
+    import os
+    import time
+
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a summary must never fail a finished conversion
+        return time.time() - _IMPORTED
+
+
+def count_files(dst: str) -> int | None:
+    """Checkpoint files under a local output directory, not counting ckptconv's output record
+    (None for a URL or a missing path); a DCP output's count is the dry run's (ranks + .metadata)."""
+    import os
+
+    from converter.run.destination import OUTPUT_RECORD
+
+    if "://" in str(dst) or not os.path.isdir(dst):
+        return None
+    return sum(len(names) - (OUTPUT_RECORD in names) for _, _, names in os.walk(dst))

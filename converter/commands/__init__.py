@@ -1,0 +1,2 @@
+"""The conversions, one module per command: each builds its plan from the source's metadata and
+hands it to the run stage."""

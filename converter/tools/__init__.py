@@ -1,0 +1,2 @@
+"""Looking at checkpoints without converting them: inspect, stats, verify, diff, layout
+drawings, tables, and the bundled demo."""
