@@ -8,7 +8,7 @@ import zarr
 
 from converter import api
 from converter.config import RunOptions
-from formats.universal import UniversalReader, array_name
+from formats.universal import BACKENDS, UniversalReader, array_name
 from tests.oracle import assert_same_value, bits_equal, torch_reference
 
 KINDS = ["fsdp4", "tp2dp2", "hsdp2x2", "pp2fsdp2", "single", "bf16_fsdp2", "special_dtypes", "titan_flat"]
@@ -27,23 +27,24 @@ def read_whole(reader, key: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def converted(dcp_checkpoint, tmp_path_factory):
-    """kind -> (source path, universal store path), converted once per module."""
+    """(kind, backend) -> (source path, universal store path), converted once per module."""
     cache = {}
 
-    def get(kind):
-        if kind not in cache:
+    def get(kind, backend="zarr"):
+        if (kind, backend) not in cache:
             src = dcp_checkpoint(kind)
-            dst = tmp_path_factory.mktemp(f"uni-{kind}")
-            api.to_universal(src, dst, RunOptions(workers=2, overwrite=True), chunk_bytes=4096)
-            cache[kind] = (src, dst)
-        return cache[kind]
+            dst = tmp_path_factory.mktemp(f"uni-{kind}-{backend}")
+            api.to_universal(src, dst, RunOptions(workers=2, overwrite=True), chunk_bytes=4096, backend=backend)
+            cache[kind, backend] = (src, dst)
+        return cache[kind, backend]
 
     return get
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_entry_matches_torch(converted, kind):
-    src, dst = converted(kind)
+def test_every_entry_matches_torch(converted, kind, backend):
+    src, dst = converted(kind, backend)
     ref = torch_reference(src)
     reader = UniversalReader(dst)
     index = reader.index()

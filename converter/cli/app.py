@@ -32,17 +32,20 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @cli.command("to-universal")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--chunk-size", type=SIZE, default=None, help="Target bytes per zarr chunk (default 64MiB).")
+@click.option("--chunk-size", type=SIZE, default=None, help="Target bytes per chunk (default 64MiB).")
+@click.option("--backend", type=click.Choice(["zarr", "safetensors"]), default="zarr", show_default=True,
+              help="Where the store keeps tensor bytes: zarr arrays (stock zarr opens them) or safetensors files "
+                   "(a file per chunk; safetensors.safe_open opens them).")
 @selection_options
 @run_options
-def to_universal_cmd(src: str, dst: str, chunk_size: int | None, keys: tuple[str, ...], model_only: bool,
-                     optim_only: bool, **kw: Any) -> None:
-    """Convert a DCP checkpoint SRC into a universal store DST (Zarr v3)."""
+def to_universal_cmd(src: str, dst: str, chunk_size: int | None, backend: str, keys: tuple[str, ...],
+                     model_only: bool, optim_only: bool, **kw: Any) -> None:
+    """Convert a DCP checkpoint SRC into a universal store DST (Zarr v3, or safetensors with --backend)."""
     from converter.api import to_universal
 
     selection = make_selection(keys, model_only, optim_only)
     options = make_options(**kw)
-    result = to_universal(src, dst, options, chunk_bytes=chunk_size, selection=selection)
+    result = to_universal(src, dst, options, chunk_bytes=chunk_size, selection=selection, backend=backend)
     if result.plan is not None:
         click.echo(result.plan)
         click.echo(dry_run_line(result))

@@ -52,15 +52,18 @@ def export_hf_cmd(src: str, out: str, key_map: str, max_shard_size: int, dtype: 
 @click.option("--map", "key_map", default="identity", show_default=True, help=MAP_HELP)
 @click.option("--config", default=None, help="config.json with the head counts (default: HF_DIR/config.json).")
 @click.option("--prefix", default=None, help="Put the weights under this state-dict root, e.g. 'model' (default: top level, torchtitan style).")
-@click.option("--chunk-size", type=SIZE, default=None, help="Target bytes per zarr chunk (default 64MiB).")
+@click.option("--chunk-size", type=SIZE, default=None, help="Target bytes per chunk (default 64MiB).")
+@click.option("--backend", type=click.Choice(["zarr", "safetensors"]), default="zarr", show_default=True,
+              help="Where the store keeps tensor bytes: zarr arrays (stock zarr opens them) or safetensors files "
+                   "(a file per chunk; safetensors.safe_open opens them).")
 @run_options
 def import_hf_cmd(hf_dir: str, uni: str, key_map: str, config: str | None, prefix: str | None,
-                  chunk_size: int | None, **kw: Any) -> None:
+                  chunk_size: int | None, backend: str, **kw: Any) -> None:
     """Convert Hugging Face safetensors in HF_DIR (single or sharded) into a universal store UNI."""
     from converter.api import import_hf
 
     _report(import_hf(hf_dir, uni, key_map=key_map, config=config, prefix=prefix, options=make_options(**kw),
-                      chunk_bytes=chunk_size))
+                      chunk_bytes=chunk_size, backend=backend))
 
 
 def register(cli: click.Group) -> None:

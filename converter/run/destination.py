@@ -78,6 +78,8 @@ MARKERS = {UNIVERSAL: "ckptconv.json", DCP: ".metadata", HF: "model.safetensors.
 _FILE_RE = re.compile("|".join(f"(?:{p})" for k in _OWN_FILES for p in _OWN_FILES[k] + _COMMON_FILES))
 _SIG_RE = re.compile("|".join(f"(?:{p})" for p in _SIGNATURES))
 _CHUNK_RE = re.compile(r"\d+|\.\d+\.tmp")
+#: A safetensors-backend chunk file (formats/universal/safetensors_backend.py) and its temp name.
+_ST_CHUNK_RE = re.compile(r"\.?(c|\d+(\.\d+)*)\.safetensors(\.tmp)?")
 _OBJECT_RE = re.compile(r"\d{6}\.pt")
 
 
@@ -98,7 +100,8 @@ def owned_path(rel: str) -> bool:
     if len(parts) == 2:
         return name == "zarr.json"
     if len(parts) == 3:
-        return name in ("zarr.json", "c", ".c.tmp")  # c: the chunk of a 0-d array
+        # c: the chunk of a 0-d array; <i>.safetensors: a safetensors-backend chunk
+        return name in ("zarr.json", "c", ".c.tmp") or bool(_ST_CHUNK_RE.fullmatch(name))
     return parts[2] == "c" and all(p.isdigit() for p in parts[3:-1]) and bool(_CHUNK_RE.fullmatch(name))
 
 

@@ -208,7 +208,8 @@ def render_report(report: Mapping[str, Any], console) -> None:
     r = report
     lines = [
         f"[bold]{escape(str(r['path']))}[/]",
-        f"format: {r['format']}" + (f" {r['version']}" if r["version"] else ""),
+        f"format: {r['format']}" + (f" {r['version']}" if r["version"] else "")
+        + (f" ({r['info']['backend']} backend)" if r["info"].get("backend") not in (None, "zarr") else ""),
         f"world size: {_world_text(r)}",
         f"layout: {r['layout']['summary']}",
         f"tensors: {r['num_tensors']}   non-tensor entries: {r['num_objects']}",

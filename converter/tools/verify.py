@@ -391,8 +391,6 @@ def _verify_universal(root: Path, found: _Findings, quick: bool, trust_pickle: b
         "ckptconv.json valid against schemas/universal.schema.json (the completion marker)",
         "every record consistent: dtype, storage dtype, chunk shape, array path inside the store",
         "one checksum per chunk of every array (complete)",
-        "group and array zarr.json files match the records",
-        "atoms name existing keys",
     ]
     try:
         reader = UniversalReader(root)
@@ -400,24 +398,32 @@ def _verify_universal(root: Path, found: _Findings, quick: bool, trust_pickle: b
     except CkptConvError as e:
         found.problems.append(Problem("metadata", str(e)))
         return []
+    zarr = meta.backend == "zarr"
+    found.checks += ["group and array zarr.json files match the records" if zarr else
+                     "every tensor's first safetensors chunk file: the header its record implies", "atoms name existing keys"]
     found.counts.update(tensors=len(meta.tensors), objects=len(meta.objects),
                         chunks=sum(len(t.chunks) for t in index.tensors.values()))
-    for group in (root, root / TENSORS_DIR):
-        found.problems += _check_group_json(root, group)
-    for key, record in meta.tensors.items():
-        found.problems += _check_array_json(root, key, record)
+    if zarr:
+        for group in (root, root / TENSORS_DIR):
+            found.problems += _check_group_json(root, group)
+        for key, record in meta.tensors.items():
+            found.problems += _check_array_json(root, key, record)
+    else:
+        for key, entry in index.tensors.items():
+            found.problems += _check_st_header(root, key, meta.tensors[key], entry.chunks[:1])
     found.problems += _check_atoms(meta)
     found.warnings += _strays(root, meta, index)
     if quick:
         return []
     found.checks += [
-        "every chunk file whole, its xxh3_64 equal to the recorded checksum, edge padding zero",
+        "every chunk file whole, its xxh3_64 equal to the recorded checksum, "
+        + ("edge padding zero" if zarr else "its safetensors header the one its record implies"),
         "every object file's size and xxh3_64; every object loads (weights-only unless --trust-pickle)",
     ]
     tasks = _entry_tasks(reader, found, trust_pickle, index.tensors, meta.objects,
                          lambda key, entry, chunk: _check_uchunk(root, key, meta.tensors[key], chunk),
                          lambda key, obj: len(reader.read_object_bytes(key)))
-    found.counts["files"] = len(tasks) + 3 + len(meta.tensors)
+    found.counts["files"] = len(tasks) + (3 + len(meta.tensors) if zarr else 1)
     return tasks
 
 
@@ -425,8 +431,9 @@ def _strays(root: Path, meta: Any, index: Any) -> list[str]:
     """Files the store's metadata does not account for (left over from an interrupted write?)."""
     from formats.universal import METADATA_FILE, TENSORS_DIR
 
-    known = {METADATA_FILE, "zarr.json", f"{TENSORS_DIR}/zarr.json"}
-    known |= {f"{r.array}/zarr.json" for r in meta.tensors.values()}
+    known = {METADATA_FILE}
+    if meta.backend == "zarr":
+        known |= {"zarr.json", f"{TENSORS_DIR}/zarr.json"} | {f"{r.array}/zarr.json" for r in meta.tensors.values()}
     known |= {c.file for e in index.tensors.values() for c in e.chunks}
     known |= {o.file for o in meta.objects.values()}
     strays = sorted(rel for rel in (os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root)
@@ -483,6 +490,26 @@ def _check_array_json(root: Path, key: str, record: Any) -> list[Problem]:
     return []
 
 
+def _check_st_header(root: Path, key: str, record: Any, chunks: Any) -> list[Problem]:
+    """Each of ``chunks``' safetensors files must start with the header its record implies."""
+    from formats.universal import backend_module
+
+    layout = backend_module("safetensors")
+    for chunk in chunks:
+        try:
+            path = safe_join(root, chunk.file)
+            with open(path, "rb") as f:
+                expected = layout.file_prefix(record, chunk.box)
+                got = f.read(len(expected))
+        except OSError as e:
+            return [Problem("safetensors", f"{root / chunk.file}: cannot read ({e.strerror}); the store is damaged: "
+                                           "reconvert it", key, file=chunk.file)]
+        if got != expected:
+            return [Problem("safetensors", f"{root / chunk.file}: header does not match ckptconv.json for key {key!r}; "
+                                           "the store is damaged: reconvert it", key, file=chunk.file)]
+    return []
+
+
 def _check_atoms(meta: Any) -> list[Problem]:
     problems = []
     keys = set(meta.tensors) | set(meta.objects)
@@ -501,12 +528,14 @@ def _check_atoms(meta: Any) -> list[Problem]:
 def _check_uchunk(root: Path, key: str, record: Any, chunk: ChunkRef) -> int:
     """Stream one chunk file: size, xxh3_64 of its logical bytes, zero padding. Bytes read."""
     from formats.errors import CorruptCheckpointError
-    from formats.universal import chunk_id
+    from formats.universal import backend_module, chunk_id
 
     path = safe_join(root, chunk.file)
     isz = np.dtype(record.storage_dtype).itemsize
-    cshape, sizes = tuple(record.chunk_shape), tuple(chunk.box.sizes)
-    full = math.prod(cshape) * isz
+    layout = backend_module("safetensors" if record.tensor is not None else "zarr")
+    prefix = layout.file_prefix(record, chunk.box)
+    cshape, sizes = tuple(layout.stored_shape(record, chunk.box)), tuple(chunk.box.sizes)
+    full = layout.file_size(record, chunk.box)
     where = f"{path}: key {key!r} chunk {chunk_id(chunk.locator[1])}"
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -521,8 +550,12 @@ def _check_uchunk(root: Path, key: str, record: Any, chunk: ChunkRef) -> int:
         if size != full:
             raise CorruptCheckpointError(f"{where}: chunk file has {size} bytes, expected {full}; "
                                          "the store is damaged: reconvert it")
+        if prefix and (read_exact_into(fd, memoryview(head := bytearray(len(prefix))), 0) != len(prefix)
+                       or bytes(head) != prefix):
+            raise CorruptCheckpointError(f"{where}: the safetensors header does not match ckptconv.json; "
+                                         "the store is damaged: reconvert it")
         hasher, padding_ok = xxhash.xxh3_64(), True
-        for slab, sel in _slabs(fd, cshape, sizes, isz, where):
+        for slab, sel in _slabs(fd, cshape, sizes, isz, where, len(prefix)):
             hasher.update(memoryview(np.ascontiguousarray(slab[sel])).cast("B"))
             if sel is not None and padding_ok and cshape != sizes:
                 rest = slab.copy()
@@ -539,9 +572,10 @@ def _check_uchunk(root: Path, key: str, record: Any, chunk: ChunkRef) -> int:
     return full
 
 
-def _slabs(fd: int, cshape: tuple[int, ...], sizes: tuple[int, ...], isz: int, where: str) -> Iterable[tuple[np.ndarray, Any]]:
+def _slabs(fd: int, cshape: tuple[int, ...], sizes: tuple[int, ...], isz: int, where: str,
+           start: int = 0) -> Iterable[tuple[np.ndarray, Any]]:
     """(slab of whole chunk rows viewed as (rows, *cshape[1:], itemsize) bytes, selection of its
-    logical part) in file order."""
+    logical part) in file order; the rows start at byte ``start`` of the file."""
     from formats.errors import CorruptCheckpointError
 
     rows = cshape[0] if cshape else 1
@@ -550,7 +584,7 @@ def _slabs(fd: int, cshape: tuple[int, ...], sizes: tuple[int, ...], isz: int, w
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         buf = np.empty((r1 - r0) * row, dtype=np.uint8)
-        if read_exact_into(fd, memoryview(buf), r0 * row) != buf.size:
+        if read_exact_into(fd, memoryview(buf), start + r0 * row) != buf.size:
             raise CorruptCheckpointError(f"{where}: chunk file shrank while reading")
         if not cshape:
             yield buf, slice(None)

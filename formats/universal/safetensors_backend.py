@@ -71,6 +71,11 @@ def check_record(record: TensorRecord, key: str) -> str | None:
     return None
 
 
+def file_prefix(record: TensorRecord, box: Box) -> bytes:
+    """The bytes a chunk's file starts with before the chunk's data: its header."""
+    return header(record, box)
+
+
 def header(record: TensorRecord, box: Box) -> bytes:
     """The exact header (length prefix and JSON) of a chunk's file: a pure function of the record."""
     meta = {"format": "pt", "offsets": json.dumps(list(box.offsets)), "shape": json.dumps(list(record.shape))}

@@ -97,6 +97,11 @@ def file_size(record: TensorRecord, box: Box) -> int:
     return math.prod(record.chunk_shape) * by_name(record.dtype).itemsize
 
 
+def file_prefix(record: TensorRecord, box: Box) -> bytes:
+    """The bytes a chunk file starts with before the chunk's data: none."""
+    return b""
+
+
 def data_offset(record: TensorRecord, box: Box) -> int:
     """Where the chunk's bytes start in its file: at 0 (no header)."""
     return 0
