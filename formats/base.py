@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 Shape = tuple[int, ...]
@@ -184,6 +185,11 @@ class CheckpointReader(Protocol):
         """A new contiguous tensor holding ``region`` (global coords, inside ``chunk.box``)."""
         ...
 
+    def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
+        """Fill ``out`` (writable bytes, exactly the region's size) with the bits of ``region``
+        in C order (no torch needed; a reader with only tensors can use :class:`TensorReader`)."""
+        ...
+
     def read_object_bytes(self, key: str) -> bytes:
         """The serialized bytes of a non-tensor entry, exactly as stored."""
         ...
@@ -195,6 +201,27 @@ class CheckpointReader(Protocol):
     def close(self) -> None:
         """Release open files."""
         ...
+
+
+def copy_bits_into(bits: np.ndarray, out: memoryview) -> None:
+    """Copy the bit array ``bits`` (any layout) into ``out`` (exactly its bytes) in C order."""
+    import numpy as np
+
+    np.copyto(np.frombuffer(out, dtype=bits.dtype).reshape(bits.shape), bits)
+
+
+class TensorReader:
+    """A base for readers that make regions as tensors only: :meth:`read_region_into` copies
+    the bits of :meth:`read_region` (a test double, a reader wrapping a framework's loader)."""
+
+    def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
+        """Fill ``out`` with the bits of :meth:`read_region` (one tensor copy)."""
+        from formats.dtypes import to_storage_array
+
+        copy_bits_into(to_storage_array(self.read_region(key, chunk, region)), out)
 
 
 def iter_tensor_entries(index: CheckpointIndex, keys: Iterable[str] | None = None):

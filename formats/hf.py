@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from formats.base import Box, CheckpointIndex, ChunkRef, Shape, TensorEntry, full_box
+from formats.base import Box, CheckpointIndex, ChunkRef, Shape, TensorEntry, copy_bits_into, full_box
 from formats.dtypes import by_name, by_safetensors, from_storage_array, is_torch_tensor, raw_bytes
 from formats.errors import (
     CheckpointNotFoundError,
@@ -354,7 +354,7 @@ class HFReader:
             self._read_rows(file, e, region, out)
             return
         bits = self._read_bits(file, e, region)
-        np.copyto(np.frombuffer(out, dtype=bits.dtype).reshape(bits.shape), bits)
+        copy_bits_into(bits, out)
 
     def _entry(self, key: str, region: Box) -> tuple[str, StEntry]:
         found = self._entries.get(key)

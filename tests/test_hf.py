@@ -29,7 +29,7 @@ from converter.config import RunOptions
 from converter.commands.hf import MappedReader, Source, permuted_chunks
 from converter.plan.key_maps import (TORCHTITAN_LLAMA, Renamer, get_key_map, key_map_from_doc, rename_all,
                                 rope_permutation)
-from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
+from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry, TensorReader
 from formats.errors import (ConfigError, CorruptCheckpointError, DestinationError, InvalidCheckpointError,
                             UnsupportedError)
 from formats.hf import INDEX_FILE, HFReader, TensorSpec, split_shards
@@ -298,7 +298,7 @@ def test_rope_permutation_matches_hf_formula():
         rope_permutation(48, 5, to_hf=True)
 
 
-class _DictReader:
+class _DictReader(TensorReader):
     """An in-memory reader over whole tensors cut into given chunks (test double)."""
 
     def __init__(self, tensors, chunks):

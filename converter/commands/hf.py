@@ -40,8 +40,8 @@ from converter.plan.key_maps import (CONFIG_FILLERS, KeyMap, fused_qkv_rows, get
 from converter.plan.copy_tasks import Piece, WriteTask, describe, plan_tensor
 from converter.run.sources import detect_format, open_checkpoint
 from converter.commands.to_universal import ConversionResult, _ChunkSink, universal_chunk_bytes
-from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, full_box
-from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype, from_storage_array, to_storage_array
+from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, copy_bits_into, full_box
+from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype, from_storage_array
 from formats.storage import source_label
 from formats.errors import ConfigError, InvalidCheckpointError, PlanError
 from formats.fsutil import atomic_write_bytes
@@ -129,24 +129,16 @@ class MappedReader:
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` (exactly the region's bytes) with ``region`` of the target tensor, C order."""
         loc: _VLoc = chunk.locator
-        into = getattr(self.reader, "read_region_into", None)
-        if self.sources[key].perm is None and into is not None:
-            into(loc.key, loc.chunk, region, out)
-            return
         if self.sources[key].perm is None:
-            bits = self._source_bits(key, chunk, region)
-        else:
-            bits = self._permuted_bits(key, chunk, region)
-        np.copyto(np.frombuffer(out, dtype=bits.dtype).reshape(bits.shape), bits)
+            self.reader.read_region_into(loc.key, loc.chunk, region, out)
+            return
+        copy_bits_into(self._permuted_bits(key, chunk, region), out)
 
     def _source_bits(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
         """``region`` of the source chunk behind target ``key`` as a new bit array."""
         loc: _VLoc = chunk.locator
-        into = getattr(self.reader, "read_region_into", None)
-        if into is None:
-            return to_storage_array(self.reader.read_region(loc.key, loc.chunk, region))
         bits = np.empty(region.sizes, dtype=by_name(self._index.tensors[key].dtype).numpy_dtype)
-        into(loc.key, loc.chunk, region, memoryview(bits.reshape(-1).view(np.uint8)))
+        self.reader.read_region_into(loc.key, loc.chunk, region, memoryview(bits.reshape(-1).view(np.uint8)))
         return bits
 
     def _permuted_bits(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:

@@ -192,14 +192,12 @@ def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece) -> np.nd
     """The piece's data as a bit array (numpy, storage dtype, the piece's shape), read from its
     source regions.
 
-    Readers with ``read_region_into`` read every region straight into a pooled per-thread
-    buffer at its place in the piece (regions that are not one dense run of the piece go through
-    a pooled scratch buffer); the result is a view of that buffer, valid until this thread fills
-    its next piece. Other readers' tensors are converted to bit arrays.
+    Every region is read (``read_region_into``) straight into a pooled per-thread buffer at its
+    place in the piece (regions that are not one dense run of the piece go through a pooled
+    scratch buffer); the result is a view of that buffer, valid until this thread fills its next
+    piece.
     """
-    into = getattr(reader, "read_region_into", None)
-    if into is None:
-        return _fill_piece_tensors(reader, task, piece)
+    into = reader.read_region_into
     d = by_name(task.dtype)
     isz = d.itemsize
     buf = pooled_buffer("piece", piece.box.numel * isz)
@@ -220,6 +218,8 @@ def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece) -> np.nd
 
 
 def _fill_piece_tensors(reader: CheckpointReader, task: WriteTask, piece: Piece) -> np.ndarray:
+    """The piece assembled from ``read_region`` tensors: the reference :func:`fill_piece` is
+    tested against (tests/test_perf_paths.py)."""
     if len(piece.copies) == 1 and piece.copies[0].region == piece.box:
         c = piece.copies[0]
         return to_storage_array(reader.read_region(task.key, c.src, c.region))
