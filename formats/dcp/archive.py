@@ -324,6 +324,36 @@ def _load_data_pkl(data: bytes, where: str) -> Any:
     return desc
 
 
+def open_archive(read: ReadAt, where: str) -> tuple[dict[str, Entry], str, bytes]:
+    """The stored entries of any ``torch.save`` archive read by ``read``, its record prefix
+    (``"<name>/"``) and its ``data.pkl`` bytes (nothing unpickled; big-endian archives refused)."""
+    f = _ItemFile(read)
+    if bytes(f.pread(0, 4)) != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{where}: not a torch.save zip archive (damaged, or saved with "
+                                     "_use_new_zipfile_serialization=False)")
+    entries = _entries(f, where)
+    prefix, pkl = _find_data_pkl(entries, where)
+    if pkl.size > MAX_DATA_PKL_BYTES:
+        raise CorruptCheckpointError(f"{where}: data.pkl is {pkl.size} bytes; too large to be checkpoint metadata")
+    _check_byteorder(f, entries, prefix, where)
+    return entries, prefix, bytes(f.pread(pkl.start, pkl.size))
+
+
+#: Globals of a tensor inside any ``data.pkl``: the inert stand-ins :func:`parse_tensor_archive`
+#: uses (tensors become descriptions, never tensors).
+resolve_tensor_global = _resolve_data_pkl
+storage_loader = _persistent
+TensorDesc = _TensorDesc
+
+
+def describe_tensor(desc: Any, entries: dict[str, Entry], prefix: str, where: str) -> ArchiveTensor:
+    """The :class:`ArchiveTensor` of one tensor description found in an archive's ``data.pkl``
+    (dtype and size as pickled; storage bounds checked)."""
+    if not isinstance(desc, _TensorDesc) or not isinstance(desc.storage, _StorageRef) or desc.dtype is None:
+        raise CorruptCheckpointError(f"{where}: not a plain tensor")
+    return _describe(desc, entries, prefix, where, desc.dtype, _ints(desc.size, "size", where))
+
+
 def parse_tensor_archive(read: ReadAt, where: str, dtype: str, size: Shape) -> ArchiveTensor:
     """Parse the chunk archive read by ``read`` and check it holds a ``dtype`` tensor of ``size``.
 

@@ -127,6 +127,17 @@ def contiguous_strides(shape: Shape) -> Shape:
     return tuple(reversed(strides))
 
 
+def tensor_ref(dtype_name: str, shape: Shape) -> Any:
+    """A stand-in that pickles (with :func:`pickle_with_tensor`) as a contiguous tensor whose
+    storage is the archive's ``data/0``: put it inside any picklable value."""
+    return _TensorRef(by_name(dtype_name).name, tuple(int(s) for s in shape))
+
+
+def pickle_with_tensor(value: Any) -> bytes:
+    """``data.pkl`` (protocol 2, as ``torch.save``) of ``value`` holding one :func:`tensor_ref`."""
+    return dumps(value, protocol=2, persistent_id=_persistent_id)
+
+
 @lru_cache(maxsize=4096)
 def data_pkl(dtype_name: str, shape: Shape) -> bytes:
     """The ``archive/data.pkl`` that ``torch.save`` writes for a contiguous tensor (protocol 2),
@@ -261,12 +272,13 @@ class ArchiveLayout:
 
 
 @lru_cache(maxsize=4096)
-def archive_layout(dtype_name: str, shape: Shape) -> ArchiveLayout:
-    """The layout of the archive ``torch.save`` writes for a contiguous tensor of this kind."""
+def archive_layout(dtype_name: str, shape: Shape, pkl_size: int | None = None) -> ArchiveLayout:
+    """The layout of the archive ``torch.save`` writes for a contiguous tensor of this kind
+    (``pkl_size``: the size of another ``data.pkl`` holding that one tensor, e.g. in a dict)."""
     shape = tuple(int(s) for s in shape)
     nbytes = math.prod(shape) * by_name(dtype_name).itemsize
     sizes = (
-        len(data_pkl(dtype_name, shape)),
+        len(data_pkl(dtype_name, shape)) if pkl_size is None else pkl_size,
         len(_FORMAT_VERSION),
         len(_STORAGE_ALIGNMENT),
         len(_BYTEORDER),
@@ -305,14 +317,17 @@ class TensorArchiveWriter:
     thread at a time; different writers may share ``fd`` across threads.
     """
 
-    def __init__(self, fd: int, file_offset: int, dtype_name: str, shape: Shape) -> None:
+    def __init__(self, fd: int, file_offset: int, dtype_name: str, shape: Shape, pkl: bytes | None = None) -> None:
+        """``pkl``: another ``data.pkl`` whose one storage (key ``"0"``) is this tensor's (see
+        :func:`tensor_ref`); default: the bare tensor's, as ``torch.save(tensor)`` writes it."""
         if sys.byteorder != "little":
             raise UnsupportedError("writing DCP archives needs a little-endian host (the bytes are raw)")
         self._fd = fd
         self._base = file_offset
         self._dtype = by_name(dtype_name)
         self._shape = tuple(int(s) for s in shape)
-        self._layout = archive_layout(self._dtype.name, self._shape)
+        self._pkl = data_pkl(self._dtype.name, self._shape) if pkl is None else pkl
+        self._layout = archive_layout(self._dtype.name, self._shape, None if pkl is None else len(pkl))
         self._written = 0
         self._crc = 0
         self._head = b""  # first bytes of data/0 (torch's serialization id peeks at them)
@@ -401,7 +416,7 @@ class TensorArchiveWriter:
 
     def _small_records(self) -> tuple[bytes, ...]:
         """Contents of the records before data/0."""
-        return (data_pkl(self._dtype.name, self._shape), _FORMAT_VERSION, _STORAGE_ALIGNMENT, _BYTEORDER)
+        return (self._pkl, _FORMAT_VERSION, _STORAGE_ALIGNMENT, _BYTEORDER)
 
     def _record_crcs(self) -> list[int]:
         return [zlib.crc32(b) for b in self._small_records()] + [self._crc, zlib.crc32(_VERSION)]

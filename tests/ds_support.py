@@ -1,0 +1,74 @@
+"""DeepSpeed for the bridge tests: availability, ZeRO runs, ds_to_universal, universal loads.
+
+DeepSpeed 0.19.8 is installed by ``.ci/install_deepspeed.sh`` (never replacing torch); without it
+the tests that run DeepSpeed skip with a reason. Every DeepSpeed process runs under a timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_factory import run_world
+from models import ModelArgs
+
+#: The tiny model of the checked-in fixtures (tests/data/deepspeed/).
+TINY = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=24)
+DATA = Path(__file__).parent / "data" / "deepspeed"
+TIMEOUT = 300.0
+
+
+def deepspeed_available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+requires_deepspeed = pytest.mark.skipif(
+    not deepspeed_available(), reason="DeepSpeed is not installed (bash .ci/install_deepspeed.sh)")
+
+
+def train_and_save(out_dir: Path, stage: int, world: int, args: ModelArgs = TINY, steps: int = 3) -> Path:
+    """A real ZeRO-``stage`` run of ``world`` ranks; its checkpoint tag folder (``live.pt``, the
+    engine's own full state, lies in ``out_dir``)."""
+    from ds_worker import train_and_save as worker
+
+    run_world(worker, world, (stage, args.to_json(), str(out_dir), steps), timeout=TIMEOUT)
+    return out_dir / f"step{steps}"
+
+
+def to_universal(tag_dir: Path, out_dir: Path, stage: int) -> Path:
+    """DeepSpeed's own ``ds_to_universal.py`` (in a subprocess, under a timeout)."""
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+           "--output_folder", str(out_dir), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    if stage < 3:
+        cmd.append("--inject_missing_state")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out_dir
+
+
+def load_and_check(load_dir: Path, expected: Path, stage: int, world: int, report_dir: Path,
+                   args: ModelArgs = TINY) -> list[dict]:
+    """A ZeRO-``stage`` engine of ``world`` ranks loads ``load_dir`` (``load_universal``); every
+    rank's report, after asserting none found a difference."""
+    from ds_worker import load_and_check as worker
+
+    report_dir.mkdir(parents=True, exist_ok=True)
+    run_world(worker, world, (stage, args.to_json(), str(load_dir), str(expected), str(report_dir)), timeout=TIMEOUT)
+    reports = [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(world)]
+    for rep in reports:
+        assert not rep["errors"], f"ZeRO-{stage} world {world} rank {rep['rank']}: {rep['errors']}"
+        assert rep["checked"] > 0
+    return reports
+
+
+def save_expected(expected: dict, path: Path) -> Path:
+    torch.save(expected, path)
+    return path
