@@ -127,7 +127,7 @@ def load_and_check(rank: int, world: int, stage: int, args_json: dict, load_dir:
     loss = _loss(engine, inputs, targets)
     engine.backward(loss)
     engine.step()
-    report = {"rank": rank, "checked": checked, "errors": errors[:MAX_ERRORS], "loss": float(loss)}
+    report = {"rank": rank, "checked": checked, "errors": errors[:MAX_ERRORS], "loss": float(loss.detach())}
     (Path(report_dir) / f"rank{rank}.json").write_text(json.dumps(report))
 
 
