@@ -18,9 +18,9 @@ from converter.atoms import group_atoms
 from converter.config import RunOptions
 from converter.destination import conversion_header, guarded, open_destination
 from converter.execute import os_errors_as_storage_errors
-from converter.ingest import ConversionResult, _ChunkSink, _dry_run, universal_chunk_bytes
+from converter.ingest import ConversionResult, _ChunkSink, plan_universal, universal_chunk_bytes
 from converter.journal import task_id
-from converter.plan import WriteTask, plan_tensor
+from converter.plan import describe, store_tasks
 from converter.remote import remote_destination, spool_hook
 from formats.deepspeed import DeepSpeedReader
 from formats.objects import object_label, preview_value
@@ -33,12 +33,12 @@ from formats.universal_meta import SourceInfo
 @guarded  # the destination's lock is held for the call; an interrupt says how to resume
 @os_errors_as_storage_errors("import-ds")
 def import_ds(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
-              chunk_bytes: int | None = None) -> ConversionResult:
+              chunk_bytes: int | None = None, backend: str = "zarr") -> ConversionResult:
     """Convert the DeepSpeed universal checkpoint at ``src`` (the folder holding ``zero/``, or the
     one whose ``latest_universal`` names it) into a universal store at ``dst``.
 
     Streams chunk by chunk under ``options.memory_budget``; bit-exact; ``dst`` is complete only
-    once its ``ckptconv.json`` is written.
+    once its ``ckptconv.json`` is written. ``backend``: the store's array format (as to-universal).
     """
     options = options or RunOptions()
     dist = distributed.current()
@@ -47,18 +47,21 @@ def import_ds(src: str | os.PathLike, dst: str | os.PathLike, options: RunOption
     try:
         index = reader.index()
         chunk_bytes = chunk_bytes or universal_chunk_bytes(options)
+        store = plan_universal(index, chunk_bytes, backend)
+        tasks = store_tasks(index.tensors, store, chunk_bytes)  # the same plan for the dry run and the run
         if options.dry_run:
-            return _dry_run(index, dst, chunk_bytes)
-        header = conversion_header("import-ds", src, index, {"--chunk-size": chunk_bytes})
+            return ConversionResult(str(dst), len(index.tensors), len(index.objects), sum(t.nbytes for t in tasks),
+                                    0.0, plan=describe(tasks))
+        header = conversion_header("import-ds", src, index, {
+            "--chunk-size": chunk_bytes, **({"--backend": backend} if backend != "zarr" else {})})
         objects = {key: reader.read_object_bytes(key) for key in index.objects}
         out, journal = open_destination(src, dst, header, options)
         paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
         refs, atoms = group_atoms(paths)
-        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out))  # URL dst: upload as final
-        tasks: list[WriteTask] = []
+        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out), backend=backend)  # URL dst: upload
         for key, entry in index.tensors.items():
-            writer.add_tensor(entry, refs[key].atom, refs[key].role)
-            tasks += plan_tensor(entry, writer.chunks(key), piece_bytes=chunk_bytes)
+            writer.add_tensor(entry, refs[key].atom, refs[key].role, plan=store.arrays[key])
+        writer.prepare()
         for task in tasks:
             if journal.is_done(task):
                 writer.restore_chunk(task.key, task.target, journal.info(task))
