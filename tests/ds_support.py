@@ -72,3 +72,18 @@ def load_and_check(load_dir: Path, expected: Path, stage: int, world: int, repor
 def save_expected(expected: dict, path: Path) -> Path:
     torch.save(expected, path)
     return path
+
+
+def fsdp2_load_and_check(ckpt_dir: Path, expected: Path, world: int, report_dir: Path,
+                         args: ModelArgs = TINY) -> list[dict]:
+    """FSDP2 (``dp<world>``) loads the DCP checkpoint ``ckpt_dir`` with ``dcp.load``; every rank's
+    report, after asserting none found a difference with ``expected``."""
+    from ds_worker import fsdp2_load_and_check as worker
+
+    report_dir.mkdir(parents=True, exist_ok=True)
+    run_world(worker, world, (args.to_json(), str(ckpt_dir), str(expected), str(report_dir)), timeout=TIMEOUT)
+    reports = [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(world)]
+    for rep in reports:
+        assert not rep["errors"], f"FSDP2 dp{world} rank {rep['rank']}: {rep['errors']}"
+        assert rep["checked"] > 0
+    return reports

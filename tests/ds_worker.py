@@ -146,3 +146,45 @@ def expected_from_store_reference(ref: dict[str, Any], groups: list[dict]) -> di
     out["step"] = step
     out["param_groups"] = groups
     return out
+
+
+def fsdp2_load_and_check(rank: int, world: int, args_json: dict, ckpt_dir: str, expected_path: str,
+                         report_dir: str) -> None:
+    """FSDP2 on a ``dp<world>`` mesh (other weights) ``dcp.load``s ``ckpt_dir`` through
+    ``get_state_dict``/``set_state_dict``; its full state (torch's own gather) must equal
+    ``expected_path`` bit for bit; then one more training step runs. A JSON report per rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from ckpt_factory import FixtureSpec, build_parallel_model, load_into, make_mesh
+    from models import train_steps
+
+    args = ModelArgs.from_json(args_json)
+    layout = {"dp": world}
+    model = build_parallel_model(layout, args, make_mesh(layout), seed=1234)
+    optim = make_optimizer(model)
+    train_steps(model, optim, 1, seed=7)  # optimizer state exists, with other values: the load must win
+    load_into(FixtureSpec("deepspeed", tuple(layout.items()), args), model, optim, ckpt_dir)
+    model_sd, optim_sd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    live: dict[str, Any] = {f"model.{k}": v for k, v in model_sd.items()}
+    for fqn, states in optim_sd["state"].items():
+        for name, value in states.items():
+            live[f"optim.state.{fqn}.{name}"] = value
+    expected = torch.load(expected_path, weights_only=False)
+    errors, checked = [], 0
+    for key, want in expected.items():
+        if key.startswith(("model.", "optim.state.")):
+            checked += 1
+            got = live.get(key)
+            if got is None or not bits_equal(got, want):
+                errors.append(f"{key}: differs or missing")
+    want_step = expected.get("step")
+    steps = [v for k, v in live.items() if k.endswith(".step")]
+    if want_step is not None and not (steps and all(bits_equal(s, want_step) for s in steps)):
+        errors.append(f"step: got {steps[:1]}, want {want_step!r}")
+    for i, group in enumerate(expected.get("param_groups", [])):
+        got = optim.param_groups[i] if i < len(optim.param_groups) else {}
+        errors += [f"param_groups[{i}][{k!r}]: got {got.get(k)!r}, want {v!r}" for k, v in group.items()
+                   if got.get(k) != v]
+    losses = train_steps(model, optim, 1, seed=8)
+    report = {"rank": rank, "checked": checked, "errors": errors[:MAX_ERRORS], "loss": losses[0]}
+    (Path(report_dir) / f"rank{rank}.json").write_text(json.dumps(report))
