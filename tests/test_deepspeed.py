@@ -184,6 +184,65 @@ def test_import_ds_errors_name_file_and_fix(tmp_path: Path) -> None:
         _import(src, tmp_path / "uni2")
 
 
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_export_ds_dry_run_resume_overwrite(tmp_path: Path, monkeypatch) -> None:
+    """--dry-run writes nothing; a run stopped before publishing resumes to the same bytes as a
+    fresh run; a complete output is refused without --overwrite and replaced with it; a DeepSpeed
+    checkpoint ckptconv did not write is never deleted."""
+    from converter.commands import export_ds as mod
+    from converter.config import RunOptions
+    from formats.errors import DestinationError
+
+    monkeypatch.setenv("CKPTCONV_JOURNAL_FLUSH_SECONDS", "0")
+    _import(_universal(3), tmp_path / "uni")
+    dry = _export(tmp_path / "uni", tmp_path / "dry", options=RunOptions(dry_run=True))
+    assert not (tmp_path / "dry").exists() and "global_step3/zero/norm.weight/fp32.pt" in dry.plan
+    _export(tmp_path / "uni", tmp_path / "fresh")
+    with monkeypatch.context() as m:
+        m.setattr(mod, "optimizer_state_bytes", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt, match="--resume"):
+            _export(tmp_path / "uni", tmp_path / "out", options=RunOptions(workers=2))
+    assert not (tmp_path / "out" / "latest_universal").exists()
+    with pytest.raises(DestinationError, match="--resume"):
+        _export(tmp_path / "uni", tmp_path / "out")
+    _export(tmp_path / "uni", tmp_path / "out", options=RunOptions(resume=True))
+    assert _tree(tmp_path / "out") == _tree(tmp_path / "fresh")
+    with pytest.raises(DestinationError, match="complete DeepSpeed universal checkpoint.*--overwrite"):
+        _export(tmp_path / "uni", tmp_path / "out")
+    _export(tmp_path / "uni", tmp_path / "out", options=RunOptions(overwrite=True), tag="other")
+    assert (tmp_path / "out" / "latest_universal").read_text() == "other"
+    assert not (tmp_path / "out" / "global_step3").exists()
+    theirs = tmp_path / "theirs"
+    shutil.copytree(_universal(3), theirs / "step3")
+    (theirs / "latest_universal").write_text("step3")
+    before = _tree(theirs)
+    with pytest.raises(DestinationError, match="not a ckptconv output"):
+        _export(tmp_path / "uni", theirs, options=RunOptions(overwrite=True))
+    assert _tree(theirs) == before
+
+
+def test_import_ds_resumes(tmp_path: Path, monkeypatch) -> None:
+    """import-ds stopped before its commit resumes to the same store as a fresh run."""
+    from converter.config import RunOptions
+    from formats.universal import UniversalWriter
+
+    monkeypatch.setenv("CKPTCONV_JOURNAL_FLUSH_SECONDS", "0")
+    _import(_universal(2), tmp_path / "fresh")
+    with monkeypatch.context() as m:
+        m.setattr(UniversalWriter, "commit", lambda self, *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt, match="--resume"):
+            _import(_universal(2), tmp_path / "out")
+    from converter.commands.import_ds import import_ds
+
+    import_ds(_universal(2), tmp_path / "out", options=RunOptions(resume=True))
+    fresh, out = _tree(tmp_path / "fresh"), _tree(tmp_path / "out")
+    assert fresh.keys() == out.keys()
+    assert all(fresh[k] == out[k] for k in fresh if k != "ckptconv.json")
+
+
 # ---------------------------------------------------------------------------------------------
 # the real DeepSpeed engine
 

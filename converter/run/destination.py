@@ -49,8 +49,10 @@ OUTPUT_RECORD = ".written-by-ckptconv.json"
 RANK_DIR_RE = re.compile(r"\.ckptconv-rank-\d+")
 
 UNIVERSAL, DCP, HF = "universal store", "DCP checkpoint", "Hugging Face export"
+DEEPSPEED = "DeepSpeed universal checkpoint"
 #: The output kind of each operation.
-KIND_OF_OP = {"to-universal": UNIVERSAL, "import-hf": UNIVERSAL, "from-universal": DCP, "export-hf": HF}
+KIND_OF_OP = {"to-universal": UNIVERSAL, "import-hf": UNIVERSAL, "import-ds": UNIVERSAL, "from-universal": DCP,
+              "export-hf": HF, "export-ds": DEEPSPEED}
 
 # ----------------------------------------------------------------------------------------------
 # the file sets ckptconv writes (what --overwrite may remove)
@@ -62,6 +64,7 @@ _OWN_FILES = {
     HF: [r"model\.safetensors", r"model-\d+-of-\d+\.safetensors", r"model(-\d+-of-\d+)?\.safetensors\.tmp",
          r"model\.safetensors\.index\.json", r"config\.json",
          _TMP.format(name=r"(config\.json|model\.safetensors\.index\.json)")],
+    DEEPSPEED: [r"latest_universal", _TMP.format(name=r"latest_universal")],
 }
 _COMMON_FILES = [re.escape(JOURNAL_NAME), re.escape(LOCK_NAME), re.escape(OUTPUT_RECORD)]
 _OWN_DIRS = {UNIVERSAL: ("tensors", "objects")}
@@ -69,11 +72,12 @@ _OWN_DIRS = {UNIVERSAL: ("tensors", "objects")}
 #: zarr.json file too: what an interrupted --overwrite leaves once the marker and journal are gone).
 _SIGNATURES = [r"ckptconv\.json", r"zarr\.json", r"\.metadata", r"__\d+_\d+\.distcp", r".*\.safetensors(\.tmp)?",
                r"model\.safetensors\.index\.json", re.escape(JOURNAL_NAME), re.escape(LOCK_NAME),
-               re.escape(OUTPUT_RECORD)]
+               re.escape(OUTPUT_RECORD), r"latest_universal"]
 #: Files of a DCP checkpoint, which are ckptconv's only with its record or journal beside them.
 _CHECKPOINT_FILES = re.compile(r"\.metadata|__\d+_\d+\.distcp|__\d+\.metadata")
 #: Files that mark each kind of output complete (written last).
-MARKERS = {UNIVERSAL: "ckptconv.json", DCP: ".metadata", HF: "model.safetensors.index.json"}
+MARKERS = {UNIVERSAL: "ckptconv.json", DCP: ".metadata", HF: "model.safetensors.index.json",
+           DEEPSPEED: "latest_universal"}
 
 _FILE_RE = re.compile("|".join(f"(?:{p})" for k in _OWN_FILES for p in _OWN_FILES[k] + _COMMON_FILES))
 _SIG_RE = re.compile("|".join(f"(?:{p})" for p in _SIGNATURES))
@@ -125,11 +129,40 @@ def _tree_is_ours(top: Path) -> str | None:
     return None
 
 
+#: Files of an export-ds tag folder (``<tag>/``): the model-states files, ``zero/optimizer_state.pt``
+#: and ``zero/<fqn>/<state>.pt``, with the temp names they are written under.
+_DS_TOP = re.compile(r"(mp_rank_00|zero_pp_rank_0_mp_rank_00)_model_states\.pt(\.tmp-\d+)?|"
+                     r"\.(mp_rank_00|zero_pp_rank_0_mp_rank_00)_model_states\.pt\.tmp-\d+")
+_DS_OPTIM = re.compile(r"\.?optimizer_state\.pt(\.tmp-\d+)?")
+_DS_ATOM = re.compile(r"[^/.][^/]*\.pt|\.[^/]+\.pt\.tmp")
+
+
+def _ds_tree_is_ours(top: Path) -> str | None:
+    """None when the folder ``top`` holds only what export-ds writes in a tag folder; else the
+    first foreign entry (relative to the destination)."""
+    if top.is_symlink():
+        return None  # unlinked, never followed
+    for dirpath, dirnames, filenames in os.walk(top):
+        rel = Path(dirpath).relative_to(top.parent)
+        depth = len(rel.parts)  # 1: <tag>, 2: zero, 3: zero/<fqn>
+        pattern = {1: _DS_TOP, 2: _DS_OPTIM, 3: _DS_ATOM}.get(depth)
+        for name in filenames:
+            if pattern is None or not pattern.fullmatch(name) or os.path.islink(os.path.join(dirpath, name)):
+                return (rel / name).as_posix()
+        for name in dirnames:
+            if os.path.islink(os.path.join(dirpath, name)) or not (depth == 1 and name == "zero" or depth == 2):
+                return (rel / name).as_posix() + "/"
+    return None
+
+
 def foreign_entries(out: Path) -> tuple[list[str], bool]:
     """(entries of ``out`` ckptconv would not have written there, whether any entry is a
     signature of a ckptconv output). Folders are named with a trailing ``/``."""
     foreign: list[str] = []
     signed = False
+    # an export-ds tag folder is ckptconv's only beside its output record or journal (a DeepSpeed
+    # universal checkpoint that ds_to_universal.py wrote looks the same)
+    recorded = (out / OUTPUT_RECORD).is_file() or (out / JOURNAL_NAME).is_file()
     for entry in sorted(os.scandir(out), key=lambda e: e.name):
         name = entry.name
         if _SIG_RE.fullmatch(name) and not (name == "zarr.json" and entry.is_symlink()):  # (a link alone: no sign)
@@ -142,6 +175,10 @@ def foreign_entries(out: Path) -> tuple[list[str], bool]:
                 if bad is not None:
                     foreign.append(bad)
                 continue
+            if recorded and not name.startswith("."):
+                bad = _ds_tree_is_ours(Path(entry.path))
+                if bad is None:
+                    continue
             foreign.append(name + "/")
         elif entry.is_symlink() and name in _OWN_DIRS[UNIVERSAL]:
             continue  # a link where ckptconv puts a folder: unlinked, never followed
@@ -203,7 +240,7 @@ def complete_marker(out: Path) -> str | None:
 
 
 def _kind_of_marker(marker: str) -> str:
-    return {"ckptconv.json": UNIVERSAL, ".metadata": DCP}.get(marker, HF)
+    return {"ckptconv.json": UNIVERSAL, ".metadata": DCP, "latest_universal": DEEPSPEED}.get(marker, HF)
 
 
 # ----------------------------------------------------------------------------------------------
