@@ -16,8 +16,11 @@ from converter.commands.hf import export_hf, import_hf
 from converter.commands.to_universal import ConversionResult, to_universal
 from converter.tools.verify import VerifyReport, verify
 from converter.tools.diff import DiffReport, diff
+from converter.commands.export_ds import export_ds
+from converter.commands.import_ds import import_ds
 
 __all__ = [
     "RunOptions", "ConversionResult", "Selection", "detect_format", "open_checkpoint", "parse_size",
-    "to_universal", "from_universal", "export_hf", "import_hf", "verify", "VerifyReport", "diff", "DiffReport",
+    "to_universal", "from_universal", "export_hf", "import_hf", "import_ds", "export_ds", "verify", "VerifyReport",
+    "diff", "DiffReport",
 ]

@@ -68,7 +68,7 @@ def _assert_matches_live(ref: dict, live: dict) -> None:
 @pytest.mark.parametrize("stage", STAGES)
 def test_import_ds_to_dcp_equals_deepspeed_live_state(stage: int, tmp_path: Path) -> None:
     """DeepSpeed ZeRO-2/3 universal -> import-ds -> from-universal (dp2 DCP), read by torch."""
-    from converter.reshard import from_universal
+    from converter.commands.from_universal import from_universal
 
     result = _import(_universal(stage), tmp_path / "uni")
     assert result.tensors == 12 * 4 and result.objects == 12
@@ -132,7 +132,7 @@ def test_export_ds_atoms_are_torch_save_bytes(tmp_path: Path) -> None:
 
 def test_export_ds_from_fsdp2_store_keeps_bits(dcp_checkpoint, tmp_path: Path) -> None:
     """FSDP2 DCP -> to-universal -> export-ds: atoms equal torch's reading of the DCP (bf16 kept)."""
-    from converter.ingest import to_universal as to_uni
+    from converter.commands.to_universal import to_universal as to_uni
 
     to_uni(dcp_checkpoint("bf16_fsdp2"), tmp_path / "uni")
     _export(tmp_path / "uni", tmp_path / "ds", tag="t")
@@ -271,7 +271,7 @@ def test_fsdp2_dcp_to_deepspeed_zero_stages_and_worlds(kind: str, dcp_checkpoint
     """FSDP2 (and FSDP2+TP) DCP -> to-universal -> export-ds, loaded by DeepSpeed engines under
     ZeRO-1/2/3 at world sizes 1-3, every one bit-exact against torch's reading of the DCP."""
     from ckpt_factory import fixture_info, spec_from_info
-    from converter.ingest import to_universal as to_uni
+    from converter.commands.to_universal import to_universal as to_uni
 
     dcp = dcp_checkpoint(kind)
     args = spec_from_info(fixture_info(dcp)).model_args
@@ -292,7 +292,7 @@ def test_fsdp2_dcp_to_deepspeed_zero_stages_and_worlds(kind: str, dcp_checkpoint
 def test_deepspeed_zero_to_fsdp2(stage: int, tmp_path: Path) -> None:
     """A real ZeRO-``stage`` run of 2 ranks -> ds_to_universal -> import-ds -> from-universal (dp2
     and dp3) -> FSDP2 loads it with dcp.load, bit-exact against DeepSpeed's live state."""
-    from converter.reshard import from_universal
+    from converter.commands.from_universal import from_universal
 
     tag = train_and_save(tmp_path / "run", stage, world=2)
     uni = to_universal(tag, tmp_path / "run" / "universal", stage)

@@ -15,6 +15,7 @@ import click
 from converter import __version__
 from converter.cli import hf as hf_commands
 from converter.cli import tools as tool_commands
+from converter.cli import ds as ds_commands
 from converter.cli.common import (EXIT_ERROR, EXIT_INTERNAL, SIZE, dry_run_line, make_options, make_selection,
                                  result_line, run_options, selection_options)
 from formats.errors import CkptConvError
@@ -382,3 +383,4 @@ def _echo_json(doc: Any) -> None:
 
 hf_commands.register(cli)
 tool_commands.register(cli)
+ds_commands.register(cli)

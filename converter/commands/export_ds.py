@@ -29,14 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from converter import distributed
-from converter.atoms import AtomRef, group_atoms
+from converter.run import distributed
+from converter.plan.atoms import AtomRef, group_atoms
 from converter.config import RunOptions
-from converter.destination import conversion_header, guarded, open_destination, write_output_record
-from converter.execute import os_errors_as_storage_errors
-from converter.ingest import ConversionResult
-from converter.plan import Piece, WriteTask, describe, plan_tensor
-from converter.sources import open_checkpoint
+from converter.run.destination import conversion_header, guarded, open_destination, write_output_record
+from converter.run.executor import os_errors_as_storage_errors
+from converter.commands.to_universal import ConversionResult
+from converter.plan.copy_tasks import Piece, WriteTask, describe, plan_tensor
+from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, full_box
 from formats.deepspeed import (LATEST_UNIVERSAL, MASTER, MODEL_STATES_FILES, OPTIMIZER_STATE, STEP, ZERO_DIR,
                                AtomWriter, atom_path, check_param_name, model_states_bytes, optimizer_state_bytes)

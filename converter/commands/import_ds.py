@@ -13,15 +13,15 @@ import datetime as _dt
 import os
 
 from converter import __version__
-from converter import distributed
-from converter.atoms import group_atoms
+from converter.run import distributed
+from converter.plan.atoms import group_atoms
 from converter.config import RunOptions
-from converter.destination import conversion_header, guarded, open_destination
-from converter.execute import os_errors_as_storage_errors
-from converter.ingest import ConversionResult, _ChunkSink, plan_universal, universal_chunk_bytes
-from converter.journal import task_id
-from converter.plan import describe, store_tasks
-from converter.remote import remote_destination, spool_hook
+from converter.run.destination import conversion_header, guarded, open_destination
+from converter.run.executor import os_errors_as_storage_errors
+from converter.commands.to_universal import ConversionResult, _ChunkSink, plan_universal, universal_chunk_bytes
+from converter.run.journal import task_id
+from converter.plan.copy_tasks import describe, store_tasks
+from converter.run.remote import remote_destination, spool_hook
 from formats.deepspeed import DeepSpeedReader
 from formats.objects import object_label, preview_value
 from formats.storage import source_label

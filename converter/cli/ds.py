@@ -1,0 +1,52 @@
+"""``ckptconv import-ds`` and ``ckptconv export-ds`` (registered on the main group by
+:func:`register`; they call :func:`converter.api.import_ds` / :func:`converter.api.export_ds`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from converter.cli.common import SIZE, dry_run_line, make_options, result_line, run_options
+
+
+def _report(result: Any) -> None:
+    if result.plan is not None:
+        click.echo(result.plan)
+        click.echo(dry_run_line(result))
+        return
+    click.echo(result_line(result))
+    for w in result.warnings:
+        click.echo(f"ckptconv: warning: {w}", err=True)
+
+
+@click.command("import-ds")
+@click.argument("ds_dir", type=click.Path())
+@click.argument("uni", type=click.Path())
+@click.option("--chunk-size", type=SIZE, default=None, help="Target bytes per zarr chunk (default 64MiB).")
+@run_options
+def import_ds_cmd(ds_dir: str, uni: str, chunk_size: int | None, **kw: Any) -> None:
+    """Convert the DeepSpeed universal checkpoint DS_DIR (ds_to_universal.py's output folder, or the
+    folder whose latest_universal names it) into a universal store UNI."""
+    from converter.api import import_ds
+
+    _report(import_ds(ds_dir, uni, options=make_options(**kw), chunk_bytes=chunk_size))
+
+
+@click.command("export-ds")
+@click.argument("src", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--tag", default=None, help="Name of the checkpoint folder in OUT (default global_step<step>).")
+@run_options
+def export_ds_cmd(src: str, out: str, tag: str | None, **kw: Any) -> None:
+    """Write SRC (universal store or DCP) as a DeepSpeed universal checkpoint in OUT: load it with
+    "checkpoint": {"load_universal": true} and engine.load_checkpoint(OUT), under ZeRO-1/2/3."""
+    from converter.api import export_ds
+
+    _report(export_ds(src, out, tag=tag, options=make_options(**kw)))
+
+
+def register(cli: click.Group) -> None:
+    """Add the DeepSpeed commands to the ``ckptconv`` group."""
+    cli.add_command(import_ds_cmd)
+    cli.add_command(export_ds_cmd)
