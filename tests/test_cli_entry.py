@@ -49,7 +49,7 @@ def test_completion_answers_commands_and_options(monkeypatch):
     assert proc.returncode == 0 and "plain,--mesh" in proc.stdout.splitlines(), proc
     monkeypatch.setenv("COMP_WORDS", "ckptconv ex")
     monkeypatch.setenv("COMP_CWORD", "1")
-    assert ckptconv().stdout.split() == ["plain,export-hf"]
+    assert ckptconv().stdout.split() == ["plain,export-ds", "plain,export-hf"]
 
 
 def test_readme_documents_completion_and_python_m():
