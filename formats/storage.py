@@ -325,6 +325,34 @@ class RemoteStorage:
         """Ranged reads of one object (no request until the first read)."""
         return RemoteFile(self.fs, self._key(relative), self.root / relative)
 
+    # -- writing (a URL destination: converter.run.remote) ----------------------------------
+
+    def list_all(self) -> list[str]:
+        """Every object under the prefix, recursively, as names relative to it."""
+        base = self._base.rstrip("/") + "/"
+        with remote_errors(self.url):
+            try:
+                found = self.fs.find(self._base)
+            except FileNotFoundError:
+                return []
+        return [k[len(base):] for k in found if k.startswith(base)]
+
+    def put_file(self, local: str | os.PathLike, relative: str) -> None:
+        """Upload the local file ``local`` as ``relative`` under the prefix."""
+        with remote_errors(self.root / relative):
+            self.fs.put_file(str(local), self._key(relative))
+
+    def remove_all(self) -> None:
+        """Delete every object under the prefix (the caller checked they may go)."""
+        with remote_errors(self.url):
+            self.fs.rm(self._base, recursive=True)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Forget cached listings of the prefix (after this or another process wrote to it)."""
+        with remote_errors(self.url):
+            self.fs.invalidate_cache(self._base)
+
 
 Storage = LocalStorage | RemoteStorage
 

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from converter import knobs
 from formats.errors import ConfigError, DestinationError, StorageError
-from formats.storage import RemoteStorage, is_remote, is_url, local_path, remote_errors
+from formats.storage import RemoteStorage, is_remote, is_url, local_path
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -88,13 +88,8 @@ def prepare_remote(src: Any, dst: str, overwrite: bool) -> RemoteStorage:
     if names:
         from converter.run.destination import refuse_foreign_keys
 
-        base = st._key("").rstrip("/") + "/"
-        with remote_errors(dst):
-            keys = [k for k in st.fs.find(st._key("")) if k.startswith(base)]
-        refuse_foreign_keys(dst, [k[len(base):] for k in keys])
-        with remote_errors(dst):
-            st.fs.rm(st._key(""), recursive=True)
-            st.fs.invalidate_cache(st._key(""))
+        refuse_foreign_keys(dst, st.list_all())
+        st.remove_all()
     return st
 
 
@@ -143,8 +138,7 @@ def _put(out: Path, st: RemoteStorage, rel: str) -> int:
     """Upload ``out/rel`` to ``st/rel`` and delete the local file; its size."""
     local = out / rel
     size = local.stat().st_size
-    with remote_errors(st.root / rel):
-        st.fs.put_file(str(local), st._key(rel))
+    st.put_file(local, rel)
     local.unlink()
     return size
 
@@ -228,8 +222,7 @@ def upload(out: Path, st: RemoteStorage, workers: int, *, data: bool = True, mar
     if markers:
         for rel in marker_files:
             total += _put(out, st, rel)
-        with remote_errors(st.url):
-            st.fs.invalidate_cache(st._key(""))
+        st.refresh()
     return total
 
 
