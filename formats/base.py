@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Hashable, Iterable, Mapping
+from itertools import compress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -76,17 +77,35 @@ class Box:
         return {"offsets": list(self.offsets), "sizes": list(self.sizes)}
 
 
+_OFFSETS = operator.attrgetter("offsets")
+_SIZES = operator.attrgetter("sizes")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+
+
 def first_overlap(boxes: Iterable[Box]) -> tuple[Box, Box] | None:
     """Two of the non-empty ``boxes`` that share an element, or None when they are disjoint.
 
     A sweep along the dim with the most distinct offsets: boxes sorted by their start there are
-    compared only with those still open at that start, O(n log n) for grids of any size.
+    compared only with those still open at that start, O(n log n) for grids of any size. A row of
+    boxes (equal in every other dim, as FSDP shards are) is checked as intervals in C-level loops.
     """
-    full = [b for b in boxes if b.numel]
+    boxes = list(boxes)
+    full = list(compress(boxes, map(math.prod, map(_SIZES, boxes))))
     if len(full) < 2:
         return None
     if not full[0].ndim:
         return full[0], full[1]
+    ndim = full[0].ndim
+    if set(map(len, map(_OFFSETS, full))) == {ndim} and set(map(len, map(_SIZES, full))) == {ndim}:
+        offs = list(zip(*map(_OFFSETS, full)))
+        sizes = list(zip(*map(_SIZES, full)))
+        distinct = [len(set(col)) for col in offs]
+        d = max(range(ndim), key=lambda i: (distinct[i], -i))
+        if all(distinct[i] == 1 and len(set(sizes[i])) == 1 for i in range(ndim) if i != d):
+            spans = sorted(zip(offs[d], map(operator.add, offs[d], sizes[d])))
+            starts, ends = list(map(_FIRST, spans)), list(map(_SECOND, spans))
+            if all(map(operator.ge, starts[1:], ends[:-1])):
+                return None  # sorted intervals that each start after the last one ended
     d = max(range(full[0].ndim), key=lambda i: (len({b.offsets[i] for b in full}), -i))
     full.sort(key=lambda b: b.offsets[d])
     active: list[tuple[int, Box]] = []

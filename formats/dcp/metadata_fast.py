@@ -211,11 +211,11 @@ class _Reader:
 
     # -- the hot records ---------------------------------------------------------------------
 
-    def _chunks(self, pos: int, out: list) -> int:
+    def _chunks(self, pos: int, out: list, limit: int) -> int:
         """Read the run of ChunkStorageMetadata records at ``pos`` into ``out`` (as Box); the
         position after them (``pos`` when none matches)."""
         data = self.data
-        m = _CHUNK_LEARN.match(data, pos)
+        m = _CHUNK_LEARN.match(data, pos, limit)
         if m is None:
             return pos
         g = m.groups()
@@ -233,7 +233,7 @@ class _Reader:
         shape = self._shape
         new_box, set_off, set_sz = Box.__new__, Box.offsets.__set__, Box.sizes.__set__
         memo_n = self.memo_n
-        for m in iter(pattern.scanner(data, pos).match, None):
+        for m in iter(pattern.scanner(data, pos, limit).match, None):
             off, n1 = shape(m.group(1))
             sz, n2 = shape(m.group(2))
             box = new_box(Box)
@@ -245,11 +245,11 @@ class _Reader:
         self.memo_n = memo_n
         return pos
 
-    def _pairs(self, pos: int, out: list) -> int:
+    def _pairs(self, pos: int, out: list, limit: int) -> int:
         """Read the run of MetadataIndex -> _StorageInfo pairs at ``pos`` into ``out`` (key
         ``(fqn, offsets)`` then ``StorageInfo``); the position after them."""
         data = self.data
-        m = _PAIR_LEARN.match(data, pos)
+        m = _PAIR_LEARN.match(data, pos, limit)
         if m is None:
             return pos
         g = m.groups()
@@ -270,31 +270,36 @@ class _Reader:
                 _PAIR_LEARN, {1: g[0], 2: g[1], 4: g[3], 6: g[5], 7: g[6], 9: g[8], 10: g[9], 12: g[11],
                               14: g[13]})
         shape, string, info_type = self._shape, self._string, self.storage_info
-        ints: dict[bytes, int] = {}
+        shapes, strings = self.shapes, self.strings
+        lengths: dict[bytes, int] = {}
         new = tuple.__new__
         append = out.append
         fqn_at, fqn_str, memo = self.fqn_at.append, self.fqn_str.append, self.memo
-        for m in iter(pattern.scanner(data, pos).match, None):
-            memo_n = self.memo_n
+        memo_n = self.memo_n
+        for m in iter(pattern.scanner(data, pos, limit).match, None):
             fqn_raw, _index, shape_raw, path_raw, off_raw, len_raw = m.groups()
-            fqn, n1 = string(fqn_raw)
-            if n1:
-                fqn_at(memo_n + 2)
+            fqn, new_str = strings.get(fqn_raw) or string(fqn_raw)
+            if new_str:
+                fqn_at(memo_n + 2)  # its memo entry: after the record and its state dict
                 fqn_str(fqn)
-            offsets, n2 = shape(shape_raw)
-            path, n3 = string(path_raw)
-            if n3:
-                memo[memo_n + 6 + n1 + n2] = path
+                memo_n += 1
+            offsets, n = shapes.get(shape_raw) or shape(shape_raw)
+            memo_n += n
+            path, new_str = strings.get(path_raw) or string(path_raw)
+            if new_str:
+                memo[memo_n + 6] = path  # after the Size (2), the info record and its dict
+                memo_n += 1
             start = _int(off_raw)
-            length = ints.get(len_raw)
+            length = lengths.get(len_raw)
             if length is None:
-                length = ints[len_raw] = _int(len_raw)
+                length = lengths[len_raw] = _int(len_raw)
             if start < 0 or length < 0 or not path:
                 raise _Bail
             append((fqn, offsets))
             append(new(info_type, (path, start, length, ())))
-            self.memo_n = memo_n + 6 + n1 + n2 + n3
+            memo_n += 6
             pos = m.end()
+        self.memo_n = memo_n
         return pos
 
     # -- everything else, opcode by opcode ---------------------------------------------------
@@ -309,7 +314,12 @@ class _Reader:
         if data[:2] not in (b"\x80\x04", b"\x80\x05"):
             raise _Bail
         pos = 2
+        # CPython's unpickler reads a FRAME's bytes into a buffer; a read that does not fit in what
+        # is left of it skips the rest and reads on after the frame. buf_end is where the buffer
+        # ends (reads past it are sequential); an opcode read across it is left to the general path.
+        buf_end = 2
         while pos < end:
+            start = pos
             op = data[pos]
             pos += 1
             if op == 0x94:  # MEMOIZE
@@ -318,20 +328,19 @@ class _Reader:
                 memo[self.memo_n] = stack[-1]
                 self.memo_n += 1
             elif op == 0x68 or op == 0x6A:  # BINGET / LONG_BINGET
-                start = pos - 1
                 if marks and marks[-1] >= 2:
                     base = marks[-1]
                     target, name = stack[base - 1], stack[base - 2]
+                    at = start
+                    limit = buf_end if start < buf_end else end  # runs stay inside the frame
                     if type(target) is list and name == "chunks":
-                        at = self._chunks(start, stack)
-                        if at != start:
-                            pos = at
-                            continue
+                        at = self._chunks(start, stack, limit)
                     elif type(target) is dict and name == "storage_data":
-                        at = self._pairs(start, stack)
-                        if at != start:
-                            pos = at
-                            continue
+                        at = self._pairs(start, stack, limit)
+                    if at != start:
+                        buf_end = max(at, buf_end)  # (at is inside the frame, or past every frame)
+                        pos = at
+                        continue
                 if op == 0x68:
                     idx = data[pos]
                     pos += 1
@@ -413,8 +422,13 @@ class _Reader:
                 target = stack[base - 1]
                 items = stack[base:]
                 del stack[base:]
-                for i in range(0, len(items), 2):
-                    _setitem(target, items[i], items[i + 1])
+                size = len(target)
+                try:
+                    target.update(zip(items[::2], items[1::2]))
+                except TypeError:  # an unhashable key
+                    raise _Bail from None
+                if len(target) != size + len(items) // 2:
+                    raise _Bail  # a key seen twice: leave the semantics of duplicates to the general path
             elif op == 0x93:  # STACK_GLOBAL
                 if len(stack) - (marks[-1] if marks else 0) < 2:
                     raise _Bail
@@ -459,17 +473,27 @@ class _Reader:
                     raise _Bail
                 inst.__setstate__(state)
             elif op == 0x95:  # FRAME
-                if pos + 8 > end or pos + 8 + _UNPACK_Q(data, pos)[0] > end:
+                after = pos + 8
+                if after > end or start < buf_end < after:
                     raise _Bail
-                pos += 8
+                n = _UNPACK_Q(data, pos)[0]
+                buf_end = max(buf_end, after)
+                if after + n > buf_end:
+                    if after != buf_end or after + n > end:
+                        raise _Bail  # would skip the rest of a frame, or the frame is cut short
+                    buf_end = after + n
+                pos = after
+                continue
             elif op == 0x2E:  # STOP
                 if len(stack) != 1 or marks:
                     raise _Bail
                 return stack[0]
             else:
                 raise _Bail
-            if pos > end:
-                raise _Bail
+            if pos > buf_end:
+                if start < buf_end or pos > end:
+                    raise _Bail  # read across the end of a frame, or past the end of the data
+                buf_end = pos
         raise _Bail  # no STOP
 
 
@@ -489,11 +513,11 @@ def _pop_mark(marks: list[int]) -> int:
 
 
 def _setitem(target: dict, key: Any, value: Any) -> None:
-    if type(key) is tuple and key in target:
-        raise _Bail  # a storage key seen twice: leave the duplicate's semantics to the general path
     try:
+        if key in target:
+            raise _Bail  # a key seen twice: leave the semantics of duplicates to the general path
         target[key] = value
-    except TypeError:
+    except TypeError:  # an unhashable key
         raise _Bail from None
 
 

@@ -16,6 +16,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
+from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,9 @@ _MAX_ZSTD_RATIO = 1 << 16
 #: Slack allowed over a chunk's data size when decompressing its archive (headers, data.pkl).
 _ARCHIVE_SLACK = 16 << 20
 
+_OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
+_REL, _LENGTH = operator.attrgetter("relative_path"), operator.attrgetter("length")
+_TRANSFORMS = operator.attrgetter("transforms")
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
@@ -87,6 +91,14 @@ def is_dcp_checkpoint(path: str | os.PathLike | Storage) -> bool:
 def _rank_of(relative_path: str) -> int | None:
     m = DISTCP_RE.match(os.path.basename(relative_path))
     return int(m.group(1)) if m else None
+
+
+class _RankOf(dict):
+    """file name -> the rank that wrote it (:func:`_rank_of`), computed once per file."""
+
+    def __missing__(self, relative_path: str) -> int | None:
+        rank = self[relative_path] = _rank_of(relative_path)
+        return rank
 
 
 def _guess_path(key: str) -> tuple[str | int, ...]:
@@ -159,9 +171,10 @@ def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> No
     tensor exactly (empty chunks allowed)."""
     shape = meta.size
     ndim = len(shape)
-    if any(len(b.offsets) != ndim or len(b.sizes) != ndim for b in boxes) or (ndim and boxes and any(
-        max(map(operator.add, offs, sizes)) > d  # per dim, over every chunk (C-level iteration)
-        for offs, sizes, d in zip(zip(*(b.offsets for b in boxes)), zip(*(b.sizes for b in boxes)), shape)
+    offsets, sizes = list(map(_OFFSETS, boxes)), list(map(_SIZES, boxes))
+    if set(map(len, offsets)) - {ndim} or set(map(len, sizes)) - {ndim} or (ndim and boxes and any(
+        max(map(operator.add, offs, lens)) > d  # per dim, over every chunk (C-level iteration)
+        for offs, lens, d in zip(zip(*offsets), zip(*sizes), shape)
     )):
         bad = next(b for b in boxes if len(b.offsets) != ndim or len(b.sizes) != ndim
                    or any(o + n > d for o, n, d in zip(b.offsets, b.sizes, shape)))
@@ -169,7 +182,7 @@ def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> No
             f"{where}: key {key!r} has chunk {list(bad.offsets)}+{list(bad.sizes)} outside its "
             f"shape {list(shape)}"
         )
-    covered = sum(map(math.prod, (b.sizes for b in boxes)))
+    covered = sum(map(math.prod, sizes))
     _check_disjoint(key, boxes, where)
     if covered != math.prod(shape):
         raise CorruptCheckpointError(
@@ -326,6 +339,14 @@ class DCPReader:
         need: dict[str, tuple[int, str]] = {}  # file -> (end of its last item, a key there)
         transforms: set[tuple[str, ...]] = set()
         sized: list[tuple[str, Any, int, StorageInfo]] = []  # chunks bigger than their items
+        need_end: dict[str, int] = {}  # file -> end of its last item (for chunks; with need's key)
+        need_key: dict[str, str] = {}
+        ranks = _RankOf()  # file -> the rank that wrote it
+        storage_get, need_end_get = md.storage.get, need_end.get
+        prod = math.prod
+        new_ref = ChunkRef.__new__
+        set_box, set_file = ChunkRef.box.__set__, ChunkRef.file.__set__
+        set_locator, set_rank = ChunkRef.locator.__set__, ChunkRef.rank.__set__
         for key, meta in md.entries.items():
             path = md.planner_data.get(key) or _guess_path(key)
             if isinstance(meta, BytesMeta):
@@ -338,21 +359,33 @@ class DCPReader:
             boxes = sorted(meta.chunks, key=_box_order)  # ChunkMeta is Box
             _check_cover(key, meta, boxes, where)
             itemsize = _itemsize(meta.dtype, key, where)
+            infos = list(map(storage_get, zip(repeat(key), map(_OFFSETS, boxes))))  # C-level loops
+            if None in infos:
+                _storage_of(md, key, boxes[infos.index(None)].offsets, where)  # raises
+            rels = list(map(_REL, infos))
+            if any(map(operator.gt, map(operator.mul, map(prod, map(_SIZES, boxes)), repeat(itemsize)),
+                       map(_LENGTH, infos))):  # rare: compressed, or damaged
+                sized += [(key, b.offsets, prod(b.sizes) * itemsize, i) for b, i in zip(boxes, infos)
+                          if prod(b.sizes) * itemsize > i.length]
+            if any(map(_TRANSFORMS, infos)):
+                transforms.update(filter(None, map(_TRANSFORMS, infos)))
             chunks = []
-            storage = md.storage
-            for box in boxes:
-                info = storage.get((key, box.offsets)) or _storage_of(md, key, box.offsets, where)
-                nbytes = box.numel * itemsize
-                if nbytes > info.length:  # rare: compressed, or damaged
-                    sized.append((key, box.offsets, nbytes, info))
-                rel = info.relative_path
+            append = chunks.append
+            for box, info, rel, rank in zip(boxes, infos, rels, map(ranks.__getitem__, rels)):
                 end = info.offset + info.length
-                if end > need.get(rel, (-1,))[0]:
-                    need[rel] = (end, key)
-                if info.transforms:
-                    transforms.add(info.transforms)
-                chunks.append(ChunkRef(box, rel, info, _rank_of(rel)))
+                if end > need_end_get(rel, -1):
+                    need_end[rel] = end
+                    need_key[rel] = key
+                ref = new_ref(ChunkRef)  # ChunkRef(box, rel, info, rank), without __init__'s calls
+                set_box(ref, box)
+                set_file(ref, rel)
+                set_locator(ref, info)
+                set_rank(ref, rank)
+                append(ref)
             tensors[key] = TensorEntry(key, meta.dtype, meta.size, tuple(chunks), path)
+        for rel, end in need_end.items():
+            if end > need.get(rel, (-1, ""))[0]:
+                need[rel] = (end, need_key[rel])
         files = _check_sizes(self._storage, need)
         for key, offsets, nbytes, info in sized:
             _check_item_size(key, offsets, nbytes, info, where)

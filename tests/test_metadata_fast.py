@@ -1,0 +1,191 @@
+"""The fast ``.metadata`` reader (:mod:`formats.dcp.metadata_fast`) against torch's own unpickling.
+
+The oracle is torch: ``pickle.load`` of the file with ``torch.distributed.checkpoint`` imported
+(what ``FileSystemReader.read_metadata`` does). Each file must be read by the fast path (not the
+fallback) and give exactly what torch's objects say; damaged files must give exactly what the
+general allowlist path gives.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from formats.base import Box, first_overlap
+from formats.dcp import metadata as M
+from formats.dcp.safe_pickle import safe_loads
+from formats.errors import CkptConvError
+
+
+def _torch_view(path) -> tuple[dict, dict]:
+    """(entries, storage) from torch's own objects, in the parsed metadata's terms."""
+    import torch.distributed.checkpoint as dcp  # noqa: F401  (torch's classes, for pickle.load)
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    with open(path, "rb") as f:
+        md = pickle.load(f)
+    entries: dict = {}
+    for key, value in md.state_dict_metadata.items():
+        if isinstance(value, BytesStorageMetadata):
+            entries[key] = "bytes"
+        else:
+            entries[key] = (str(value.properties.dtype).removeprefix("torch."), tuple(value.size),
+                            [(tuple(c.offsets), tuple(c.sizes)) for c in value.chunks])
+    storage = {(i.fqn, None if i.offset is None else tuple(i.offset)): (s.relative_path, s.offset, s.length)
+               for i, s in md.storage_data.items()}
+    return entries, storage
+
+
+def _ours(md: M.DCPMetadata) -> tuple[dict, dict]:
+    entries = {k: "bytes" if isinstance(e, M.BytesMeta) else
+               (e.dtype, e.size, [(c.offsets, c.sizes) for c in e.chunks]) for k, e in md.entries.items()}
+    storage = {k: (v.relative_path, v.offset, v.length) for k, v in md.storage.items()}
+    return entries, storage
+
+
+def _fast(data: bytes):
+    return M.fast_loads(data, M._resolve_metadata_global, M._RECORD_KINDS, M.StorageInfo, M._intern_shape)
+
+
+def _general(data: bytes, source: str = "x/.metadata") -> M.DCPMetadata:
+    with M.gc_paused():
+        return M._parse_root(safe_loads(data, source, M._resolve_metadata_global), source)
+
+
+def _check_against_torch(path) -> None:
+    data = path.read_bytes()
+    assert _fast(data) is not None, f"{path}: the fast reader fell back"
+    ours = M.parse_metadata_bytes(data, str(path))
+    assert _ours(ours) == _torch_view(path)
+    assert ours == _general(data, str(path))  # and the same objects as the general path
+
+
+@pytest.fixture(scope="module")
+def odd_save(tmp_path_factory):
+    """A single-process dcp.save of every dtype family, 0-d and empty tensors, and objects."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("odd") / "ck"
+    state = {
+        "f32": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "bf16": torch.ones(5, dtype=torch.bfloat16),
+        "f16": torch.zeros(2, 2, 2, 2, dtype=torch.float16),  # 4-d: a MARK ... TUPLE shape
+        "f8": torch.zeros(3, dtype=torch.float8_e4m3fn),
+        "i64": torch.tensor(7),  # 0-d
+        "u8": torch.zeros(0, 4, dtype=torch.uint8),  # empty
+        "b": torch.tensor([True, False]),
+        "c64": torch.zeros(2, dtype=torch.complex64),
+        "big": torch.zeros(70000, 2, dtype=torch.int8),  # sizes past BININT2
+        "obj": {"step": 3, "name": "run", "nested": [1, 2.5, None]},
+        "raw": b"\x00\x01bytes",
+        "n": 12,
+        "ünï.çødé": torch.ones(1),  # a non-ASCII key: read opcode by opcode
+    }
+    dcp.save(state, checkpoint_id=str(root), no_dist=True)
+    return root
+
+
+def test_fast_reader_matches_torch_on_a_single_process_save(odd_save):
+    _check_against_torch(odd_save / ".metadata")
+
+
+@pytest.mark.parametrize("kind", ["fsdp4", "tp2dp2", "hsdp2x2", "special_dtypes"])
+def test_fast_reader_matches_torch_on_multi_process_saves(dcp_checkpoint, kind):
+    _check_against_torch(dcp_checkpoint(kind) / ".metadata")
+
+
+def test_fast_reader_reads_the_synthetic_metadata(tmp_path):
+    """bench/synthetic_metadata.py's files (what the scale numbers are measured on) take the fast
+    path too, and torch reads them the same way."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "syn"
+    subprocess.run([sys.executable, str(repo / "bench" / "synthetic_metadata.py"), str(out), "--model", "8b", "--layers", "2",
+                    "--dim", "256", "--hidden", "512", "--vocab", "1000", "--heads", "4", "--kv-heads", "2",
+                    "--world", "16"], check=True, capture_output=True, timeout=300)
+    _check_against_torch(out / ".metadata")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_damaged_metadata_reads_exactly_as_the_general_path(fsdp4_metadata, data):
+    """Any damage (bytes changed, cut, inserted): the fast reader either gives what the general
+    allowlist path gives, or falls back to it; the result or the error message is the same."""
+    raw = bytearray(fsdp4_metadata.data)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(raw) - 1))
+        how = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if how == "flip":
+            raw[at] = data.draw(st.integers(0, 255))
+        elif how == "cut":
+            del raw[at:at + data.draw(st.integers(1, 40))]
+        else:
+            raw[at:at] = bytes(data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=8)))
+    damaged = bytes(raw)
+
+    def outcome(parse):
+        try:
+            return "ok", parse(damaged)
+        except CkptConvError as e:
+            return type(e).__name__, str(e)
+
+    assert outcome(lambda d: M.parse_metadata_bytes(d, "x/.metadata")) == outcome(_general)
+
+
+class _Bytes:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __repr__(self) -> str:  # hypothesis prints its arguments
+        return f"<fsdp4 .metadata, {len(self.data)} bytes>"
+
+
+@pytest.fixture(scope="module")
+def fsdp4_metadata(checkpoint_cache):
+    return _Bytes((checkpoint_cache.get("fsdp4") / ".metadata").read_bytes())
+
+
+# ---------------------------------------------------------------------------------------------
+# first_overlap: the interval fast path for rows of boxes against the pairwise check
+
+
+def _overlapping(boxes):
+    full = [b for b in boxes if b.numel]
+    return any(a.intersect(b) is not None for i, a in enumerate(full) for b in full[i + 1:])
+
+
+@st.composite
+def _rows(draw):
+    """Boxes equal in every dim but one (FSDP-like rows, sometimes overlapping or gapped)."""
+    ndim = draw(st.integers(1, 3))
+    d = draw(st.integers(0, ndim - 1))
+    other_off = [draw(st.integers(0, 3)) for _ in range(ndim)]
+    other_len = [draw(st.integers(0, 3)) for _ in range(ndim)]
+    boxes = []
+    for _ in range(draw(st.integers(0, 12))):
+        off, size = list(other_off), list(other_len)
+        off[d], size[d] = draw(st.integers(0, 30)), draw(st.integers(0, 6))
+        boxes.append(Box(tuple(off), tuple(size)))
+    if draw(st.booleans()) and boxes:  # sometimes one box off the row
+        i = draw(st.integers(0, len(boxes) - 1))
+        b = boxes[i]
+        boxes[i] = Box(tuple(o + 1 for o in b.offsets), b.sizes)
+    random.Random(draw(st.integers(0, 99))).shuffle(boxes)
+    return boxes
+
+
+@settings(max_examples=300, deadline=None)
+@given(_rows())
+def test_first_overlap_finds_what_the_pairwise_check_finds(boxes):
+    pair = first_overlap(boxes)
+    assert (pair is not None) == _overlapping(boxes)
+    if pair is not None:
+        assert pair[0].intersect(pair[1]) is not None or not pair[0].ndim
