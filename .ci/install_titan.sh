@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install torchtitan 0.3.0 for the tests on its own code (tests/titan_support.py), never replacing torch.
+# Install torchtitan 0.3.0 for the tests on its own code (tests/support/titan_support.py), never replacing torch.
 # torchtitan's declared deps include datasets (which pins fsspec below what s3fs needs) and wandb:
 # the tests use neither, so torchtitan goes in with --no-deps plus the deps its imports need.
 # Never fails the CI run: when the install is impossible (no network), those tests skip with a reason.

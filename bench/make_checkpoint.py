@@ -1,6 +1,6 @@
 """Make (and cache) a real DCP checkpoint for the benchmark: a 4-rank gloo FSDP2 training run.
 
-The model is the torchtitan-style Llama of ``tests/models.py`` (so ``--plan llama`` applies),
+The model is the torchtitan-style Llama of ``tests/support/models.py`` (so ``--plan llama`` applies),
 sized so that params + AdamW ``exp_avg`` + ``exp_avg_sq`` (3x params, fp32) hit the target bytes.
 Each rank builds its shard on the meta device (no rank ever holds the full model), fills it with
 random values, runs one real training step (batch 1, seq 32) and ``dcp.save``s
@@ -31,7 +31,7 @@ ROOT = BENCH.parent
 OUT = BENCH / "out"
 INFO = "bench_ckpt.json"
 SEQ, VOCAB = 32, 32000
-sys.path.insert(0, str(ROOT / "tests"))  # the fixtures' torchtitan-style Llama (models.py)
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the fixtures' torchtitan-style Llama (models.py)
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}

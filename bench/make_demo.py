@@ -1,6 +1,6 @@
 """Regenerate the bundled demo checkpoint in converter/demo_data/ (used by ``ckptconv demo``).
 
-A tiny torchtitan-style Llama (tests/models.py: dim 32, 2 layers, 4 heads / 2 KV heads, vocab 64,
+A tiny torchtitan-style Llama (tests/support/models.py: dim 32, 2 layers, 4 heads / 2 KV heads, vocab 64,
 bfloat16) trained 3 AdamW steps under FSDP2 on a real 2-rank gloo world and saved with
 ``dcp.save({"model", "optim", "extra"})`` from both ranks: keys ``model.tok_embeddings.weight``,
 ``optim.state.<fqn>.exp_avg``, ``extra.step``, ...
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from ckpt_factory import FIXTURE_JSON, FixtureSpec, build_checkpoint  # noqa: E402
 from models import ModelArgs  # noqa: E402

@@ -5,7 +5,7 @@ calls ``torch.load(weights_only=False)``) runs every global the pickle names. So
 copied, :func:`scan_globals` walks the opcodes with :func:`pickletools.genops` (which builds
 nothing) and lists the ``module.name`` of every ``GLOBAL``, ``INST`` and ``STACK_GLOBAL``; the
 names must be in :data:`WEIGHTS_ONLY_GLOBALS` (torch's weights-only defaults, torch 2.13;
-``tests/test_objects_safety.py`` compares the table with the installed torch) or in the extra
+``tests/formats/test_objects_safety.py`` compares the table with the installed torch) or in the extra
 plain-data classes of :data:`formats.objects.EXTRA_SAFE_GLOBALS`.
 
 ``STACK_GLOBAL`` takes its names from the stack: they are followed through string pushes and the

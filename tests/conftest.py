@@ -15,7 +15,7 @@ checkpoint fails the next user loudly. Tests that need to corrupt, delete or wri
 checkpoint take ``dcp_checkpoint_copy(kind)`` (a private writable copy under ``tmp_path``).
 
 Imports: this directory and the repository root are put on ``sys.path``, so both
-``from ckpt_factory import ...`` and ``from tests.oracle import ...`` work.
+``from ckpt_factory import ...`` and ``from oracle import ...`` work.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import Callable
 import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
-for _p in (str(TESTS_DIR.parent), str(TESTS_DIR)):
+SUPPORT_DIR = TESTS_DIR / "support"  # the shared factories, workers and helpers every test folder imports
+for _p in (str(TESTS_DIR.parent), str(TESTS_DIR), str(SUPPORT_DIR)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
@@ -54,7 +55,7 @@ def source_hash() -> str:
     """Hash of the sources that determine the fixtures' bytes."""
     h = hashlib.sha256()
     for name in ("ckpt_factory.py", "models.py"):
-        h.update((TESTS_DIR / name).read_bytes())
+        h.update((SUPPORT_DIR / name).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -228,14 +229,14 @@ def s3_bucket(s3_server):
 
 
 # ---------------------------------------------------------------------------------------------
-# torchtitan 0.3.0's own Trainer checkpoints (tests/titan_support.py), cached like the fixtures above
+# torchtitan 0.3.0's own Trainer checkpoints (tests/support/titan_support.py), cached like the fixtures above
 
 
 def titan_cache_dir() -> Path:
     """Where torchtitan checkpoints of this torch version and support source live (titan_support.py
     decides what is trained and saved; titan_worker.py only runs it and reports)."""
     h = hashlib.sha256()
-    h.update((TESTS_DIR / "titan_support.py").read_bytes())
+    h.update((SUPPORT_DIR / "titan_support.py").read_bytes())
     return cache_dir().parent / f"titan-{torch.__version__}-{h.hexdigest()[:16]}"
 
 

@@ -2,7 +2,7 @@
 
 Reading and writing DCP pickles (``.metadata``, each chunk's ``data.pkl``) needs only the NAMES of
 torch's dtypes, layouts, storage classes and rebuild functions. Importing torch to learn them costs
-seconds, so they are static tables here (torch 2.13; ``tests/test_dcp_torch_free.py`` compares them
+seconds, so they are static tables here (torch 2.13; ``tests/formats/test_dcp_torch_free.py`` compares them
 with the installed torch).
 
 :class:`Global` is an object that pickles as a reference to ``module.name`` (what a torch dtype or

@@ -1,4 +1,4 @@
-"""A ``--plan python:tests.titan_plan_fn:FUNCTION`` hook for the tests: torch's own FSDP2 x TP on a
+"""A ``--plan python:tests.support.titan_plan_fn:FUNCTION`` hook for the tests: torch's own FSDP2 x TP on a
 small MLP built on the meta device (no framework needed)."""
 
 from __future__ import annotations

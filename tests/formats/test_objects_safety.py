@@ -38,7 +38,7 @@ from formats.objects import SAFE_GLOBAL_NAMES, check_object_bytes
 from formats.pickle_scan import WEIGHTS_ONLY_GLOBALS, scan_globals
 from formats.universal_dcp import UniversalStorageReader
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Evil:

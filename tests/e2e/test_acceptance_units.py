@@ -1,5 +1,5 @@
 """Acceptance findings that need no multi-process checkpoint: each test is one bug found while
-playing the hidden acceptance run (see tests/acceptance_factory.py), fixed or routed.
+playing the hidden acceptance run (see tests/support/acceptance_factory.py), fixed or routed.
 
 Oracles: torch (``torch.save`` / ``dcp.save`` / ``dcp_to_torch_save``) and the safetensors library.
 """
@@ -25,8 +25,8 @@ from converter.plan.placement_rules import FSDP_PLAN
 from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
 from formats.errors import CorruptCheckpointError, UnsafePickleError
 from formats.objects import load_torch_object
-from tests.oracle import assert_same_value, bits_equal, torch_reference
-from tests.cli_runner import run_cli
+from oracle import assert_same_value, bits_equal, torch_reference
+from cli_runner import run_cli
 
 OPTS = RunOptions(workers=1)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cli_runner import run_cli
-from tests.oracle import assert_same_value, torch_reference
+from oracle import assert_same_value, torch_reference
 
 SECRET = "Zq9-ckptconv-not-a-real-secret"
 
@@ -277,7 +277,7 @@ def test_upload_failure_fails_the_run_without_marker(s3_bucket, tmp_path, monkey
 
 # ------------------------------------------------------------------------------ torchrun to a URL
 
-WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "support" / "dist_worker.py"
 
 
 def _torchrun_worker(nproc: int, out: Path, cmds: list[list[str]]) -> list[dict]:

@@ -110,7 +110,7 @@ def test_damaged_object_in_a_real_checkpoint_is_one_line_error(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from tests.cli_runner import run_cli
+    from cli_runner import run_cli
 
     ckpt = tmp_path / "ckpt"
     with warnings.catch_warnings():

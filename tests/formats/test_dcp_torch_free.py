@@ -36,7 +36,7 @@ from formats.errors import InvalidCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODULES = ["formats.dcp.reader", "formats.dcp.writer", "formats.dcp.archive", "formats.dcp.archive_writer",
            "formats.dcp.metadata", "formats.dcp.safe_pickle", "formats.dcp.metadata_pickle",
            "formats.dcp.torch_globals"]

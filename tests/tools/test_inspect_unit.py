@@ -30,7 +30,7 @@ from schemas import validation_errors
 try:
     from test_detect import checkpoints
 except ImportError:  # tests collected as a package
-    from tests.test_detect import checkpoints
+    from tests.plan.test_detect import checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -663,7 +663,7 @@ def test_dtype_of_a_newer_torch_is_named_not_called_unsafe(tmp_path):
     """A ``.metadata`` naming a torch dtype this table lacks (a newer torch's) parses as data;
     opening it then fails with one line naming the key and the dtype (not "unsafe pickle");
     a non-dtype torch global is still refused as unsafe."""
-    from tests.cli_runner import run_cli
+    from cli_runner import run_cli
 
     ckpt = tmp_path / "ckpt"
     dcp.save({"w": torch.arange(4.0), "i": torch.arange(3)}, checkpoint_id=str(ckpt), no_dist=True)

@@ -9,7 +9,7 @@ import zarr
 from converter import api
 from converter.config import RunOptions
 from formats.universal import BACKENDS, UniversalReader, array_name
-from tests.oracle import assert_same_value, bits_equal, torch_reference
+from oracle import assert_same_value, bits_equal, torch_reference
 
 KINDS = ["fsdp4", "tp2dp2", "hsdp2x2", "pp2fsdp2", "single", "bf16_fsdp2", "special_dtypes", "titan_flat"]
 

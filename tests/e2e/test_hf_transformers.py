@@ -21,7 +21,7 @@ from models import ModelArgs, build_model  # noqa: E402
 
 from converter import api  # noqa: E402
 from converter.config import RunOptions  # noqa: E402
-from tests.oracle import bits_equal  # noqa: E402
+from oracle import bits_equal  # noqa: E402
 
 OPTS = RunOptions(workers=2)
 TOL = 1e-5

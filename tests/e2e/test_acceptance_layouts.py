@@ -29,11 +29,11 @@ import acceptance_factory as af
 from converter import api
 from converter.config import RunOptions
 from converter.plan.mesh import parse_mesh
-from tests.cli_runner import run_cli
-from tests.oracle import assert_same_value, torch_reference
+from cli_runner import run_cli
+from oracle import assert_same_value, torch_reference
 
 OPTS = RunOptions(workers=2)
-SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
+SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 STORE_CHUNK_BYTES = 256  # several zarr chunks per tensor: plans must intersect boxes
 LOSS_RTOL = 1e-5
 

@@ -21,7 +21,7 @@ from cli_runner import run_cli
 from converter import api
 from converter.config import RunOptions
 from formats.universal import BACKENDS, UniversalReader
-from tests.oracle import assert_same_value, bits_equal, torch_reference
+from oracle import assert_same_value, bits_equal, torch_reference
 
 KINDS = ["special_dtypes", "tp2dp2", "titan_flat"]
 CHUNK = 4096

@@ -17,7 +17,7 @@ import pytest
 from converter.tools.demo import demo_checkpoint
 from converter.run.sources import open_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def ckptconv(*args: str, columns: int | None = 80, module: str = "converter") -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.oracle import assert_same_value, torch_reference
+from oracle import assert_same_value, torch_reference
 
 #: Runs ``ckptconv ARGS`` with torch unimportable; exit status is the command's.
 _RUNNER = textwrap.dedent(
@@ -68,7 +68,7 @@ def test_reshard_and_hf_without_torch(dcp_checkpoint, tmp_path):
     ckptconv_without_torch("inspect", src)
     ckptconv_without_torch("from-universal", src, "--mesh", "tp2,dp2", "--plan", "llama", tmp_path / "tp")
     _assert_same_as_source(src, tmp_path / "tp")
-    config = json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2})  # tests/models.py's model
+    config = json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2})  # tests/support/models.py's model
     ckptconv_without_torch("export-hf", src, tmp_path / "hf", "--map", "torchtitan-llama", "--config", config)
     ckptconv_without_torch("import-hf", tmp_path / "hf", tmp_path / "back", "--map", "torchtitan-llama")
     ckptconv_without_torch("export-hf", tmp_path / "back", tmp_path / "hf2", "--map", "torchtitan-llama",

@@ -48,7 +48,7 @@ def test_metadata_bytes_unpickle_to_torchs_metadata(tmp_path):
 def test_metadata_bytes_do_not_import_torch_distributed_checkpoint(tmp_path):
     code = (
         "import sys\n"
-        "from tests.test_perf_paths import _writer\n"
+        "from tests.run.test_perf_paths import _writer\n"
         f"_writer({str(tmp_path / 'y')!r}).metadata_bytes()\n"
         "assert 'torch.distributed.checkpoint' not in sys.modules\n"
     )

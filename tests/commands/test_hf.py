@@ -1,6 +1,6 @@
 """export-hf / import-hf: Hugging Face safetensors written and read back by the safetensors library.
 
-Oracles: torch's own reading of the DCP fixtures (tests.oracle.torch_reference), the safetensors
+Oracles: torch's own reading of the DCP fixtures (oracle.torch_reference), the safetensors
 library (``safe_open``, ``save_file``), huggingface_hub's sharding, and HF's
 ``convert_llama_weights_to_hf`` permutation formula written out below.
 """
@@ -33,7 +33,7 @@ from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry, TensorRead
 from formats.errors import (ConfigError, CorruptCheckpointError, DestinationError, InvalidCheckpointError,
                             UnsupportedError)
 from formats.hf import INDEX_FILE, HFReader, TensorSpec, split_shards
-from tests.oracle import bits_equal, torch_reference
+from oracle import bits_equal, torch_reference
 
 OPTS = RunOptions(workers=2)
 NON_MODEL = ("optim", "optimizer", "lr_scheduler", "dataloader", "train_state", "extra")
@@ -538,7 +538,7 @@ def test_cli_export_import_and_inspect(dcp_checkpoint, tmp_path):
     doc = json.loads(res.output)
     import jsonschema
 
-    schema = json.loads((Path(__file__).parent.parent / "schemas" / "inspect.schema.json").read_text())
+    schema = json.loads((Path(__file__).resolve().parents[2] / "schemas" / "inspect.schema.json").read_text())
     jsonschema.validate(doc, schema)
     assert doc["format"] == "hf" and doc["num_tensors"] == 21 and doc["num_objects"] == 0
     assert INDEX_FILE in [f["name"] for f in doc["files"]]
@@ -579,8 +579,8 @@ def test_export_streams_under_the_budget(tmp_path):
     script = tmp_path / "mem.py"
     script.write_text(_MEM_SCRIPT)
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "hf")],
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode == 0, proc.stderr
     growth = int(proc.stdout.split()[-1])
     assert growth < 48 << 20, f"peak RSS grew {growth >> 20} MiB for a 128 MiB tensor"

@@ -33,7 +33,7 @@ from converter.api import diff, export_hf, from_universal, import_hf, to_univers
 from converter.config import RunOptions
 from converter.run.sources import open_checkpoint
 from formats.errors import CkptConvError, DestinationError, UnsafePickleError
-from tests.oracle import bits_equal, torch_reference
+from oracle import bits_equal, torch_reference
 
 HOSTILE_KEYS = ["../evil", "/abs/ckptconv-evil", "a/../../b", "nul\x00key", "ctl\x01\x1b[2Jkey", "..", ".",
                 "tensors/../../x", "line\nbreak", "~", "c:\\x", "__0_0.distcp", ".metadata", "ckptconv.json",

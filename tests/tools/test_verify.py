@@ -28,7 +28,7 @@ from converter.api import diff, export_hf, from_universal, to_universal, verify
 from formats.dcp import DCPReader
 from formats.errors import CheckpointNotFoundError
 from schemas import validation_errors
-from tests.oracle import bits_equal, torch_reference
+from oracle import bits_equal, torch_reference
 
 FLIPS = 60
 from cli_runner import run_cli

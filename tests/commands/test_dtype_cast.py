@@ -26,7 +26,7 @@ from formats.dtypes import CAST_ALIASES, cast_bits, cast_dtype
 from formats.errors import ConfigError
 from oracle import torch_reference
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FLOATS = ["float64", "float32", "float16", "bfloat16"]
 BITS = {"float64": np.uint64, "float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
 SIGNED = {8: torch.int64, 4: torch.int32, 2: torch.int16}

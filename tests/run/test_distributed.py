@@ -2,7 +2,7 @@
 bit-identical to the single-process run; one rank's failure fails every rank with nothing
 published; --resume continues with the same world size and refuses another.
 
-The torchrun jobs run ``tests/dist_worker.py``, which drives the real click CLI for several
+The torchrun jobs run ``tests/support/dist_worker.py``, which drives the real click CLI for several
 commands in one job (a torchrun start costs seconds on a loaded machine); one job runs
 ``python -m converter`` itself, the documented entry point.
 """
@@ -24,7 +24,7 @@ from converter.run.journal import task_id
 from converter.plan.copy_tasks import Piece, WriteTask
 from formats.base import Box
 
-WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "support" / "dist_worker.py"
 CHUNK = "64KiB"
 
 

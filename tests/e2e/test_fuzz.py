@@ -13,7 +13,7 @@ INST, EXT1, names computed at load time) and damaged archives; huge declared siz
 of the checkpoint, loops and dangling links.
 
 Each case runs ``ckptconv verify`` and the conversion of its format (to-universal, from-universal,
-import-hf) through the real CLI entry point in this process (``tests/cli_runner.py``), and a sample
+import-hf) through the real CLI entry point in this process (``tests/support/cli_runner.py``), and a sample
 in subprocesses (peak RSS measured, under ``RLIMIT_AS`` as a net). Checked per case:
 
 - exit status 0 or 2; on 2 exactly one ``ckptconv: error:`` line, never ``internal error`` or a
@@ -61,7 +61,7 @@ from cli_runner import run_cli
 from pickle_support import saved_bytes as _saved, with_pickle as _with_pickle
 from converter.api import export_hf, to_universal
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CASE_SECONDS = 30
 MAX_RSS_GROWTH = 1 << 30  # bytes of peak-RSS growth one in-process case may cause
 QUICK_CASES = 52

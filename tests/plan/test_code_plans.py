@@ -56,7 +56,7 @@ def _params():
 
 def test_python_hook_reads_fsdp_x_tp():
     mesh = parse_mesh("tp2,dp2")
-    plan = get_plan("python:tests.titan_plan_fn:fsdp_tp_mlp", mesh=mesh)
+    plan = get_plan("python:tests.support.titan_plan_fn:fsdp_tp_mlp", mesh=mesh)
     out, warnings = plan_all(_params(), plan, mesh)
     assert warnings == []
     assert out["0.weight"].placements == (StridedShard(0, 2), S0)  # colwise, FSDP on top
@@ -71,13 +71,13 @@ def test_python_hook_reads_fsdp_x_tp():
 def test_python_hook_errors():
     mesh = parse_mesh("tp2,dp2")
     with pytest.raises(PlanError, match="always fails"):
-        get_plan("python:tests.titan_plan_fn:not_a_model", mesh=mesh)
+        get_plan("python:tests.support.titan_plan_fn:not_a_model", mesh=mesh)
     with pytest.raises(PlanError, match="no function"):
-        get_plan("python:tests.titan_plan_fn:missing", mesh=mesh)
+        get_plan("python:tests.support.titan_plan_fn:missing", mesh=mesh)
     with pytest.raises(ConfigError, match="needs the target mesh"):
-        get_plan("python:tests.titan_plan_fn:fsdp_tp_mlp")
+        get_plan("python:tests.support.titan_plan_fn:fsdp_tp_mlp")
     with pytest.raises(PlanError, match="shape"):
-        plan_all({"0.weight": (8, 8)}, get_plan("python:tests.titan_plan_fn:fsdp_tp_mlp", mesh=mesh), mesh)
+        plan_all({"0.weight": (8, 8)}, get_plan("python:tests.support.titan_plan_fn:fsdp_tp_mlp", mesh=mesh), mesh)
 
 
 def _titan030(n_layers=6):

@@ -1,6 +1,6 @@
 """Run several ckptconv commands in one torchrun job (one process-group start for many commands).
 
-Usage: ``torchrun ... tests/dist_worker.py OUT_JSON -- CMD1 ARGS ;; CMD2 ARGS ...``.
+Usage: ``torchrun ... tests/support/dist_worker.py OUT_JSON -- CMD1 ARGS ;; CMD2 ARGS ...``.
 Each command goes through the real click CLI (``converter.cli.cli``) on every rank; the outcome of
 each (ok or the error's class and message) is written by every rank to ``OUT_JSON.<rank>``.
 The pseudo-command ``@fail R`` makes rank R's task writers raise a StorageError after each task

@@ -22,7 +22,7 @@ from converter.api import diff, export_hf, from_universal, to_universal
 from formats.base import Box, ChunkRef
 from formats.errors import CheckpointNotFoundError, ConfigError
 from schemas import validation_errors
-from tests.oracle import torch_reference
+from oracle import torch_reference
 
 diff_module = importlib.import_module("converter.tools.diff")  # the module (converter.tools.diff is the function)
 from cli_runner import run_cli
