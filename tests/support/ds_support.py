@@ -21,7 +21,7 @@ from models import ModelArgs
 
 #: The tiny model of the checked-in fixtures (tests/data/deepspeed/).
 TINY = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=24)
-DATA = Path(__file__).parent / "data" / "deepspeed"
+DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
 TIMEOUT = 300.0
 
 
