@@ -106,7 +106,7 @@ def test_fast_reader_reads_the_synthetic_metadata(tmp_path):
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "syn"
     subprocess.run([sys.executable, str(repo / "bench" / "synthetic_metadata.py"), str(out), "--model", "8b", "--layers", "2",
                     "--dim", "256", "--hidden", "512", "--vocab", "1000", "--heads", "4", "--kv-heads", "2",
