@@ -17,10 +17,9 @@ PIECE_BYTES = 16 * MIB
 MEMORY_BUDGET = 512 * MIB
 #: Default number of I/O worker threads.
 WORKERS = max(2, min(8, (os.cpu_count() or 2)))
-#: Largest DCP `.metadata` pickle accepted (bytes).
-MAX_METADATA_BYTES = 2 * GIB
-#: Largest non-tensor entry accepted (bytes).
-MAX_OBJECT_BYTES = 1 * GIB
+# The limits of the on-disk formats live with them (formats/ imports nothing of converter/):
+# formats.dcp.metadata.MAX_METADATA_BYTES (largest DCP `.metadata` pickle, 2 GiB) and
+# formats.dcp.reader.MAX_OBJECT_BYTES (largest non-tensor entry, 1 GiB).
 #: Fault injection for the resume tests: SIGKILL this process once this many bytes were written
 #: by the executor (0 = off). Set through the environment only.
 FAULT_KILL_AFTER_BYTES = int(os.environ.get("CKPTCONV_FAULT_KILL_AFTER_BYTES", "0") or 0)

@@ -20,11 +20,9 @@ Checks stream chunk by chunk in bounded slabs, across a thread pool. The result 
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import time
-import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,7 +39,8 @@ from formats.fsutil import read_exact_into, safe_join
 
 #: Bytes read at once when streaming a chunk file (per worker).
 SLAB_BYTES = 16 << 20
-#: DCP items up to this size are read whole (one pread) to check their archives.
+#: DCP items up to this size are read whole (one read) to check their archives; larger ones are
+#: streamed (:func:`formats.dcp.checks.check_archive`).
 WHOLE_ITEM_BYTES = 4 << 20
 #: Problems listed in the text report before "... and N more".
 SHOW_PROBLEMS = 50
@@ -189,105 +188,8 @@ def _guard(task: Callable[[], int], check: str, key: str | None = None, chunk: C
 # DCP
 
 
-class _Window(io.RawIOBase):
-    """A read-only seekable file over ``[base, base + length)`` of an open binary file."""
-
-    def __init__(self, f: io.BufferedReader, base: int, length: int) -> None:
-        self._f, self._base, self._len, self._pos = f, base, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = max(0, {0: 0, 1: self._pos, 2: self._len}[whence] + pos)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
-        if n == 0:
-            return 0
-        got = read_exact_into(self._f.fileno(), memoryview(b)[:n], self._base + self._pos)
-        self._pos += got
-        return got
-
-
-def check_zip_crcs(stream: io.RawIOBase | io.BytesIO, where: str) -> int:
-    """Check a ``torch.save`` zip archive: the CRC-32 of every entry (bounded reads), and that
-    torch's own zip reader (miniz, stricter than :mod:`zipfile`) opens it and finds every entry's
-    data where the CRC was checked. Raises CorruptCheckpointError; returns entry bytes checked.
-    """
-    from formats.errors import CorruptCheckpointError
-
-    total, starts = 0, {}
-    try:
-        with zipfile.ZipFile(stream) as z:
-            for info in z.infolist():
-                try:
-                    with z.open(info) as member:
-                        while block := member.read(1 << 20):
-                            total += len(block)
-                except zipfile.BadZipFile as e:
-                    raise CorruptCheckpointError(f"{where}: archive entry {info.filename}: {e}; the bytes are damaged") from None
-                starts[info.filename] = _data_start(stream, info.header_offset)
-    except CorruptCheckpointError:
-        raise
-    except Exception as e:  # zipfile raises many builtin types on damaged archives
-        raise CorruptCheckpointError(f"{where}: damaged zip archive ({type(e).__name__}: {e})") from None
-    _check_with_torch(stream, starts, where)
-    return total
-
-
-def _data_start(stream: Any, header_offset: int) -> int:
-    """Where an entry's data starts: after its local header, name and extra field."""
-    stream.seek(header_offset)
-    head = stream.read(30)
-    return header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
-
-
-def _check_with_torch(stream: Any, starts: dict[str, int], where: str) -> None:
-    """Open the archive with torch's zip reader; its records and data offsets must match."""
-    import torch
-
-    from formats.errors import CorruptCheckpointError
-
-    stream.seek(0)
-    try:
-        reader = torch._C.PyTorchFileReader(stream)
-        offsets = {name: reader.get_record_offset(name) for name in reader.get_all_records()}
-    except Exception as e:  # miniz reports damage as RuntimeError; be broad on hostile bytes
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CorruptCheckpointError(f"{where}: torch cannot open this archive ({first}); the bytes are damaged") from None
-    ours = {name.split("/", 1)[-1]: start for name, start in starts.items()}
-    if ours != offsets:
-        raise CorruptCheckpointError(f"{where}: torch's zip reader and Python's disagree on the archive's entries; "
-                                     "the zip structure is damaged")
-
-
-def _dcp_item_crcs(root: Path, loc: Any, where: str, limit: int) -> int:
-    """Check the CRC-32 of every entry of one DCP item (stream transforms undone first)."""
-    from formats.dcp import archive
-
-    path = safe_join(root, loc.relative_path)
-    with open(path, "rb") as f:
-        if not loc.transforms and loc.length > WHOLE_ITEM_BYTES:
-            return check_zip_crcs(_Window(f, loc.offset, loc.length), where)
-        if not loc.transforms:  # small: one read instead of many tiny ones
-            return check_zip_crcs(io.BytesIO(os.pread(f.fileno(), loc.length, loc.offset)), where)
-        archive.check_transforms(loc.transforms, where)
-        f.seek(loc.offset)
-        data = archive.decode_item(f.read(loc.length), loc.transforms, where, limit)
-    return check_zip_crcs(io.BytesIO(data), where)
-
-
 def _verify_dcp(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
     from formats.dcp import DCPReader
-    from formats.dcp.reader import _ARCHIVE_SLACK, MAX_OBJECT_BYTES
 
     found.checks += [
         ".metadata unpickled through the allowlist (nothing in it runs)",
@@ -315,12 +217,10 @@ def _verify_dcp(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -
     ]
 
     def check_chunk(key: str, entry: Any, chunk: ChunkRef) -> int:
-        reader.chunk_archive(key, chunk)
-        where = f"{root / chunk.file}: key {key!r} chunk at {list(chunk.box.offsets)}"
-        return _dcp_item_crcs(root, chunk.locator, where, entry.nbytes + _ARCHIVE_SLACK)
+        return reader.check_chunk_archive(key, chunk, WHOLE_ITEM_BYTES)
 
     def check_object(key: str, obj: Any) -> int:
-        return _dcp_item_crcs(root, obj.locator, f"{root / obj.file}: key {key!r}", MAX_OBJECT_BYTES)
+        return reader.check_object_archive(key, WHOLE_ITEM_BYTES)
 
     return _entry_tasks(reader, found, trust_pickle, index.tensors, index.objects, check_chunk, check_object,
                         label="chunk")
@@ -358,21 +258,12 @@ def _object_task(reader: Any, key: str, file: str, found: _Findings, trust_pickl
 
 def _dcp_overlaps(index: Any) -> list[Problem]:
     """Items whose byte ranges overlap inside one file (a damaged metadata could alias chunks)."""
-    spans: dict[str, list[tuple[int, int, str]]] = {}
-    for key, entry in index.tensors.items():
-        for c in entry.chunks:
-            spans.setdefault(c.file, []).append((c.locator.offset, c.locator.length, key))
-    for key, obj in index.objects.items():
-        spans.setdefault(obj.file, []).append((obj.locator.offset, obj.locator.length, key))
-    problems = []
-    for file, items in sorted(spans.items()):
-        items.sort()
-        for (o1, n1, k1), (o2, n2, k2) in zip(items, items[1:]):
-            if o2 < o1 + n1:
-                problems.append(Problem(
-                    "overlap", f"{file}: items of key {k1!r} (bytes {o1}..{o1 + n1}) and key {k2!r} "
-                               f"(bytes {o2}..{o2 + n2}) overlap; the metadata is damaged", k2, file=file))
-    return problems
+    from formats.dcp.checks import overlapping_items
+
+    return [Problem("overlap", f"{o.file}: items of key {o.first[2]!r} (bytes {o.first[0]}..{o.first[0] + o.first[1]}) "
+                               f"and key {o.second[2]!r} (bytes {o.second[0]}..{o.second[0] + o.second[1]}) overlap; "
+                               "the metadata is damaged", o.second[2], file=o.file)
+            for o in overlapping_items(index)]
 
 
 def _unreferenced(root: Path, referenced: set[str], suffix: str) -> list[str]:
@@ -470,13 +361,13 @@ def _check_group_json(root: Path, group: Path) -> list[Problem]:
 
 def _check_array_json(root: Path, key: str, record: Any) -> list[Problem]:
     """The array's zarr.json must be what ckptconv writes for the record (extra attributes allowed)."""
-    from formats.universal import _array_json
+    from formats.universal import backend_module
 
     rel = f"{record.array}/zarr.json"
     try:
         path = safe_join(root, rel)
         doc = _read_json(path)
-        expected = _array_json(record, key)
+        expected = backend_module("zarr").array_json(record, key)
     except CkptConvError as e:
         return [Problem("zarr", str(e), key, file=rel)]
     if not isinstance(doc, dict):
@@ -528,7 +419,7 @@ def _check_atoms(meta: Any) -> list[Problem]:
 def _check_uchunk(root: Path, key: str, record: Any, chunk: ChunkRef) -> int:
     """Stream one chunk file: size, xxh3_64 of its logical bytes, zero padding. Bytes read."""
     from formats.errors import CorruptCheckpointError
-    from formats.universal import backend_module, chunk_id
+    from formats.universal import backend_module, chunk_name
 
     path = safe_join(root, chunk.file)
     isz = np.dtype(record.storage_dtype).itemsize
@@ -536,7 +427,7 @@ def _check_uchunk(root: Path, key: str, record: Any, chunk: ChunkRef) -> int:
     prefix = layout.file_prefix(record, chunk.box)
     cshape, sizes = tuple(layout.stored_shape(record, chunk.box)), tuple(chunk.box.sizes)
     full = layout.file_size(record, chunk.box)
-    where = f"{path}: key {key!r} chunk {chunk_id(chunk.locator[1])}"
+    where = f"{path}: key {key!r} chunk {chunk_name(chunk)}"
     try:
         fd = os.open(path, os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError) as e:
@@ -563,7 +454,7 @@ def _check_uchunk(root: Path, key: str, record: Any, chunk: ChunkRef) -> int:
                 padding_ok = not rest.any()
     finally:
         os.close(fd)
-    expected = record.checksums.get(chunk_id(chunk.locator[1]), "")
+    expected = record.checksums.get(chunk_name(chunk), "")
     if hasher.hexdigest() != expected:
         raise CorruptCheckpointError(f"{where}: xxh3_64 {hasher.hexdigest()} != recorded {expected}; "
                                      "the chunk's bytes are damaged")
@@ -664,15 +555,17 @@ def _verify_remote(url: str, found: _Findings, quick: bool, trust_pickle: bool) 
 
 
 def _remote_chunk(reader: Any, key: str, entry: Any, chunk: ChunkRef) -> int:
+    from formats.dcp import DCPReader
     from formats.errors import CorruptCheckpointError
+    from formats.universal import UniversalReader
 
-    if hasattr(reader, "chunk_checksum"):
+    if isinstance(reader, UniversalReader):
         expected, actual = reader.chunk_checksum(key, chunk)
         if expected != actual:
             raise CorruptCheckpointError(f"{reader.root}/{chunk.file}: key {key!r} checksum mismatch "
                                          f"({actual} != {expected}); the store is damaged: reconvert it")
         return chunk.box.numel * entry.nbytes // max(1, math.prod(entry.shape) or 1)
-    if hasattr(reader, "verify_chunk_crc"):
+    if isinstance(reader, DCPReader):
         reader.verify_chunk_crc(key, chunk)
         return chunk.box.numel * entry.nbytes // max(1, math.prod(entry.shape) or 1)
     return _read_all(reader, key, entry)

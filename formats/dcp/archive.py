@@ -112,8 +112,10 @@ class BufferReader:
         return bytearray(memoryview(self.data)[offset : offset + size])
 
 
-class _ItemFile(io.RawIOBase):
-    """A seekable file object over a ``ReadAt``, serving reads near either end from memory."""
+class ItemFile(io.RawIOBase):
+    """A read-only seekable file object over a ``ReadAt`` (an item, or ``[base, base + length)``
+    of a file through :class:`SliceReader`), serving reads near either end from memory (the zip
+    directory and the first local header): what :mod:`zipfile` and torch's zip reader open."""
 
     def __init__(self, read: ReadAt) -> None:
         self._read, self._pos, self._len = read, 0, read.length
@@ -165,7 +167,7 @@ class Entry:
     crc: int
 
 
-def _entries(f: _ItemFile, where: str) -> dict[str, Entry]:
+def _entries(f: ItemFile, where: str) -> dict[str, Entry]:
     try:
         infos = zipfile.ZipFile(f).infolist()
     except CorruptCheckpointError:
@@ -178,12 +180,13 @@ def _entries(f: _ItemFile, where: str) -> dict[str, Entry]:
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
             raise CorruptCheckpointError(f"{where}: archive entry {info.filename} is compressed")
-        out[info.filename] = Entry(info.filename, _data_start(f, info, where), info.file_size,
+        out[info.filename] = Entry(info.filename, entry_data_start(f, info, where), info.file_size,
                                    info.CRC)
     return out
 
 
-def _data_start(f: _ItemFile, info: zipfile.ZipInfo, where: str) -> int:
+def entry_data_start(f: ItemFile, info: zipfile.ZipInfo, where: str) -> int:
+    """Where the data of zip entry ``info`` starts in the item (after its local header)."""
     head = f.pread(info.header_offset, _LOCAL_HEADER.size)
     if len(head) != _LOCAL_HEADER.size:
         raise CorruptCheckpointError(f"{where}: archive entry {info.filename} is cut off")
@@ -291,7 +294,7 @@ def _ints(value: Any, what: str, where: str) -> Shape:
     return tuple(value)
 
 
-def _check_byteorder(f: _ItemFile, entries: dict[str, Entry], prefix: str, where: str) -> None:
+def _check_byteorder(f: ItemFile, entries: dict[str, Entry], prefix: str, where: str) -> None:
     e = entries.get(prefix + "byteorder")
     if e is not None and e.size <= 16:
         order = bytes(f.pread(e.start, e.size)).decode("ascii", "replace")
@@ -327,7 +330,7 @@ def _load_data_pkl(data: bytes, where: str) -> Any:
 def open_archive(read: ReadAt, where: str) -> tuple[dict[str, Entry], str, bytes]:
     """The stored entries of any ``torch.save`` archive read by ``read``, its record prefix
     (``"<name>/"``) and its ``data.pkl`` bytes (nothing unpickled; big-endian archives refused)."""
-    f = _ItemFile(read)
+    f = ItemFile(read)
     if bytes(f.pread(0, 4)) != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{where}: not a torch.save zip archive (damaged, or saved with "
                                      "_use_new_zipfile_serialization=False)")
@@ -359,7 +362,7 @@ def parse_tensor_archive(read: ReadAt, where: str, dtype: str, size: Shape) -> A
 
     ``where`` names the file and key in error messages.
     """
-    f = _ItemFile(read)
+    f = ItemFile(read)
     if bytes(f.pread(0, 4)) != b"PK\x03\x04":
         raise CorruptCheckpointError(
             f"{where}: item does not start with a torch.save zip archive (damaged file, or a "

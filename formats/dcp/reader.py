@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry, first_overlap
-from formats.dcp import archive
+from formats.dcp import archive, checks
 from formats.dcp.metadata import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
@@ -64,7 +64,7 @@ CACHE_BYTES = 256 << 20
 #: Most bytes one compressed byte can stand for in a zstd stream (RLE blocks: 4 bytes per 128 KiB).
 _MAX_ZSTD_RATIO = 1 << 16
 #: Slack allowed over a chunk's data size when decompressing its archive (headers, data.pkl).
-_ARCHIVE_SLACK = 16 << 20
+ARCHIVE_SLACK = 16 << 20
 
 _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
 _REL, _LENGTH = operator.attrgetter("relative_path"), operator.attrgetter("length")
@@ -451,7 +451,7 @@ class DCPReader:
             return hit
         entry = self._tensor(key)
         nbytes = chunk.box.numel * itemsize_of(entry.dtype)
-        read = self._item(loc, key, nbytes + _ARCHIVE_SLACK)
+        read = self._item(loc, key, nbytes + ARCHIVE_SLACK)
         where = f"{self.root / loc.relative_path}: key {key!r} chunk at {list(chunk.box.offsets)}"
         parsed = archive.parse_tensor_archive(read, where, entry.dtype, chunk.box.sizes)
         self._cache.put(loc, (parsed, read), read.length if loc.transforms else 0)
@@ -527,6 +527,20 @@ class DCPReader:
         """The parsed archive of a chunk (dtype, stride, where its storage bytes start)."""
         return self._chunk(key, chunk)[0]
 
+    def check_chunk_archive(self, key: str, chunk: ChunkRef, whole_item_bytes: int = checks.WHOLE_ITEM_BYTES) -> int:
+        """Parse the chunk's archive (dtype, shape, storage size against the metadata), then check
+        the CRC-32 of every entry in it (:func:`formats.dcp.checks.check_archive`; items over
+        ``whole_item_bytes`` streamed). CorruptCheckpointError on damage; entry bytes checked."""
+        _, read = self._chunk(key, chunk)
+        return checks.check_archive(read, self._where(key, chunk), whole_item_bytes)
+
+    def check_object_archive(self, key: str, whole_item_bytes: int = checks.WHOLE_ITEM_BYTES) -> int:
+        """Check the CRC-32 of every entry of a non-tensor entry's archive (stream transforms
+        undone first). CorruptCheckpointError on damage; entry bytes checked."""
+        entry = self._object(key)
+        read = self._item(entry.locator, key, MAX_OBJECT_BYTES)
+        return checks.check_archive(read, f"{self.root / entry.file}: key {key!r}", whole_item_bytes)
+
     def verify_chunk_crc(self, key: str, chunk: ChunkRef) -> None:
         """Check the zip CRC-32 of a chunk's stored bytes; CorruptCheckpointError on mismatch."""
         parsed, read = self._chunk(key, chunk)
@@ -534,10 +548,7 @@ class DCPReader:
 
     def read_object_bytes(self, key: str) -> bytes:
         """The ``torch.save`` bytes of a non-tensor entry (stream transforms undone)."""
-        entry = self._index.objects.get(key)
-        if entry is None:
-            raise PlanError(f"{self.root}: no non-tensor entry {key!r} in this checkpoint")
-        loc = entry.locator
+        loc = self._object(key).locator
         if loc.length > MAX_OBJECT_BYTES:
             raise CorruptCheckpointError(
                 f"{self.root / loc.relative_path}: key {key!r} is {loc.length} bytes, over the "
@@ -545,6 +556,12 @@ class DCPReader:
             )
         read = self._item(loc, key, MAX_OBJECT_BYTES)
         return bytes(read(0, read.length))
+
+    def _object(self, key: str) -> ObjectEntry:
+        entry = self._index.objects.get(key)
+        if entry is None:
+            raise PlanError(f"{self.root}: no non-tensor entry {key!r} in this checkpoint")
+        return entry
 
     def load_object(self, key: str, trust_pickle: bool = False) -> Any:
         """The value of a non-tensor entry (weights-only unpickling unless pickles are trusted)."""

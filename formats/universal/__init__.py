@@ -23,9 +23,9 @@ from formats.universal.store import (
     ROWS_BATCH_BYTES,
     UniversalReader,
     UniversalWriter,
-    _array_json,  # noqa: F401  (verify reads a zarr array's expected zarr.json)
     backend_module,
     chunk_box,
+    chunk_name,
     is_universal_store,
     read_metadata,
 )
@@ -34,5 +34,5 @@ from formats.universal_meta import METADATA_FILE
 __all__ = [
     "BACKENDS", "DEFAULT_BACKEND", "METADATA_FILE", "OBJECTS_DIR", "ROWS_BATCH_BYTES", "TENSORS_DIR", "ArrayPlan",
     "StorePlan", "UniversalReader", "UniversalWriter", "array_name", "backend_module", "chunk_box", "chunk_grid",
-    "chunk_id", "chunk_shape_for", "is_universal_store", "plan_array", "plan_store", "read_metadata",
+    "chunk_id", "chunk_name", "chunk_shape_for", "is_universal_store", "plan_array", "plan_store", "read_metadata",
 ]

@@ -67,9 +67,9 @@ def backend_module(name: str) -> ModuleType:
     return {zarr_backend.NAME: zarr_backend, safetensors_backend.NAME: safetensors_backend}[name]
 
 
-def _array_json(record: TensorRecord, key: str) -> dict[str, Any]:
-    """A zarr array's ``zarr.json`` document (:func:`formats.universal.zarr_backend.array_json`)."""
-    return zarr_backend.array_json(record, key)
+def chunk_name(chunk: ChunkRef) -> str:
+    """The id (``"0.1"``) a chunk of this store's index is recorded under (its checksum's key)."""
+    return chunk_id(chunk.locator[1])
 
 
 def chunk_box(record: TensorRecord, index: tuple[int, ...]) -> Box:
@@ -436,7 +436,7 @@ class UniversalReader:
         return False
 
     def _compare(self, key: str, record: TensorRecord, chunk: ChunkRef, actual: str) -> None:
-        cid = chunk_id(chunk.locator[1])
+        cid = chunk_name(chunk)
         expected = record.checksums.get(cid, "")
         if actual != expected:
             raise CorruptCheckpointError(
@@ -558,7 +558,7 @@ class UniversalReader:
     def chunk_checksum(self, key: str, chunk: ChunkRef) -> tuple[str, str]:
         """(expected, actual) xxh3_64 of a chunk's logical bytes."""
         record = self.meta.tensors[key]
-        return record.checksums.get(chunk_id(chunk.locator[1]), ""), self._stream_checksum(record, chunk)
+        return record.checksums.get(chunk_name(chunk), ""), self._stream_checksum(record, chunk)
 
     def read_object_bytes(self, key: str) -> bytes:
         rec = self.meta.objects[key]
