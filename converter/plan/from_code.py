@@ -211,8 +211,32 @@ def mesh_dim_groups(rank_grid: Any, mesh: Mesh) -> list[tuple[str, ...]]:
         idx = [0] * rank_grid.ndim
         idx[d] = 1
         step = int(rank_grid[tuple(idx)]) - int(rank_grid[(0,) * rank_grid.ndim])
-        out.append(_group(n, step, names, sizes, strides))
+        try:
+            out.append(_group(n, step, names, sizes, strides))
+        except PlanError:
+            hit = _derived_group(n, step, mesh, strides)
+            if hit is None:
+                raise
+            out.append(hit)
     return out
+
+
+def _derived_group(n: int, step: int, mesh: Mesh, strides: Sequence[int]) -> tuple[str, ...] | None:
+    """``("ep",)`` or ``("efsdp",)`` when a model mesh dim is one of torchtitan's sparse-mesh dims
+    (EP's ranks: the innermost ``ep`` of the ``dp_shard, cp, tp`` block; efsdp's: the rest)."""
+    if mesh.ep <= 1:
+        return None
+    from converter.plan.mesh import EP_BLOCK
+
+    inner = [strides[i] for i, name in enumerate(mesh.names) if name in EP_BLOCK]
+    if not inner:
+        return None
+    unit = min(inner)
+    if (n, step) == (mesh.ep, unit):
+        return ("ep",)
+    if (n, step) == (mesh.size("efsdp"), unit * mesh.ep):
+        return ("efsdp",)
+    return None
 
 
 def _group(n: int, step: int, names, sizes, strides) -> tuple[str, ...]:

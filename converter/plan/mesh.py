@@ -5,6 +5,14 @@ ranks follow torchtitan's canonical order ``pp, dp_replicate, dp_shard, cp, tp``
 ``tp`` varies fastest), numbered row-major exactly as ``init_device_mesh(shape, mesh_dim_names)``
 numbers them (``mesh = arange(world).view(shape)``). ``--mesh-order`` gives another order.
 ``dp`` is an alias of ``dp_shard`` (FSDP).
+
+``ep`` (expert parallelism) is torchtitan 0.3.0's ``expert_parallel_degree``: it adds no ranks but
+borrows them from ``dp_shard * cp * tp`` (``ParallelDims.build_mesh``): the routed experts live on
+the sparse mesh ``(pp, dp_replicate, efsdp, ep)`` unflattened from the same world, ``ep`` the
+fastest-varying part of the ``dp_shard, cp, tp`` block and ``efsdp = dp_shard * cp * tp / ep`` the
+rest (FSDP of the experts). ``ep`` and ``efsdp`` are therefore not dims of :attr:`Mesh.dims` but
+*derived* dims: :meth:`Mesh.size` and :func:`derived_coord` give their sizes and coordinates.
+torchtitan 0.3.0 has no expert tensor parallelism (its sparse mesh has no TP dim): ``etp`` is refused.
 """
 
 from __future__ import annotations
@@ -19,6 +27,10 @@ from formats.errors import ConfigError, UnsupportedError
 CANONICAL_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 #: Other spellings accepted on the command line.
 ALIASES: dict[str, str] = {"dp": "dp_shard"}
+#: The dims ``ep`` borrows its ranks from (torchtitan: ``efsdp * ep == dp_shard * cp * tp``).
+EP_BLOCK: tuple[str, ...] = ("dp_shard", "cp", "tp")
+#: Dims derived from ``ep`` (not in :attr:`Mesh.dims`): torchtitan's sparse-mesh names.
+DERIVED: tuple[str, ...] = ("efsdp", "ep")
 
 _TOKEN = re.compile(r"^([a-z_]+?)\s*[=:]?\s*(\d+)$")
 
@@ -36,6 +48,8 @@ class Mesh:
     """Named mesh dims in rank order (outermost first; the last dim varies fastest)."""
 
     dims: tuple[MeshDim, ...]
+    #: expert-parallel degree (1: no EP), carved out of the ``dp_shard * cp * tp`` ranks
+    ep: int = 1
 
     def __post_init__(self) -> None:
         names = [d.name for d in self.dims]
@@ -44,6 +58,19 @@ class Mesh:
         bad = [d for d in self.dims if d.size < 1]
         if bad:
             raise ConfigError(f"mesh {self}: dim {bad[0].name} has size {bad[0].size}; sizes must be >= 1")
+        if self.ep < 1:
+            raise ConfigError(f"mesh {self}: ep must be >= 1")
+        block = self.ep_block_size
+        if block % self.ep:
+            raise ConfigError(
+                f"mesh {self}: ep{self.ep} does not divide dp_shard*cp*tp = {block}; torchtitan borrows the ep "
+                "ranks from those dims (efsdp = dp_shard*cp*tp/ep): pick an ep that divides it"
+            )
+
+    @property
+    def ep_block_size(self) -> int:
+        """``dp_shard * cp * tp``: the ranks ``ep`` and ``efsdp`` split."""
+        return math.prod(self.size(n) for n in EP_BLOCK)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -58,8 +85,13 @@ class Mesh:
         return math.prod(self.shape)
 
     def size(self, name: str, default: int = 1) -> int:
-        """Size of dim ``name`` (``dp`` means ``dp_shard``), ``default`` when the mesh lacks it."""
+        """Size of dim ``name`` (``dp`` means ``dp_shard``; ``ep`` and ``efsdp`` are derived),
+        ``default`` when the mesh lacks it."""
         name = ALIASES.get(name, name)
+        if name == "ep":
+            return self.ep if self.ep > 1 else default
+        if name == "efsdp":
+            return self.ep_block_size // self.ep if self.ep > 1 else default
         for d in self.dims:
             if d.name == name:
                 return d.size
@@ -92,18 +124,33 @@ class Mesh:
             rank = rank * size + c
         return rank
 
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is a dim of this mesh or a derived one (``ep``/``efsdp`` when ep > 1)."""
+        return name in self.names or (name in DERIVED and self.ep > 1)
+
     def __str__(self) -> str:
-        return ",".join(f"{d.name}{d.size}" for d in self.dims)
+        return ",".join([f"{d.name}{d.size}" for d in self.dims] + ([f"ep{self.ep}"] if self.ep > 1 else []))
+
+
+def derived_coord(mesh: Mesh, coords: dict[str, int], name: str) -> int:
+    """The ``ep`` or ``efsdp`` coordinate of the rank whose mesh coordinates are ``coords``: its
+    index in the ``dp_shard, cp, tp`` block (row-major in mesh order) split as ``(efsdp, ep)``,
+    as torchtitan's ``_unflatten`` of the world into ``(pp, dp_replicate, efsdp, ep)`` numbers it."""
+    flat = 0
+    for n in mesh.names:
+        if n in EP_BLOCK:
+            flat = flat * mesh.size(n) + coords.get(n, 0)
+    return flat % mesh.ep if name == "ep" else flat // mesh.ep
 
 
 def _normalize_name(name: str, text: str) -> str:
     name = ALIASES.get(name, name)
-    if name == "ep":
-        raise UnsupportedError(
-            f"--mesh {text!r}: expert parallelism (ep) is not supported yet; convert without ep"
-        )
-    if name not in CANONICAL_ORDER:
-        known = ", ".join(CANONICAL_ORDER + tuple(ALIASES))
+    if name in ("etp", "efsdp"):
+        why = ("torchtitan 0.3.0 has no expert tensor parallelism (its experts' sparse mesh is pp, dp_replicate, "
+               "efsdp, ep)" if name == "etp" else "efsdp is derived: dp_shard*cp*tp/ep")
+        raise UnsupportedError(f"--mesh {text!r}: {name} cannot be given ({why}); give ep and the dense dims")
+    if name not in CANONICAL_ORDER and name != "ep":
+        known = ", ".join(CANONICAL_ORDER + ("ep",) + tuple(ALIASES))
         raise ConfigError(f"--mesh {text!r}: unknown dim name {name!r}; use one of {known}")
     return name
 
@@ -122,6 +169,9 @@ def _parse_token(token: str, text: str) -> MeshDim:
 
 def _parse_order(order: str, names: list[str], text: str) -> list[str]:
     wanted = [_normalize_name(n.strip().lower(), order) for n in order.split(",") if n.strip()]
+    if "ep" in wanted:
+        raise ConfigError(f"--mesh-order {order!r}: leave ep out; it has no place of its own (torchtitan carves it "
+                          "from the innermost dp_shard*cp*tp ranks)")
     if sorted(wanted) != sorted(names) or len(set(wanted)) != len(wanted):
         raise ConfigError(
             f"--mesh-order {order!r} must list each dim of --mesh {text!r} exactly once ({','.join(names)})"
@@ -133,8 +183,8 @@ def parse_mesh(text: str, order: str | None = None) -> Mesh:
     """Parse ``--mesh`` (e.g. ``"tp2,dp32"``) into a :class:`Mesh` in rank order.
 
     Dims are put in torchtitan's canonical order unless ``order`` (``--mesh-order``, names separated
-    by commas, outermost first) says otherwise. Raises ConfigError on unknown names, zero sizes,
-    duplicates and malformed text.
+    by commas, outermost first, ``ep`` left out) says otherwise. ``ep`` becomes :attr:`Mesh.ep`.
+    Raises ConfigError on unknown names, zero sizes, duplicates and malformed text.
     """
     tokens = [t for t in (text or "").split(",") if t.strip()]
     if not tokens:
@@ -145,5 +195,9 @@ def parse_mesh(text: str, order: str | None = None) -> Mesh:
     if dup:
         raise ConfigError(f"--mesh {text!r}: dim {dup[0]} is given twice (dp and dp_shard are the same dim); give it once")
     by_name = {d.name: d for d in dims}
+    ep = by_name.pop("ep").size if "ep" in by_name else 1
+    names = [n for n in names if n != "ep"]
+    if not names:
+        raise ConfigError(f"--mesh {text!r}: ep borrows its ranks from dp_shard, cp and tp; give those too, e.g. dp{ep},ep{ep}")
     ordered = _parse_order(order, names, text) if order else [n for n in CANONICAL_ORDER if n in by_name]
-    return Mesh(tuple(by_name[n] for n in ordered))
+    return Mesh(tuple(by_name[n] for n in ordered), ep)

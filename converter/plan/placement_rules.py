@@ -6,6 +6,8 @@ Built-ins (``--plan``):
   ``fully_shard`` does), replicated over ``dp_replicate`` and ``tp``.
 - ``llama``: torchtitan's Llama 3 tensor-parallel plan by module name, FSDP on top (FSDP2's
   ``_StridedShard`` where FSDP shards a dim TP already split).
+- ``moe``: ``llama`` plus torchtitan 0.3.0's MoE decoders (deepseek_v3, qwen3 MoE): MLA attention,
+  router, shared experts, and routed experts on the EP sparse mesh (:func:`compose_experts`).
 - ``source``: the TP split dim the source layout shows for each tensor (:class:`SourceSplits`), with
   the new degrees.
 - a plan file (JSON, or YAML when pyyaml is installed; ``schemas/plan.schema.json``): ordered regex
@@ -42,7 +44,7 @@ from converter.plan.mesh import Mesh
 from formats.base import Box, Shape
 from formats.errors import ConfigError, PlanError
 
-BUILTIN_PLANS = ("fsdp", "llama", "source")
+BUILTIN_PLANS = ("fsdp", "llama", "moe", "source")
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "plan.schema.json"
 _FSDP_DIMS = ("dp_shard", "cp")  # flattened into one FSDP dim, as torchtitan's dp_shard_cp
 _MAX_NAMES = 5  # tensor names quoted in one warning
@@ -84,7 +86,9 @@ class Rule:
     """One plan rule: parameters whose FQN fully matches ``pattern`` get these placements.
 
     ``tp``: placement over ``tp``; ``fsdp_dim``: tensor dim FSDP shards (None: not sharded by FSDP);
-    ``tp_divisible``: refuse a TP split that is not even (attention heads must divide by tp).
+    ``tp_divisible``: refuse a TP split that is not even (attention heads must divide by tp);
+    ``experts``: a grouped-experts tensor ``[num_experts, ...]`` placed as torchtitan 0.3.0 places
+    routed experts (:func:`compose_experts`; ``tp`` is then its placement when ep is off).
     """
 
     name: str
@@ -92,6 +96,7 @@ class Rule:
     tp: Placement = Replicate()
     fsdp_dim: int | None = 0
     tp_divisible: bool = False
+    experts: bool = False
 
     def matches(self, fqn: str) -> bool:
         return re.fullmatch(self.pattern, fqn, re.DOTALL) is not None  # "." also matches a newline in a key
@@ -273,6 +278,8 @@ def _check_fsdp(fqn: str, shape: Shape, fsdp_dim: int, tp: Placement, tp_size: i
 
 def compose(fqn: str, shape: Shape, mesh: Mesh, rule: Rule) -> TensorPlacement:
     """The placement ``rule`` gives ``fqn`` on ``mesh``, built as FSDP2 x TP builds it."""
+    if rule.experts and shape:
+        return compose_experts(fqn, shape, mesh, rule)
     dims = []
     if "dp_replicate" in mesh.names:
         dims.append((("dp_replicate",), Replicate()))
@@ -299,6 +306,43 @@ def compose(fqn: str, shape: Shape, mesh: Mesh, rule: Rule) -> TensorPlacement:
     dims += [(fsdp_group, fsdp_pl)] if fsdp_group else []
     dims += [(("tp",), tp)] if "tp" in mesh.names else []
     return _placement(dims, rule.name)
+
+
+def compose_experts(fqn: str, shape: Shape, mesh: Mesh, rule: Rule) -> TensorPlacement:
+    """torchtitan 0.3.0's placement of a grouped-experts tensor ``[num_experts, ...]``
+    (``apply_fsdp_to_decoder`` and ``moe_sharding``), optimizer states included.
+
+    With ep > 1 it lives on the sparse mesh ``(dp_replicate, efsdp, ep)``: ``Shard(0)`` over ``ep``,
+    FSDP over ``efsdp`` on dim 0 (``_StridedShard(0, ep)``), or on dim 1 when ``efsdp * ep`` (=
+    ``dp_shard * cp * tp``) exceeds the expert count; never split over ``tp``. Without ep it lives
+    on the dense mesh: ``rule.tp`` over ``tp`` (``Shard(1)`` for w1/w3, ``Shard(2)`` for w2) and
+    FSDP on dim 0, or dim 1 when the FSDP mesh (``dp_replicate * dp_shard * cp``: torchtitan
+    compares the whole data-parallel mesh) holds more ranks than experts.
+    """
+    experts = shape[0]
+    if mesh.ep > 1:
+        if experts % mesh.ep:
+            raise PlanError(
+                f"{fqn}: {experts} experts do not divide by ep{mesh.ep}; torchtitan 0.3.0's token dispatcher splits the "
+                "experts into ep equal groups (num_tokens_per_expert.view(ep, -1)) and cannot run it: pick an ep that "
+                "divides the expert count"
+            )
+        fsdp_dim = 1 if mesh.ep_block_size > experts else 0
+        if len(shape) < 2 and fsdp_dim == 1:
+            fsdp_dim = 0
+        efsdp = mesh.size("efsdp")
+        if fsdp_dim and efsdp > 1 and shape[1] % efsdp:
+            raise PlanError(
+                f"{fqn}: FSDP shards dim 1 (size {shape[1]}) over efsdp{efsdp} (more ranks than {experts} experts), "
+                "but fully_shard refuses uneven shards on dims other than 0: change the degrees"
+            )
+        fsdp_pl = StridedShard(0, mesh.ep) if fsdp_dim == 0 else Shard(1)
+        dims = [(("dp_replicate",), Replicate())] if "dp_replicate" in mesh.names else []
+        dims += [(("efsdp",), fsdp_pl), (("ep",), Shard(0))]
+        return _placement(dims, rule.name)
+    dp_total = mesh.size("dp_replicate") * mesh.size("dp_shard") * mesh.size("cp")
+    fsdp_dim = 1 if dp_total > experts and len(shape) > 1 else 0
+    return compose(fqn, shape, mesh, replace(rule, experts=False, fsdp_dim=fsdp_dim))
 
 
 def _placement(dims: list[tuple[tuple[str, ...], Placement]], rule: str | None) -> TensorPlacement:
@@ -389,6 +433,28 @@ LLAMA_PLAN = RulePlan(
 )
 
 
+#: torchtitan 0.3.0's MoE decoders (deepseek_v3, qwen3 MoE flavors) on top of the Llama rules: MLA
+#: attention (low-rank projections and their norms replicated over tp, up-projections colwise), q/k
+#: norms, the router gate (replicated over tp), shared experts (a colwise/rowwise FFN) and the routed
+#: grouped experts ``[num_experts, ...]`` (:func:`compose_experts`: EP on dim 0, efsdp, or TP on the
+#: hidden dim without EP). ``expert_bias_E`` (a load-balancing buffer) stays whole.
+MOE_PLAN = RulePlan(
+    "moe",
+    LLAMA_PLAN.rules + (
+        Rule("attention.wq/wq_b/wkv_b (MLA)", _L + r"attention\.(wq_b|wkv_b)\.(weight|bias)", Shard(0), tp_divisible=True),
+        Rule("attention low-rank (MLA)", _L + r"attention\.(wq_a|wkv_a)\.(weight|bias)", Replicate()),
+        Rule("attention norms", _L + r"attention\.(q_norm|k_norm|kv_norm)\.(weight|bias)", Replicate()),
+        Rule("moe.router.gate", _L + r"moe\.router\.gate\.(weight|bias)", Replicate()),
+        Rule("moe.shared_experts.w1/w3", _L + r"moe\.shared_experts\.w[13]\.(weight|bias)", Shard(0)),
+        Rule("moe.shared_experts.w2", _L + r"moe\.shared_experts\.w2\.weight", Shard(1)),
+        Rule("moe.shared_experts.w2.bias", _L + r"moe\.shared_experts\.w2\.bias", Replicate()),
+        Rule("moe experts w1/w3", _L + r"moe\.routed_experts\.inner_experts\.w[13]_EFD", Shard(1), experts=True),
+        Rule("moe experts w2", _L + r"moe\.routed_experts\.inner_experts\.w2_EDF", Shard(2), experts=True),
+        Rule("moe.expert_bias", _L + r"moe\.expert_bias_E", Replicate(), fsdp_dim=None),
+    ),
+)
+
+
 def get_plan(name_or_path: str, source_splits: SourceSplits | Mapping[str, int | None] | None = None,
              mesh: Mesh | None = None) -> PlacementPlan:
     """A built-in plan (``fsdp``, ``llama``, ``source``), a plan read from code
@@ -403,6 +469,8 @@ def get_plan(name_or_path: str, source_splits: SourceSplits | Mapping[str, int |
         return FSDP_PLAN
     if name_or_path == "llama":
         return LLAMA_PLAN
+    if name_or_path == "moe":
+        return MOE_PLAN
     if name_or_path == "source":
         if source_splits is None:
             raise ConfigError("--plan source needs the source's detected layout; convert from a sharded source or pick --plan fsdp")

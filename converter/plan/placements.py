@@ -13,7 +13,8 @@ into each rank's local tensor:
 
 A DTensor mesh dim may span several target mesh dims flattened row-major (torchtitan's
 ``dp_shard_cp``); ``dims`` says which. Mesh dims outside ``dims`` replicate the tensor, except ``pp``
-where ``pp_stage`` selects the ranks that hold it at all.
+where ``pp_stage`` selects the ranks that hold it at all. ``dims`` may name the derived dims ``efsdp``
+and ``ep`` (torchtitan's sparse mesh for routed experts, :mod:`converter.mesh`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from converter.plan.mesh import Mesh
+from converter.plan.mesh import DERIVED, Mesh, derived_coord
 from formats.base import Box, Shape
 from formats.errors import ConfigError, PlanError
 
@@ -204,7 +205,8 @@ def dtensor_coord(mesh: Mesh, rank: int, dims: Sequence[Sequence[str]]) -> tuple
     for group in dims:
         c = 0
         for name in group:
-            c = c * mesh.size(name) + coords.get(name, 0)
+            here = derived_coord(mesh, coords, name) if name in DERIVED else coords.get(name, 0)
+            c = c * mesh.size(name) + here
         out.append(c)
     return tuple(out)
 
@@ -224,7 +226,7 @@ def _dims_and_sizes(mesh: Mesh, placements, dims):
     if len(dims) != len(placements):
         raise PlanError(f"{len(placements)} placements {_fmt(placements)} for {len(dims)} mesh dims {dims} of mesh {mesh}")
     for name in (n for g in dims for n in g):
-        if name not in mesh.names:
+        if not mesh.has(name):
             raise PlanError(f"placement dim {name!r} is not in mesh {mesh}")
     return dims, tuple(math.prod(mesh.size(n) for n in g) for g in dims)
 

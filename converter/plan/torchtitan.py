@@ -91,6 +91,7 @@ def _job_config(mesh: Mesh, backend: str):
         context_parallel_degree=mesh.size("cp"),
         tensor_parallel_degree=mesh.size("tp"),
         pipeline_parallel_degree=mesh.size("pp"),
+        expert_parallel_degree=mesh.ep,
         spmd_backend=backend,
     )
     return types.SimpleNamespace(parallelism=parallelism, training=TrainingConfig(), compile=CompileConfig())
@@ -119,8 +120,6 @@ def torchtitan_plan(target: str, mesh: Mesh, backend: str = "partial_dtensor") -
     model, sep, flavor = target.partition("/")
     if not sep or not model or not flavor:
         raise ConfigError(f"--plan torchtitan:{target}: write torchtitan:MODEL/FLAVOR, e.g. torchtitan:llama3/debugmodel")
-    if "ep" in mesh.names:
-        raise ConfigError("--plan torchtitan: expert parallelism is not supported")
     _prepare_imports()
     import torch
     from torchtitan.distributed import ParallelDims

@@ -56,9 +56,11 @@ def test_errors_are_one_line_config_errors(text, match):
     assert "\n" not in str(info.value)
 
 
-def test_ep_is_unsupported():
-    with pytest.raises(UnsupportedError, match="ep"):
-        parse_mesh("ep2,dp2")
+def test_ep_borrows_ranks_and_etp_is_unsupported():
+    """ep is torchtitan's expert_parallel_degree (ranks borrowed from dp_shard*cp*tp; test_moe_layouts.py)."""
+    assert parse_mesh("ep2,dp2").world_size == 2
+    with pytest.raises(UnsupportedError, match="etp"):
+        parse_mesh("etp2,dp2")
 
 
 def test_mesh_validates_itself():

@@ -4,7 +4,8 @@ JOB keys: ``mesh`` ("dp4", "tp2,dp2"), ``dump`` (the Trainer's dump folder; chec
 ``dump/checkpoint/step-N``), ``steps``, ``save_interval`` (or null), ``exclude`` (torchtitan's
 ``checkpoint.exclude_from_loading``), ``reference`` (a ``torch.save`` file of the full source state,
 from torch's ``dcp_to_torch_save``: the state right after loading is compared with it),
-``skip_compare`` (flattened key prefixes not compared), ``out`` (this rank writes ``out.<rank>.json``).
+``skip_compare`` (flattened key prefixes not compared), ``out`` (this rank writes ``out.<rank>.json``),
+``model`` (``MODEL/FLAVOR`` of an MoE model, :mod:`titan_moe_support`; absent: Llama 3 debugmodel).
 
 Each rank reports the losses of the steps it ran, the bytes ``CheckpointManager.load`` read from each
 checkpoint file (counted in torch's ``FileSystemReader.read_data``), and the keys whose loaded value
@@ -108,9 +109,13 @@ def _compare(trainer, reference: str, skip: list[str]) -> tuple[list[str], int]:
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     rank = int(os.environ["RANK"])
-    config, _ = titan_support.trainer_config(
-        job["mesh"], job["dump"], job["steps"], save_interval=job.get("save_interval"), exclude=tuple(job.get("exclude", ()))
-    )
+    kw = dict(save_interval=job.get("save_interval"), exclude=tuple(job.get("exclude", ())))
+    if job.get("model"):  # an MoE model (titan_moe_support); ep in the mesh
+        import titan_moe_support
+
+        config, _ = titan_moe_support.trainer_config(job["mesh"], job["dump"], job["steps"], model=job["model"], **kw)
+    else:
+        config, _ = titan_support.trainer_config(job["mesh"], job["dump"], job["steps"], **kw)
     reads: dict = {"sharded": defaultdict(int), "whole": defaultdict(int), "items": []}
     _count_reads(reads)
     trainer = config.build()
