@@ -240,17 +240,27 @@ def titan_cache_dir() -> Path:
     return cache_dir().parent / f"titan-{torch.__version__}-{h.hexdigest()[:16]}"
 
 
-def _titan_get(mesh: str) -> Path:
+def _titan_get(mesh: str, model: str | None = None) -> Path:
+    """A cached torchtitan save on ``mesh``: Llama 3 debugmodel, or the MoE ``model``
+    (``MODEL/FLAVOR``, built by titan_moe_support.py, whose source keys its own cache)."""
     import titan_support
 
     cache = titan_cache_dir()
+    if model is not None:
+        h = hashlib.sha256((TESTS_DIR / "titan_moe_support.py").read_bytes() + model.encode())
+        cache = cache.parent / f"{cache.name}-moe-{h.hexdigest()[:12]}"
     root = cache / mesh
     if not _is_intact(root):
         _remove(root)
         cache.mkdir(parents=True, exist_ok=True)
         tmp = cache / f".tmp-{mesh}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            titan_support.build_checkpoint(mesh, tmp)
+            if model is None:
+                titan_support.build_checkpoint(mesh, tmp)
+            else:
+                import titan_moe_support
+
+                titan_moe_support.build_checkpoint(mesh, tmp, model)
             (tmp / COMPLETE).write_text(json.dumps(_manifest(tmp), indent=1))
             _set_writable(tmp, False)
             tmp.chmod(0o755)
@@ -277,3 +287,15 @@ def titan_checkpoint() -> Callable[[str], Path]:
     if reason:
         pytest.skip(reason)
     return _titan_get
+
+
+@pytest.fixture(scope="session")
+def titan_moe_checkpoint() -> Callable[[str, str], Path]:
+    """``titan_moe_checkpoint(mesh, model="deepseek_v3/debugmodel") -> Path``: as
+    :func:`titan_checkpoint` for a torchtitan MoE model (``mesh`` may hold ``ep``)."""
+    import titan_support
+
+    reason = titan_support.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    return lambda mesh, model="deepseek_v3/debugmodel": _titan_get(mesh, model)

@@ -11,9 +11,12 @@ from converter.cli.common import SIZE, dry_run_line, make_options, result_line, 
 
 MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k RoPE permutation; exports older and "
             "torchtitan 0.3.0 names, fused qkv_linear.wqkv split; imports older names), torchtitan-llama3 (imports "
-            "torchtitan 0.3.0 names: qkv_linear.wq/wk/wv, lm_head), or a JSON "
+            "torchtitan 0.3.0 names: qkv_linear.wq/wk/wv, lm_head), torchtitan-deepseek-v3 / torchtitan-qwen3 (torchtitan "
+            "0.3.0's MoE adapters: grouped experts split into model.layers.{}.mlp.experts.{}.*_proj.weight, router "
+            "mlp.gate, shared experts), or a JSON "
             "map file {\"hf.name.{}.x\": \"native.{}.x\", \"dropped.hf.key\": null} or "
-            "{\"map\": {...}, \"drop\": [native keys], \"transforms\": {native key: \"rope:<config field>\"}}.")
+            "{\"map\": {...}, \"drop\": [native keys], \"transforms\": {native key: \"rope:<config field>\"}, "
+            "\"experts\": {\"hf.{}.experts.{}.w\": \"native.{}.grouped_w\"}}.")
 
 
 def _report(result: Any) -> None:

@@ -60,10 +60,14 @@ CONFIG_FILE = "config.json"
 
 
 class Source(NamedTuple):
-    """Where a target tensor comes from: the source key and a row permutation (or None)."""
+    """Where a target tensor comes from: the source key and a row permutation (or None); or one
+    expert ``index`` of a grouped-experts source ``[E, ...]`` (the slice ``[index]``, dim 0
+    dropped); or the ``stack`` of source keys (one per expert, a new dim 0; ``key`` unused)."""
 
     key: str
     perm: np.ndarray | None = None  # int64 row indices
+    index: int | None = None
+    stack: tuple[str, ...] = ()
 
 
 class _VLoc(NamedTuple):
@@ -106,12 +110,18 @@ class MappedReader:
         src_index = reader.index()
         tensors = {}
         for target, src in self.sources.items():
+            path = (paths or {}).get(target, (target,))
+            if src.stack:
+                tensors[target] = stacked_entry(target, [src_index.tensors[k] for k in src.stack], path)
+                continue
             e = src_index.tensors[src.key]
+            if src.index is not None:
+                tensors[target] = TensorEntry(target, e.dtype, tuple(e.shape[1:]), expert_chunks(e, src.index), path)
+                continue
             if src.perm is None:
                 chunks = tuple(ChunkRef(c.box, c.file, _VLoc(src.key, c), c.rank) for c in e.chunks)
             else:
                 chunks = permuted_chunks(e.chunks, src.perm, src.key)
-            path = (paths or {}).get(target, (target,))
             shape = e.shape if src.perm is None else (len(src.perm), *e.shape[1:])
             tensors[target] = TensorEntry(target, e.dtype, tuple(shape), chunks, path)
         self._index = CheckpointIndex(src_index.format, src_index.root, tensors, {}, src_index.info)
@@ -119,18 +129,29 @@ class MappedReader:
     def index(self) -> CheckpointIndex:
         return self._index
 
+    def _source_region(self, key: str, region: Box) -> Box:
+        """The source box behind ``region`` of target ``key`` (same elements, same C order): an
+        expert slice reads ``[index]`` of its source, one expert of a stack drops the new dim."""
+        src = self.sources[key]
+        if src.index is not None:
+            return Box((src.index, *region.offsets), (1, *region.sizes))
+        if src.stack:
+            return Box(region.offsets[1:], region.sizes[1:])
+        return region
+
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
         """A new tensor holding ``region`` of the target tensor ``key``."""
         loc: _VLoc = chunk.locator
         if self.sources[key].perm is None:
-            return self.reader.read_region(loc.key, loc.chunk, region)
+            data = self.reader.read_region(loc.key, loc.chunk, self._source_region(key, region))
+            return data.reshape(region.sizes)
         return from_storage_array(self._permuted_bits(key, chunk, region), self._index.tensors[key].dtype)
 
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` (exactly the region's bytes) with ``region`` of the target tensor, C order."""
         loc: _VLoc = chunk.locator
         if self.sources[key].perm is None:
-            self.reader.read_region_into(loc.key, loc.chunk, region, out)
+            self.reader.read_region_into(loc.key, loc.chunk, self._source_region(key, region), out)
             return
         copy_bits_into(self._permuted_bits(key, chunk, region), out)
 
@@ -138,7 +159,8 @@ class MappedReader:
         """``region`` of the source chunk behind target ``key`` as a new bit array."""
         loc: _VLoc = chunk.locator
         bits = np.empty(region.sizes, dtype=by_name(self._index.tensors[key].dtype).numpy_dtype)
-        self.reader.read_region_into(loc.key, loc.chunk, region, memoryview(bits.reshape(-1).view(np.uint8)))
+        self.reader.read_region_into(loc.key, loc.chunk, self._source_region(key, region),
+                                     memoryview(bits.reshape(-1).view(np.uint8)))
         return bits
 
     def _permuted_bits(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
@@ -159,6 +181,28 @@ class MappedReader:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def expert_chunks(entry: TensorEntry, index: int) -> tuple[ChunkRef, ...]:
+    """Virtual chunks of expert ``index`` of a grouped tensor ``[E, ...]``: the source chunks
+    holding that expert, their dim 0 dropped (pure)."""
+    return tuple(ChunkRef(Box(c.box.offsets[1:], c.box.sizes[1:]), c.file, _VLoc(entry.key, c), c.rank)
+                 for c in entry.chunks if c.box.numel and c.box.offsets[0] <= index < c.box.ends[0])
+
+
+def stacked_entry(target: str, parts: Sequence[TensorEntry], path: tuple) -> TensorEntry:
+    """The entry of ``stack(parts)`` (a new dim 0, one per part; their chunks at index ``i``);
+    every part must have the same dtype and shape (InvalidCheckpointError names the first that
+    differs)."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.dtype, tuple(p.shape)) != (first.dtype, tuple(first.shape)):
+            raise InvalidCheckpointError(
+                f"{p.key} is {p.dtype}{list(p.shape)} but {first.key} is {first.dtype}{list(first.shape)}; the "
+                f"experts of {target} must all have one dtype and shape")
+    chunks = tuple(ChunkRef(Box((i, *c.box.offsets), (1, *c.box.sizes)), c.file, _VLoc(p.key, c), c.rank)
+                   for i, p in enumerate(parts) for c in p.chunks)
+    return TensorEntry(target, first.dtype, (len(parts), *first.shape), chunks, path)
 
 
 def _perm_for(kmap: KeyMap, native_key: str, shape: Sequence[int], config: Mapping[str, Any] | None,
@@ -262,9 +306,21 @@ def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
     if config is not None and filler is not None:
         config = filler(_part_shapes(shapes, parts, config, kmap.name), config)
     natives = [p for fqn in fqn_key for p in ([q for q, (f, _) in parts.items() if f == fqn] or [fqn])]
-    names = rename_all(natives, kmap.exporter(), kmap.name, "export")
+    grouped = {f: kmap.expert_names(f, int(shapes[f][0])) for f in natives if shapes.get(f) and len(shapes[f]) >= 2}
+    grouped = {f: names for f, names in grouped.items() if names is not None}
+    names = rename_all([f for f in natives if f not in grouped], kmap.exporter(), kmap.name, "export")
     sources, specs = {}, []
-    for fqn, hf in names.items():
+    for fqn in natives:
+        if fqn in grouped:  # one HF tensor per expert: the slice [e], a region of the grouped tensor
+            entry = index.tensors[fqn_key[fqn]]
+            target = dtype if dtype is not None and entry.dtype in CASTABLE else entry.dtype
+            for e, hf in enumerate(grouped[fqn]):
+                sources[hf] = Source(fqn_key[fqn], index=e)
+                specs.append(TensorSpec(hf, target, tuple(entry.shape[1:])))
+            continue
+        if fqn not in names:
+            continue  # dropped by the map
+        hf = names[fqn]
         fused, part = parts.get(fqn, (fqn, None))
         entry = index.tensors[fqn_key[fused]]
         rows = None if part is None else _fused_rows(shapes[fused], config, kmap.name, fused)[part]
@@ -442,14 +498,39 @@ def plan_import(index: CheckpointIndex, kmap: KeyMap, config: Mapping[str, Any] 
     the embedding it is tied to, so that the model's state dict (which holds both) loads.
     """
     tied = tied_copies(index, config)
-    names = rename_all([*index.tensors, *tied], kmap.importer(), kmap.name, "import")
+    experts = _expert_stacks(index, kmap)
+    in_stack = {k for keys in experts.values() for k in keys}
+    names = rename_all([k for k in [*index.tensors, *tied] if k not in in_stack], kmap.importer(), kmap.name, "import")
     sources, paths = {}, {}
+    for native, keys in experts.items():
+        key = f"{prefix}.{native}" if prefix else native
+        sources[key] = Source("", stack=keys)
+        paths[key] = (prefix, native) if prefix else (native,)
     for hf, native in names.items():
         key = f"{prefix}.{native}" if prefix else native
         src = tied.get(hf, hf)
         sources[key] = Source(src, _perm_for(kmap, native, index.tensors[src].shape, config, to_hf=False))
         paths[key] = (prefix, native) if prefix else (native,)
     return sources, paths
+
+
+def _expert_stacks(index: CheckpointIndex, kmap: KeyMap) -> dict[str, tuple[str, ...]]:
+    """Grouped native name -> its HF expert tensors in expert order ``0..E-1`` (pure); a missing
+    expert is an InvalidCheckpointError naming it."""
+    found: dict[str, dict[int, str]] = {}
+    for hf in index.tensors:
+        hit = kmap.expert_of(hf)
+        if hit is not None:
+            found.setdefault(hit[0], {})[hit[1]] = hf
+    out = {}
+    for native, by_expert in found.items():
+        missing = sorted(set(range(max(by_expert) + 1)) - set(by_expert))
+        if missing:
+            raise InvalidCheckpointError(
+                f"{index.root}: expert {missing[0]} of {native} is missing ({len(by_expert)} of {max(by_expert) + 1} "
+                "experts present); the HF checkpoint must hold every expert 0..E-1")
+        out[native] = tuple(by_expert[e] for e in range(len(by_expert)))
+    return out
 
 
 @remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)

@@ -11,8 +11,14 @@ permuted between the layouts: ``"rope:<config field>"`` is the q/k permutation b
 interleaved RoPE (torchtitan, Meta) and HF's rotate-half, per head, with the head count read from
 ``config.json`` field ``<config field>``.
 
+Mixture-of-experts maps also have ``experts``: HF template with two ``{}`` (layer, expert) -> the
+native template of the grouped tensor ``[num_experts, ...]`` with one (layer), e.g.
+``"model.layers.{}.mlp.experts.{}.gate_proj.weight": "layers.{}.moe.routed_experts.inner_experts.w1_EFD"``:
+export writes expert ``e`` of the native tensor as its own HF tensor (the slice ``[e]``), import
+stacks the HF experts ``0..E-1`` back (torchtitan's ``MoEStateDictAdapter`` split / ``torch.stack``).
+
 Map files (``--map FILE``) are JSON: either the table itself, or ``{"map": {...}, "drop": [...],
-"transforms": {...}}``.
+"transforms": {...}, "experts": {...}}``.
 """
 
 from __future__ import annotations
@@ -141,6 +147,32 @@ class KeyMap:
     export_aliases: Mapping[str, str] = field(default_factory=dict)
     #: fused native tensors split on export: template -> the native names of its parts (in order)
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: grouped experts: HF template (layer, expert) -> native template (layer) of ``[E, ...]``
+    experts: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for hf, native in self.experts.items():
+            if Template(hf).holes != Template(native).holes + 1:
+                raise ConfigError(f"key map {self.name!r}: experts entry {hf!r} -> {native!r} needs one more '{{}}' on "
+                                  "the HF side (the expert number)")
+
+    def expert_names(self, native_key: str, count: int) -> list[str] | None:
+        """The HF names of the ``count`` experts of grouped native tensor ``native_key`` (None: not
+        a grouped-experts tensor of this map)."""
+        for hf, native in self.experts.items():
+            m = Template(native).regex().fullmatch(native_key)
+            if m:
+                return [Template(hf).fill((*m.groups(), str(e))) for e in range(count)]
+        return None
+
+    def expert_of(self, hf_key: str) -> tuple[str, int] | None:
+        """(grouped native name, expert number) of an HF expert tensor, or None."""
+        for hf, native in self.experts.items():
+            m = Template(hf).regex().fullmatch(hf_key)
+            if m:
+                *outer, expert = m.groups()
+                return Template(native).fill(outer), int(expert)
+        return None
 
     def importer(self) -> Renamer | None:
         """HF name -> native name (None: identity)."""
@@ -254,8 +286,69 @@ TORCHTITAN_LLAMA3 = KeyMap(
     export_aliases=_TITAN_OLD_EXPORT,
     fused=_FUSED,
 )
+_MOE = _L + "moe."
+_EXPERTS = _MOE + "routed_experts.inner_experts."
+_HF = "model.layers.{}."
+#: Grouped routed experts of torchtitan 0.3.0's MoE models (its deepseek_v3 / qwen3 adapters).
+_TITAN_EXPERTS = {
+    _HF + "mlp.experts.{}.gate_proj.weight": _EXPERTS + "w1_EFD",
+    _HF + "mlp.experts.{}.up_proj.weight": _EXPERTS + "w3_EFD",
+    _HF + "mlp.experts.{}.down_proj.weight": _EXPERTS + "w2_EDF",
+}
+_TITAN_MOE_COMMON = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    _HF + "self_attn.o_proj.weight": _L + "attention.wo.weight",
+    _HF + "mlp.gate_proj.weight": _L + "feed_forward.w1.weight",
+    _HF + "mlp.up_proj.weight": _L + "feed_forward.w3.weight",
+    _HF + "mlp.down_proj.weight": _L + "feed_forward.w2.weight",
+    _HF + "input_layernorm.weight": _L + "attention_norm.weight",
+    _HF + "post_attention_layernorm.weight": _L + "ffn_norm.weight",
+    _HF + "mlp.gate.weight": _MOE + "router.gate.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+#: torchtitan 0.3.0's DeepSeekV3StateDictAdapter (MLA with or without q LoRA; shared experts; the
+#: load-balancing ``expert_bias_E`` as ``e_score_correction_bias``). MTP layers (``mtp_layers.N``,
+#: HF ``layers.<n_layers + N>``) are not mapped.
+TORCHTITAN_DEEPSEEK_V3 = KeyMap(
+    "torchtitan-deepseek-v3",
+    from_hf={
+        **_TITAN_MOE_COMMON,
+        _HF + "self_attn.q_proj.weight": _L + "attention.wq.weight",
+        _HF + "self_attn.q_a_proj.weight": _L + "attention.wq_a.weight",
+        _HF + "self_attn.q_a_layernorm.weight": _L + "attention.q_norm.weight",
+        _HF + "self_attn.q_b_proj.weight": _L + "attention.wq_b.weight",
+        _HF + "self_attn.kv_a_proj_with_mqa.weight": _L + "attention.wkv_a.weight",
+        _HF + "self_attn.kv_a_layernorm.weight": _L + "attention.kv_norm.weight",
+        _HF + "self_attn.kv_b_proj.weight": _L + "attention.wkv_b.weight",
+        _HF + "mlp.shared_experts.gate_proj.weight": _MOE + "shared_experts.w1.weight",
+        _HF + "mlp.shared_experts.up_proj.weight": _MOE + "shared_experts.w3.weight",
+        _HF + "mlp.shared_experts.down_proj.weight": _MOE + "shared_experts.w2.weight",
+        _HF + "mlp.gate.e_score_correction_bias": _MOE + "expert_bias_E",
+    },
+    experts=_TITAN_EXPERTS,
+)
+#: torchtitan 0.3.0's Qwen3StateDictAdapter (dense and MoE flavors): the save hook's unfused
+#: ``qkv_linear.wq/wk/wv`` (a fused ``wqkv`` is split on export), q/k norms, router; its adapter
+#: writes no ``expert_bias_E`` (dropped on export, as there).
+TORCHTITAN_QWEN3 = KeyMap(
+    "torchtitan-qwen3",
+    from_hf={
+        **_TITAN_MOE_COMMON,
+        _HF + "self_attn.q_proj.weight": _QKV + "wq.weight",
+        _HF + "self_attn.k_proj.weight": _QKV + "wk.weight",
+        _HF + "self_attn.v_proj.weight": _QKV + "wv.weight",
+        _HF + "self_attn.q_norm.weight": _L + "attention.q_norm.weight",
+        _HF + "self_attn.k_norm.weight": _L + "attention.k_norm.weight",
+        _HF + "self_attn.rotary_emb.inv_freq": DROP,
+    },
+    drop=(_MOE + "expert_bias_E",),
+    fused=_FUSED,
+    experts=_TITAN_EXPERTS,
+)
 IDENTITY = KeyMap("identity", identity=True)
-BUILTIN_MAPS: dict[str, KeyMap] = {m.name: m for m in (IDENTITY, TORCHTITAN_LLAMA, TORCHTITAN_LLAMA3)}
+BUILTIN_MAPS: dict[str, KeyMap] = {m.name: m for m in (IDENTITY, TORCHTITAN_LLAMA, TORCHTITAN_LLAMA3,
+                                                        TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_QWEN3)}
 
 
 def get_key_map(name_or_path: str | KeyMap | None) -> KeyMap:
@@ -288,9 +381,9 @@ def _str_map(doc: Any, where: str, what: str, allow_null: bool) -> dict[str, str
 def key_map_from_doc(doc: Any, where: str = "map") -> KeyMap:
     """A :class:`KeyMap` from a parsed map file (the table, or {"map", "drop", "transforms"})."""
     if isinstance(doc, dict) and isinstance(doc.get("map"), dict):
-        extra = set(doc) - {"map", "drop", "transforms"}
+        extra = set(doc) - {"map", "drop", "transforms", "experts"}
         if extra:
-            raise ConfigError(f"{where}: unknown map file field(s) {sorted(extra)}; allowed: map, drop, transforms")
+            raise ConfigError(f"{where}: unknown map file field(s) {sorted(extra)}; allowed: map, drop, transforms, experts")
         table = _str_map(doc["map"], where, "\"map\"", True)
         drop = doc.get("drop", [])
         if not isinstance(drop, list) or not all(isinstance(d, str) for d in drop):
@@ -298,7 +391,8 @@ def key_map_from_doc(doc: Any, where: str = "map") -> KeyMap:
         transforms = _str_map(doc.get("transforms", {}), where, "\"transforms\"", False)
         for k, t in transforms.items():
             parse_transform(t, f"{where}: transform of {k!r}")
-        km = KeyMap(where, table, tuple(drop), transforms)
+        experts = _str_map(doc.get("experts", {}), where, "\"experts\"", False)
+        km = KeyMap(where, table, tuple(drop), transforms, experts=experts)
     else:
         km = KeyMap(where, _str_map(doc, where, "the map", True))
     km.export_table()  # invertible?
