@@ -192,3 +192,24 @@ def test_torchtitan_moe_plan_equals_builtin_moe(model, mesh):
     """torchtitan's own parallelize_fn (meta model, fake world) places every parameter and buffer of
     its MoE models as the built-in ``moe`` plan does."""
     assert _code_vs_builtin(model, mesh) > 50
+
+
+def test_detect_reports_ep_not_tp():
+    """A dp4,ep2 save (experts on torchtitan's sparse mesh, TP-major block order) is FSDP4 with ep2,
+    not 'TP x FSDP dp2 x tp2' (the real save: test_titan_moe_trainer.py)."""
+    from converter.detect import EXPERTS, FSDP, detect_layout
+    from formats.base import CheckpointIndex, ChunkRef, TensorEntry
+
+    mesh = parse_mesh("dp4,ep2")
+
+    def entry(key, shape):
+        p = MOE_PLAN.place(key, shape, mesh)
+        chunks = tuple(ChunkRef(box, f"__{ranks[0]}_0.distcp", None, ranks[0]) for box, ranks in p.unique_boxes(shape, mesh))
+        return TensorEntry(key, "float32", shape, chunks, (key,))
+
+    tensors = {k: entry(k, s) for k, s in ((W1, (8, 12, 8)), (W2, (8, 8, 12)), ("layers.1.attention.wo.weight", (16, 8)),
+                                           ("tok_embeddings.weight", (32, 8)))}
+    rep = detect_layout(CheckpointIndex("dcp", "x", tensors, {}, {"world_size": 4}))
+    assert rep.tensors[W1].kind == EXPERTS and rep.tensors["tok_embeddings.weight"].kind == FSDP
+    assert rep.summary == "FSDP: dim 0 over 4 ranks; grouped experts: 2 tensors split on dim 0, ep2"
+    assert dict(rep.mesh) == {"dp": 4, "ep": 2}

@@ -19,6 +19,11 @@ guess from these facts (see ``/work/shared/notes/dcp-format.md``, "Layouts seen"
   rank at the shard's dp_shard position; told from PP by what the rank groups hold (PP stages:
   disjoint modules; replicas: the same modules, see :func:`find_stages`).
 
+- Expert parallelism (torchtitan's sparse mesh ``(efsdp, ep)``): a grouped-experts tensor
+  (``[num_experts, ...]``, a key naming ``experts``) split on dim 0 alone in TP-major block order
+  is EP x efsdp, not column-wise TP (torchtitan never TP-splits experts on dim 0); such tensors are
+  left out of the dense mesh guess and reported as ``experts`` with their ep degree.
+
 Ambiguities, stated rather than guessed: pure TP column-wise
 with no FSDP has rank order == offset order, exactly like FSDP, and is only recognized as TP when
 another tensor of the same stage is split on dim 1; without rank information (universal store, HF)
@@ -40,6 +45,7 @@ WHOLE = "whole"  # one chunk holding the whole tensor (replicated, single proces
 FSDP = "fsdp"  # split on dim 0 only, rank order == offset order (or TP-replicated in a 2-D run)
 TP_COLWISE = "tp_colwise"  # split on dim 0 by TP (TP-major block order), possibly x FSDP
 TP_ROWWISE = "tp_rowwise"  # split on one dim >= 1 by TP (dim 1: row-wise Linear), and dim 0 by FSDP
+EXPERTS = "experts"  # grouped experts split on dim 0 by EP (x efsdp): torchtitan's sparse mesh
 CHUNKED = "chunked"  # storage chunks without rank information (universal store, HF)
 IRREGULAR = "irregular"  # boxes that match none of the above (or do not tile the tensor)
 
@@ -296,6 +302,8 @@ def _stage_mesh(ranks: tuple[int, ...], entries: list[TensorEntry],
     only0: set[int] = set()  # dim-0 part counts of tensors split on dim 0 alone
     for t in entries:
         dims = facts[t.key][0] if facts is not None and t.key in facts else split_dims(t)
+        if is_grouped_experts(t, dims):
+            continue  # the sparse (EP) mesh, not the dense one
         shards = max(shards, dims.get(0, 1))
         if set(dims) == {0}:
             only0.add(dims[0])
@@ -322,6 +330,8 @@ def _shard_positions_match(ranks: tuple[int, ...], entries: list[TensorEntry], s
     local = {r: i for i, r in enumerate(ranks)}
     for t in entries:
         dims = split_dims(t)
+        if is_grouped_experts(t, dims):
+            continue
         if set(dims) != {0}:
             return False
         if dims[0] != shards:
@@ -330,6 +340,23 @@ def _shard_positions_match(ranks: tuple[int, ...], entries: list[TensorEntry], s
         if any(local[c.rank] % shards != i for i, c in enumerate(live)):
             return False
     return True
+
+
+def is_grouped_experts(entry: TensorEntry, dims: Mapping[int, int]) -> bool:
+    """A grouped-experts tensor ``[num_experts, ...]`` (3-D or more, a key naming ``experts``) split
+    on dim 0 alone: EP's layout, kept out of the dense mesh guess."""
+    return len(entry.shape) >= 3 and "experts" in entry.key and set(dims) == {0}
+
+
+def expert_parallel_degree(entry: TensorEntry) -> int:
+    """ep of a grouped-experts tensor from its block order (``(_StridedShard(0, ep), Shard(0))`` over
+    ``(efsdp, ep)`` is TP-major with factor ep); the number of parts when the order is the identity
+    (efsdp 1, or EP off and FSDP on dim 0: the same boxes)."""
+    live = [c for c in _order(entry.chunks) if c.box.numel]
+    ranks = sorted({c.rank for c in live})
+    local = {r: i for i, r in enumerate(ranks)}
+    seq = [local[c.rank] for c in live]
+    return tp_major_factor(seq) or len(live)
 
 
 def _tp_inner_dim(dims: Mapping[int, int]) -> int | None:
@@ -349,6 +376,8 @@ def _classify(entry: TensorEntry, mesh: _Mesh | None,
     dims, tiled = facts or _facts(entry)
     if not tiled:
         return IRREGULAR, None
+    if is_grouped_experts(entry, dims) and None not in {c.rank for c in entry.chunks}:
+        return EXPERTS, None
     if set(dims) == {0}:
         n = dims[0]
         if mesh.tp > 1 and n in (mesh.dp * mesh.tp, mesh.fsdp * mesh.tp):  # the latter: HSDP x TP
@@ -465,6 +494,15 @@ def _summarize(index, ws, stages, meshes, layouts):
     if not stages:
         return _whole_summary(index, ws), ({} if not ws or ws == 1 else {"dp_replicate": ws}), tuple(notes)
     parts = [_stage_summary(meshes[s], {k: layouts[k] for k in _stage_keys(index, s)}) for s in stages]
+    experts = [index.tensors[k] for k, t in layouts.items() if t.kind == EXPERTS]
+    if experts:  # EP on torchtitan's sparse mesh: add its degree to every stage
+        eps = sorted({expert_parallel_degree(t) for t in experts})
+        text = f"; grouped experts: {len(experts)} tensors split on dim 0, " + (
+            f"ep{eps[0]}" if len(eps) == 1 else "ep " + "/".join(map(str, eps)))
+        if len(eps) == 1 and eps[0] > 1:
+            parts = [(h, d + text, {**g, "ep": eps[0]}) for h, d, g in parts]
+        else:
+            parts = [(h, d + text, g) for h, d, g in parts]
     if len(stages) == 1:
         return f"{parts[0][0]}: {parts[0][1]}", parts[0][2], tuple(notes)
     heads = {p[0] for p in parts}
