@@ -197,7 +197,7 @@ def test_torchtitan_moe_plan_equals_builtin_moe(model, mesh):
 def test_detect_reports_ep_not_tp():
     """A dp4,ep2 save (experts on torchtitan's sparse mesh, TP-major block order) is FSDP4 with ep2,
     not 'TP x FSDP dp2 x tp2' (the real save: test_titan_moe_trainer.py)."""
-    from converter.detect import EXPERTS, FSDP, detect_layout
+    from converter.plan.source_layout import EXPERTS, FSDP, detect_layout
     from formats.base import CheckpointIndex, ChunkRef, TensorEntry
 
     mesh = parse_mesh("dp4,ep2")
