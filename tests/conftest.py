@@ -229,7 +229,7 @@ def s3_bucket(s3_server):
 
 
 # ---------------------------------------------------------------------------------------------
-# torchtitan 0.3.0's own Trainer checkpoints (tests/support/titan_support.py), cached like the fixtures above
+# torchtitan 0.3.0's own Trainer checkpoints (tests/support/tests/support/titan_support.py), cached like the fixtures above
 
 
 def titan_cache_dir() -> Path:
@@ -247,7 +247,7 @@ def _titan_get(mesh: str, model: str | None = None) -> Path:
 
     cache = titan_cache_dir()
     if model is not None:
-        h = hashlib.sha256((TESTS_DIR / "titan_moe_support.py").read_bytes() + model.encode())
+        h = hashlib.sha256((SUPPORT_DIR / "titan_moe_support.py").read_bytes() + model.encode())
         cache = cache.parent / f"{cache.name}-moe-{h.hexdigest()[:12]}"
     root = cache / mesh
     if not _is_intact(root):
