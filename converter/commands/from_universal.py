@@ -60,11 +60,10 @@ def _atom_refs(reader: CheckpointReader, index: CheckpointIndex) -> dict[str, At
 
 def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dict[str, int | None], set[str]]:
     """(param key -> TP split dim in the source, keys the source held whole on every rank)."""
-    meta = getattr(reader, "meta", None)
-    if meta is not None and hasattr(meta, "tensors"):
-        splits = {k: r.tp_split_dim for k, r in meta.tensors.items()}
-        replicated = {k for k, r in meta.tensors.items() if r.source_replicated}
-        return splits, replicated
+    from formats.universal import UniversalReader
+
+    if isinstance(reader, UniversalReader):  # to-universal recorded them
+        return reader.source_layout()
     from converter.plan.source_layout import detect_layout
     from converter.commands.to_universal import source_hints
 

@@ -555,6 +555,12 @@ class UniversalReader:
         sel = (slice(None),) + tuple(slice(o, o + s) for o, s in zip(local.offsets[1:], local.sizes[1:]))
         return arr[sel]
 
+    def source_layout(self) -> tuple[dict[str, int | None], set[str]]:
+        """What the store recorded of its source's layout: (key -> the dim tensor parallelism
+        split it along, None when not split; the keys the source held whole on every rank)."""
+        tensors = self.meta.tensors
+        return {k: r.tp_split_dim for k, r in tensors.items()}, {k for k, r in tensors.items() if r.source_replicated}
+
     def chunk_checksum(self, key: str, chunk: ChunkRef) -> tuple[str, str]:
         """(expected, actual) xxh3_64 of a chunk's logical bytes."""
         record = self.meta.tensors[key]
