@@ -7,7 +7,9 @@ Cache: ``$CKPTCONV_TEST_CACHE`` (default ``~/.cache/ckptconv-tests``) / ``<torch
 ckpt_factory.py + models.py>`` / ``<kind>/{ckpt/, _fixture.json, _complete.json}``. A kind is built
 into a temp dir and renamed in whole, with ``_complete.json`` (a manifest of every file's size and
 xxh3 hash) written first, so an interrupted build is never used and a change to the factory or
-model source starts a new cache.
+model source starts a new cache. The cache itself (build atomically, manifest, read-only,
+checked on every use) is ``tests/support/fixture_cache.py``, shared by the fixture kinds, the
+acceptance kinds and the torchtitan saves.
 
 CACHED CHECKPOINTS ARE SHARED AND MUST NEVER BE MODIFIED. They are made read-only (no effect for
 root), and every ``dcp_checkpoint(kind)`` call re-checks the manifest: a test that changed a cached
@@ -21,9 +23,7 @@ Imports: this directory and the repository root are put on ``sys.path``, so both
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -38,18 +38,15 @@ for _p in (str(TESTS_DIR.parent), str(TESTS_DIR), str(SUPPORT_DIR)):
         sys.path.insert(0, _p)
 
 import torch  # noqa: E402
-import xxhash  # noqa: E402
 
 import ckpt_factory  # noqa: E402
+import fixture_cache  # noqa: E402
 from hypothesis import settings as _hypothesis_settings  # noqa: E402
 
 # CI runs property tests with a fixed seed so a landing is reproducible; locally they explore.
 _hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 if os.environ.get("CI"):
     _hypothesis_settings.load_profile("ci")
-
-COMPLETE = "_complete.json"
-
 
 def source_hash() -> str:
     """Hash of the sources that determine the fixtures' bytes."""
@@ -61,80 +58,24 @@ def source_hash() -> str:
 
 def cache_dir() -> Path:
     """Where fixtures of this torch version and factory source live."""
-    base = os.environ.get("CKPTCONV_TEST_CACHE") or Path.home() / ".cache" / "ckptconv-tests"
-    return Path(base) / f"{torch.__version__}-{source_hash()}"
+    return fixture_cache.base_dir() / f"{torch.__version__}-{source_hash()}"
 
 
-def _manifest(root: Path) -> dict[str, list]:
-    out = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != COMPLETE):
-        out[path.relative_to(root).as_posix()] = [path.stat().st_size, xxhash.xxh3_64_hexdigest(path.read_bytes())]
-    return out
-
-
-def _set_writable(root: Path, writable: bool) -> None:
-    for path in [root, *root.rglob("*")]:
-        if path.is_dir():
-            path.chmod(0o755 if writable else 0o555)
-        else:
-            path.chmod(0o644 if writable else 0o444)
-
-
-def _remove(root: Path) -> None:
-    if root.exists():
-        _set_writable(root, True)
-        shutil.rmtree(root)
-
-
-def _is_intact(root: Path) -> bool:
-    marker = root / COMPLETE
-    return marker.is_file() and json.loads(marker.read_text()) == _manifest(root)
-
-
-def _build(kind: str, cache: Path) -> Path:
-    """Build ``kind`` into ``cache/<kind>`` atomically (concurrent sessions: first rename wins)."""
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = cache / f".tmp-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        ckpt_factory.make_checkpoint(kind, tmp)
-        built = tmp / kind
-        (built / COMPLETE).write_text(json.dumps(_manifest(built), indent=1))
-        _set_writable(built, False)
-        built.chmod(0o755)  # the rename below needs it writable (non-root)
-        try:
-            built.rename(cache / kind)
-        except OSError:
-            if not _is_intact(cache / kind):
-                raise
-        (cache / kind).chmod(0o555)
-    finally:
-        _remove(tmp)
-    return cache / kind
+def _build_kind(kind: str, tmp: Path) -> Path:
+    ckpt_factory.make_checkpoint(kind, tmp)
+    return tmp / kind
 
 
 class CheckpointCache:
-    """Session view of the cache: builds each kind at most once, checks it on every use."""
+    """Session view of the fixture cache: ``get(kind)`` is the kind's ``ckpt/`` (built at most
+    once, manifest-checked on every use)."""
 
     def __init__(self, cache: Path):
         self.cache = cache
-        self.checked: set[str] = set()
+        self._entries = fixture_cache.FixtureCache(cache, _build_kind, names=lambda: ckpt_factory.KINDS)
 
     def get(self, kind: str) -> Path:
-        if kind not in ckpt_factory.KINDS:
-            raise KeyError(f"unknown fixture kind {kind!r}; known: {sorted(ckpt_factory.KINDS)}")
-        root = self.cache / kind
-        if kind in self.checked:
-            if not _is_intact(root):
-                raise AssertionError(
-                    f"cached fixture {root} was modified during this session; tests must use "
-                    "dcp_checkpoint_copy() to change a checkpoint"
-                )
-            return root / "ckpt"
-        if not _is_intact(root):
-            _remove(root)  # stale or damaged: rebuild
-            _build(kind, self.cache)
-        self.checked.add(kind)
-        return root / "ckpt"
+        return self._entries.get(kind) / "ckpt"
 
 
 @pytest.fixture(scope="session")
@@ -154,10 +95,7 @@ def dcp_checkpoint_copy(checkpoint_cache: CheckpointCache, tmp_path: Path) -> Ca
 
     def copy(kind: str) -> Path:
         src = checkpoint_cache.get(kind).parent
-        dst = tmp_path / f"copy-{kind}-{uuid.uuid4().hex[:6]}"
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(COMPLETE))
-        _set_writable(dst, True)
-        return dst / "ckpt"
+        return fixture_cache.writable_copy(src, tmp_path / f"copy-{kind}-{uuid.uuid4().hex[:6]}") / "ckpt"
 
     return copy
 
@@ -240,39 +178,30 @@ def titan_cache_dir() -> Path:
     return cache_dir().parent / f"titan-{torch.__version__}-{h.hexdigest()[:16]}"
 
 
+def _titan_build(mesh: str, tmp: Path, model: str | None = None) -> None:
+    if model is None:
+        import titan_support
+
+        titan_support.build_checkpoint(mesh, tmp)
+    else:
+        import titan_moe_support
+
+        titan_moe_support.build_checkpoint(mesh, tmp, model)
+
+
+_titan_entries: dict[str | None, fixture_cache.FixtureCache] = {}
+
+
 def _titan_get(mesh: str, model: str | None = None) -> Path:
     """A cached torchtitan save on ``mesh``: Llama 3 debugmodel, or the MoE ``model``
     (``MODEL/FLAVOR``, built by titan_moe_support.py, whose source keys its own cache)."""
-    import titan_support
-
-    cache = titan_cache_dir()
-    if model is not None:
-        h = hashlib.sha256((SUPPORT_DIR / "titan_moe_support.py").read_bytes() + model.encode())
-        cache = cache.parent / f"{cache.name}-moe-{h.hexdigest()[:12]}"
-    root = cache / mesh
-    if not _is_intact(root):
-        _remove(root)
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = cache / f".tmp-{mesh}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            if model is None:
-                titan_support.build_checkpoint(mesh, tmp)
-            else:
-                import titan_moe_support
-
-                titan_moe_support.build_checkpoint(mesh, tmp, model)
-            (tmp / COMPLETE).write_text(json.dumps(_manifest(tmp), indent=1))
-            _set_writable(tmp, False)
-            tmp.chmod(0o755)
-            try:
-                tmp.rename(root)
-            except OSError:
-                if not _is_intact(root):
-                    raise
-            root.chmod(0o555)
-        finally:
-            _remove(tmp)
-    return root
+    if model not in _titan_entries:
+        cache = titan_cache_dir()
+        if model is not None:
+            h = hashlib.sha256((SUPPORT_DIR / "titan_moe_support.py").read_bytes() + model.encode())
+            cache = cache.parent / f"{cache.name}-moe-{h.hexdigest()[:12]}"
+        _titan_entries[model] = fixture_cache.FixtureCache(cache, lambda m, tmp: _titan_build(m, tmp, model))
+    return _titan_entries[model].get(mesh)
 
 
 @pytest.fixture(scope="session")

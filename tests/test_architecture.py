@@ -126,3 +126,14 @@ def test_api_names_are_lazy_and_the_same_objects():
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_tests_mirror_the_tree():
+    """tests/ holds a folder per stage (plus support/ and e2e/); only conftest.py and this file
+    stand at its root, so a new test lands next to the code it checks."""
+    tests = ROOT / "tests"
+    assert sorted(p.name for p in tests.glob("*.py")) == ["conftest.py", "test_architecture.py"]
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert {"formats", "plan", "run", "commands", "tools", "cli", "e2e", "support"} <= folders
+    stray = [p for p in tests.joinpath("support").glob("test_*.py")]
+    assert not stray, f"tests in tests/support/: {stray}"

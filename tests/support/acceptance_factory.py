@@ -25,9 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -340,28 +337,22 @@ def cache_dir() -> Path:
     h = hashlib.sha256()
     for name in ("acceptance_factory.py", "ckpt_factory.py", "models.py"):
         h.update((TESTS_DIR / name).read_bytes())
-    base = os.environ.get("CKPTCONV_TEST_CACHE") or Path.home() / ".cache" / "ckptconv-tests"
-    return Path(base) / f"acceptance-{torch.__version__}-{h.hexdigest()[:16]}"
+    import fixture_cache
+
+    return fixture_cache.base_dir() / f"acceptance-{torch.__version__}-{h.hexdigest()[:16]}"
+
+
+_entries = None
 
 
 def get(kind: str) -> Path:
-    """The cached checkpoint of ``kind`` (built on first use; treat as READ-ONLY)."""
-    final = cache_dir() / kind
-    if (final / "_complete.json").is_file():
-        return final / "ckpt"
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir() / f".tmp-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        build(KINDS[kind], tmp)
-        (tmp / "_complete.json").write_text("{}")
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not (final / "_complete.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final / "ckpt"
+    """The cached checkpoint of ``kind`` (built on first use, manifest-checked; READ-ONLY)."""
+    global _entries
+    if _entries is None:
+        import fixture_cache
+
+        _entries = fixture_cache.FixtureCache(cache_dir(), lambda name, tmp: build(KINDS[name], tmp), names=lambda: KINDS)
+    return _entries.get(kind) / "ckpt"
 
 
 # ----------------------------------------------------------------------------- load worlds
