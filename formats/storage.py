@@ -98,8 +98,10 @@ def _first_line(exc: BaseException) -> str:
     return clip(_redact(text[0]), 200) if text else type(exc).__name__
 
 
-def storage_error(url: str, exc: BaseException) -> Exception:
-    """The ckptconv error for a backend exception raised while touching ``url``."""
+def remote_error(url: str, exc: BaseException) -> Exception:
+    """The ckptconv error for a backend exception raised while touching ``url`` (a URL's
+    storage service; an OSError while writing a local output is
+    :func:`converter.run.executor.storage_error`'s)."""
     from formats.errors import CkptConvError
 
     if isinstance(exc, CkptConvError):
@@ -127,7 +129,7 @@ def remote_errors(url: str) -> Iterator[None]:
     except CkptConvError:
         raise
     except Exception as exc:  # backends raise botocore / aiohttp / OSError types
-        raise storage_error(url, exc) from None
+        raise remote_error(url, exc) from None
 
 
 def filesystem(url: str) -> tuple[Any, str]:
