@@ -86,25 +86,11 @@ class _Acc:
 
 
 def slabs(box: Box, max_elems: int) -> Iterator[Box]:
-    """Sub-boxes of ``box`` in row-major order, each at most ``max_elems`` elements.
+    """Sub-boxes of ``box`` in row-major order, each at most ``max_elems`` elements: the copy
+    planner's pieces (:func:`converter.plan.copy_tasks.split_pieces`) counted in elements."""
+    from converter.plan.copy_tasks import split_pieces
 
-    Splits along the first dim longer than 1 into runs of whole rows; a single row that is still
-    too big is split along the next dim, recursively.
-    """
-    if box.ndim == 0 or box.numel <= max_elems:
-        yield box
-        return
-    d = next(i for i, s in enumerate(box.sizes) if s > 1)
-    inner = math.prod(box.sizes[d + 1:])
-    step = max(1, max_elems // inner)
-    for start in range(0, box.sizes[d], step):
-        n = min(step, box.sizes[d] - start)
-        offs = box.offsets[:d] + (box.offsets[d] + start,) + box.offsets[d + 1:]
-        sub = Box(offs, box.sizes[:d] + (n,) + box.sizes[d + 1:])
-        if sub.numel > max_elems:
-            yield from slabs(sub, max_elems)
-        else:
-            yield sub
+    return iter(split_pieces(box, 1, max_elems))
 
 
 def _fold(acc: _Acc, t: torch.Tensor) -> None:
