@@ -39,9 +39,15 @@ def _config(model: str):
     cfg.layers = cfg.layers[:layers]
     for layer in cfg.layers:
         if getattr(layer, "moe", None) is not None:
-            layer.moe.num_experts = layer.moe.router.num_experts = experts
-            layer.moe.routed_experts.inner_experts.num_experts = experts
+            _set_experts(layer.moe, experts, layer.moe.router.top_k)
     return cfg
+
+
+def _set_experts(moe, experts: int, top_k: int) -> None:
+    """Every field of an MoE config that holds the expert count or top-k."""
+    moe.num_experts = moe.router.num_experts = moe.router.gate.out_features = experts
+    moe.routed_experts.inner_experts.num_experts = moe.routed_experts.token_dispatcher.num_experts = experts
+    moe.router.top_k = moe.routed_experts.token_dispatcher.top_k = top_k
 
 
 def _adapter(model: str):
@@ -174,3 +180,56 @@ def test_map_file_with_experts(tmp_path):
     km = get_key_map(str(path))
     assert km.expert_names("blocks.3.experts.w", 2) == ["m.3.e.0.w", "m.3.e.1.w"]
     assert km.expert_of("m.3.e.1.w") == ("blocks.3.experts.w", 1)
+
+
+QWEN3_MOE_HF = {  # torchtitan's qwen3 debugmodel_moe (cut to 2 layers, 8 experts, top-2) as HF Qwen3MoeConfig
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 2048, "hidden_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "moe_intermediate_size": 768, "intermediate_size": 768, "num_experts": 8, "num_experts_per_tok": 2,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False, "hidden_act": "silu",
+    "attention_bias": False,
+}
+
+
+def test_transformers_qwen3_moe_logits_equal_torchtitans_model(tmp_path):
+    """The export, loaded by transformers' Qwen3MoeForCausalLM, computes the logits of torchtitan's own
+    qwen3 MoE model holding the same weights. torchtitan runs its grouped experts in bf16
+    (GroupedExperts casts to bf16 for torch._grouped_mm) and HF in fp32: the logits agree to bf16
+    rounding, and a wrong expert order (experts 0 and 1 swapped) is far outside it."""
+    import torch.distributed.checkpoint as dcp
+
+    transformers = pytest.importorskip("transformers")
+    cfg = _config("qwen3/debugmodel_moe")
+    for layer in cfg.layers:
+        _set_experts(layer.moe, 8, 2)
+    torch.manual_seed(0)
+    model = cfg.build()
+    sd = {k: torch.randn(v.shape) * (0.05 if v.ndim >= 2 else 1.0) for k, v in model.state_dict().items()}
+    sd = {k: (v.abs() + 0.5 if k.endswith("norm.weight") else v) for k, v in sd.items()}
+    sd = {k: (torch.zeros_like(v) if "expert_bias" in k else v) for k, v in sd.items()}  # HF has no bias
+    model.load_state_dict(sd)
+    model.eval()
+    dcp.save({k: v.clone() for k, v in sd.items()}, checkpoint_id=str(tmp_path / "ckpt"))
+    code, out, err = run_cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--map", "torchtitan-qwen3",
+                             "--config", json.dumps(QWEN3_MOE_HF))
+    assert code == 0, out + err
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(32).expand(2, 32)
+    with torch.no_grad():
+        want = model(tokens, positions, model.get_attention_masks(positions))
+        got = hf(tokens).logits
+    err_ok = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    print(f"qwen3 MoE logits: max |HF - torchtitan| {err_ok:.3g} (max |logit| {scale:.3g})")
+    assert err_ok < 0.02 * scale, (err_ok, scale)
+    with torch.no_grad():  # the same check with two experts swapped in HF fails
+        experts = hf.model.layers[0].mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(experts, name, None)
+            if p is not None:
+                p.data[[0, 1]] = p.data[[1, 0]]
+        bad = (hf(tokens).logits - want).abs().max().item()
+    print(f"experts 0 and 1 swapped: {bad:.3g}")
+    assert bad > 5 * err_ok, (bad, err_ok)
