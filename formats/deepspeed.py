@@ -393,9 +393,11 @@ class DeepSpeedReader:
         if f"{STEP}.pt" in files:  # ZeRO-1/2
             archive = _load_archive(self.root / ZERO_DIR / fqn / f"{STEP}.pt", f"step of {fqn!r}")
             value, dtype = self._step_value(archive, archive.value)
-        else:  # ZeRO-3: per group in optimizer_state.pt
+        else:  # ZeRO-3: per group in optimizer_state.pt; optimizers keeping it in the group: there
             group = next((i for i, g in enumerate(self.layout.group_params) if fqn in g), 0)
             raw = self.layout.steps[group] if group < len(self.layout.steps) else None
+            if raw is None and group < len(self.layout.param_groups):
+                raw = self.layout.param_groups[group].get(STEP)
             if raw is None:
                 return
             value, dtype = self._step_value(opt, raw)

@@ -266,10 +266,11 @@ def _fsdp2_expected(dcp: Path, out: Path) -> Path:
 
 @pytest.mark.slow
 @requires_deepspeed
-@pytest.mark.parametrize("kind", ["fsdp4", "tp2dp2"])
+@pytest.mark.parametrize("kind", ["fsdp4", "tp2dp2", "bf16_fsdp2"])
 def test_fsdp2_dcp_to_deepspeed_zero_stages_and_worlds(kind: str, dcp_checkpoint, tmp_path: Path) -> None:
-    """FSDP2 (and FSDP2+TP) DCP -> to-universal -> export-ds, loaded by DeepSpeed engines under
-    ZeRO-1/2/3 at world sizes 1-3, every one bit-exact against torch's reading of the DCP."""
+    """FSDP2 (FSDP2+TP, bf16 FSDP2) DCP -> to-universal -> export-ds, loaded by DeepSpeed engines
+    under ZeRO-1/2/3 at world sizes 1-3 (bf16: DeepSpeed's bf16 mode, fp32 master weights and
+    states), every one bit-exact against torch's reading of the DCP."""
     from ckpt_factory import fixture_info, spec_from_info
     from converter.commands.to_universal import to_universal as to_uni
 
@@ -278,7 +279,8 @@ def test_fsdp2_dcp_to_deepspeed_zero_stages_and_worlds(kind: str, dcp_checkpoint
     to_uni(dcp, tmp_path / "uni")
     _export(tmp_path / "uni", tmp_path / "ds")
     expected = _fsdp2_expected(dcp, tmp_path / "expected.pt")
-    cases = [(1, 2), (2, 1), (2, 3), (3, 2), (3, 3)] if kind == "fsdp4" else [(2, 2), (3, 2)]
+    cases = {"fsdp4": [(1, 2), (2, 1), (2, 3), (3, 2), (3, 3)], "tp2dp2": [(2, 2), (3, 2)],
+             "bf16_fsdp2": [(2, 1), (3, 2)]}[kind]
     losses = set()
     for stage, world in cases:
         reps = load_and_check(tmp_path / "ds", expected, stage, world, tmp_path / f"rep{stage}x{world}", args=args)

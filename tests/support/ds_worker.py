@@ -49,6 +49,8 @@ def _engine(deepspeed: Any, args: ModelArgs, seed: int, stage: int, world: int, 
         "checkpoint": {"load_universal": universal},
         "steps_per_print": 1 << 30,
     }
+    if args.dtype in ("bfloat16", "float16"):  # DeepSpeed's mixed precision: fp32 master weights and states
+        config["bf16" if args.dtype == "bfloat16" else "fp16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model), config=config)
     return engine
 
@@ -140,7 +142,7 @@ def expected_from_store_reference(ref: dict[str, Any], groups: list[dict]) -> di
         if key.startswith("model.") and torch.is_tensor(value):
             out[key] = value.float() if value.dtype != torch.float32 else value
         elif key.startswith("optim.state.") and key.rsplit(".", 1)[1] in STATES:
-            out[key] = value
+            out[key] = value.float() if value.dtype != torch.float32 else value  # DeepSpeed's states are fp32
         elif key.startswith("optim.state.") and key.endswith(".step"):
             step = value
     out["step"] = step
