@@ -10,7 +10,8 @@ from formats.errors import CheckpointNotFoundError, IncompleteCheckpointError, I
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """"dcp", "universal" or "hf" for a local directory or a URL; a clear error for anything else."""
+    """"dcp", "universal", "hf" or "deepspeed" (a local DeepSpeed universal checkpoint) for a local
+    directory or a URL; a clear error for anything else."""
     from formats.storage import open_storage
 
     st = open_storage(path)
@@ -46,6 +47,11 @@ def _format_of(st, names: list[str]) -> str:  # noqa: ANN001 - a formats.storage
         return "dcp"
     if any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names:
         return "hf"
+    if st.is_local and ("zero" in names or "latest_universal" in names):
+        from formats.deepspeed import is_deepspeed_universal
+
+        if is_deepspeed_universal(p):
+            return "deepspeed"
     if not names:
         raise InvalidCheckpointError(f"{p}: directory is empty; pass a DCP checkpoint directory (with .metadata)")
     if any(n.endswith(".distcp") for n in names):
@@ -84,6 +90,10 @@ def _open(path: str | os.PathLike, trust_pickle: bool, verify: bool) -> Checkpoi
         from formats.dcp import DCPReader
 
         return DCPReader(path, trust_pickle=trust_pickle, verify=verify)
+    if fmt == "deepspeed":
+        from formats.deepspeed import DeepSpeedReader
+
+        return DeepSpeedReader(path, verify=verify)
     from formats.hf import HFReader  # type: ignore[import-not-found]
 
     return HFReader(path, verify=verify)

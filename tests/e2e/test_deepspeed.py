@@ -147,6 +147,33 @@ def test_export_ds_from_fsdp2_store_keeps_bits(dcp_checkpoint, tmp_path: Path) -
             assert bits_equal(got, ref[f"optim.state.{fqn}.{state}"]), (fqn, state)
 
 
+def test_deepspeed_dir_is_a_source_everywhere(tmp_path: Path) -> None:
+    """inspect, verify, diff and to-universal read a DeepSpeed universal checkpoint too; a flipped
+    byte in an atom is caught by its zip CRC-32 (verify reports it, import-ds refuses it)."""
+    from cli_runner import run_cli
+
+    src = tmp_path / "u"
+    shutil.copytree(_universal(2), src)
+    code, out, _ = run_cli("inspect", str(src))
+    assert code == 0 and "optim.state.norm.weight.exp_avg_sq" in out
+    code, out, _ = run_cli("verify", str(src))
+    assert code == 0 and out.startswith("ok:") and "(deepspeed)" in out
+    assert run_cli("to-universal", str(src), str(tmp_path / "uni"))[0] == 0
+    _import(src, tmp_path / "uni2")
+    code, out, _ = run_cli("diff", str(src), str(tmp_path / "uni2"))
+    assert code == 0 and "same: 48 of 48" in out
+    atom = src / "zero" / "norm.weight" / "exp_avg.pt"
+    data = bytearray(atom.read_bytes())
+    raw = torch.load(atom, weights_only=True)["param"].numpy().tobytes()
+    data[data.find(raw) + 5] ^= 0x01  # one bit of the tensor's bytes
+    torch.load(io.BytesIO(bytes(data)), weights_only=True)  # torch itself does not notice
+    atom.write_bytes(bytes(data))
+    code, out, _ = run_cli("verify", str(src))
+    assert code != 0 and "norm.weight" in out and "CRC" in out
+    code, _, err = run_cli("import-ds", str(src), str(tmp_path / "uni3"))
+    assert code == 2 and "CRC-32 mismatch" in err and "exp_avg.pt" in err and len(err.strip().splitlines()) == 1
+
+
 def test_deepspeed_classes_are_never_run(tmp_path: Path) -> None:
     """optimizer_state.pt naming a global outside the allowlist is refused in one line naming the
     file; DeepSpeed's own classes are read as inert data (DeepSpeed not imported)."""
