@@ -50,7 +50,7 @@ from formats.dcp.safe_pickle import SAFE_BUILTINS, Record, record_class, safe_lo
 from formats.dtypes import by_name, from_storage_array
 from formats.errors import (CheckpointNotFoundError, CorruptCheckpointError, InvalidCheckpointError,
                             UnsupportedError)
-from formats.fsutil import read_error, short
+from formats.fsutil import read_error, short, source_path
 
 if TYPE_CHECKING:
     import torch
@@ -217,7 +217,10 @@ def is_deepspeed_universal(path: str | os.PathLike) -> bool:
     if (root / ZERO_DIR / OPTIMIZER_STATE).is_file():
         return True
     latest = root / LATEST_UNIVERSAL
-    return latest.is_file() and (root / latest.read_text().strip() / ZERO_DIR).is_dir()
+    if not latest.is_file() or latest.stat().st_size > 4096:
+        return False
+    tag = latest.read_text(errors="replace").strip()
+    return bool(tag) and "/" not in tag and (root / tag / ZERO_DIR).is_dir()
 
 
 def _model_states_file(root: Path) -> Path | None:
@@ -255,7 +258,8 @@ def _param_shapes(ms: _Archive | None) -> list[OrderedDict]:
 def read_layout(root: Path) -> tuple[DeepSpeedLayout, _Archive]:
     """Parse ``zero/optimizer_state.pt`` and the model-states file (allowlisted data only); the
     layout and the parsed optimizer state (whose ZeRO-3 step tensors are read from it)."""
-    opt = _load_archive(root / ZERO_DIR / OPTIMIZER_STATE, "the optimizer's common state")
+    opt = _load_archive(source_path(root, f"{ZERO_DIR}/{OPTIMIZER_STATE}", "the optimizer's common state"),
+                        "the optimizer's common state")
     sd = opt.value
     if not isinstance(sd, dict):
         raise CorruptCheckpointError(f"{opt.path}: holds a {type(sd).__name__}, not a dict; rerun ds_to_universal.py")
@@ -272,7 +276,8 @@ def read_layout(root: Path) -> tuple[DeepSpeedLayout, _Archive]:
             s = state.get(i, state.get(0))
             steps.append(s.get(STEP) if isinstance(s, dict) else None)
     ms_path = _model_states_file(root)
-    ms = _load_archive(ms_path, "the model states") if ms_path is not None else None
+    ms = _load_archive(source_path(root, ms_path.name, "the model states"), "the model states") \
+        if ms_path is not None else None
     shapes = _param_shapes(ms)
     ms_value = ms.value if ms is not None and isinstance(ms.value, dict) else {}
     return DeepSpeedLayout(
@@ -344,8 +349,9 @@ class DeepSpeedReader:
     # -- index -----------------------------------------------------------------------------------
 
     def _add_param(self, fqn: str, tensors: dict[str, TensorEntry], opt: _Archive) -> None:
-        folder = self.root / ZERO_DIR / fqn
-        files = sorted(p.name for p in folder.iterdir() if p.is_file() and _ATOM_FILE.fullmatch(p.name))
+        folder = source_path(self.root, f"{ZERO_DIR}/{fqn}", f"parameter {fqn!r}")
+        files = sorted(p.name for p in folder.iterdir()
+                       if p.is_file() and _ATOM_FILE.fullmatch(p.name) and not p.name.startswith("."))
         if f"{MASTER}.pt" not in files:
             raise CorruptCheckpointError(f"{folder}: no {MASTER}.pt for parameter {fqn!r}; rerun ds_to_universal.py")
         shape = None
@@ -353,7 +359,7 @@ class DeepSpeedReader:
         for name in [f"{MASTER}.pt"] + [f for f in files if f != f"{MASTER}.pt"]:
             state = name[:-3]
             rel = f"{ZERO_DIR}/{fqn}/{name}"
-            archive = _load_archive(self.root / rel, f"{state} of {fqn!r}")
+            archive = _load_archive(source_path(self.root, rel, f"{state} of {fqn!r}"), f"{state} of {fqn!r}")
             if state == STEP:
                 continue  # added below, once the parameter is known to have optimizer states
             at = self._atom_tensor(archive, fqn, state)
@@ -391,7 +397,8 @@ class DeepSpeedReader:
 
     def _add_step(self, fqn: str, files: list[str], tensors: dict[str, TensorEntry], opt: _Archive) -> None:
         if f"{STEP}.pt" in files:  # ZeRO-1/2
-            archive = _load_archive(self.root / ZERO_DIR / fqn / f"{STEP}.pt", f"step of {fqn!r}")
+            rel = f"{ZERO_DIR}/{fqn}/{STEP}.pt"
+            archive = _load_archive(source_path(self.root, rel, f"step of {fqn!r}"), f"step of {fqn!r}")
             value, dtype = self._step_value(archive, archive.value)
         else:  # ZeRO-3: per group in optimizer_state.pt; optimizers keeping it in the group: there
             group = next((i for i, g in enumerate(self.layout.group_params) if fqn in g), 0)
@@ -453,7 +460,7 @@ class DeepSpeedReader:
         return self._index
 
     def _open(self, key: str, chunk: ChunkRef) -> tuple[int, SliceReader]:
-        path = self.root / chunk.file
+        path = source_path(self.root, chunk.file, f"key {key!r}")
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:

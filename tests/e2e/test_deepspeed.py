@@ -197,6 +197,7 @@ def test_deepspeed_classes_are_never_run(tmp_path: Path) -> None:
 
 
 def test_import_ds_errors_name_file_and_fix(tmp_path: Path) -> None:
+    from formats.deepspeed import DeepSpeedReader
     from formats.errors import CkptConvError as CheckpointError
 
     with pytest.raises(CheckpointError, match="no such DeepSpeed universal checkpoint"):
@@ -209,6 +210,13 @@ def test_import_ds_errors_name_file_and_fix(tmp_path: Path) -> None:
     (src / "zero" / "norm.weight" / "fp32.pt").unlink()
     with pytest.raises(CheckpointError, match=r"norm\.weight.*no fp32\.pt.*rerun ds_to_universal"):
         _import(src, tmp_path / "uni2")
+    src = tmp_path / "u2"
+    shutil.copytree(_universal(3), src)
+    (tmp_path / "outside").mkdir()
+    shutil.move(src / "zero" / "output.weight", tmp_path / "outside" / "w")
+    (src / "zero" / "output.weight").symlink_to(tmp_path / "outside" / "w")
+    with pytest.raises(CheckpointError, match=r"output\.weight.*resolves outside the checkpoint directory"):
+        DeepSpeedReader(src)
 
 
 def _tree(root: Path) -> dict[str, bytes]:
