@@ -1,6 +1,6 @@
 """Rebuild the DeepSpeed fixtures here with real DeepSpeed 0.19.8 (CPU, gloo):
 
-    cd tests && python data/deepspeed/make_fixtures.py
+    python tests/data/deepspeed/make_fixtures.py
 
 For ZeRO-2 and ZeRO-3 (world 2, the tiny model of ``ds_support.TINY``, 3 AdamW steps): the
 engine's checkpoint goes through DeepSpeed's own ``ds_to_universal.py``; kept are the universal
@@ -13,7 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/
+_TESTS = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(_TESTS.parent), str(_TESTS / "support")]  # the repository, tests/support/
 
 from ds_support import DATA, to_universal, train_and_save  # noqa: E402
 
