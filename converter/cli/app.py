@@ -192,9 +192,12 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
 
         raise ConfigError(f"{'--json' if as_json else '--layout'} shows the plan of a dry run: add --dry-run "
                           f"(after the conversion, use 'ckptconv inspect {dst} --layout KEY')")
+    from converter.plan.dry_run import PREVIEW_CHUNK_LINES
+
     result = from_universal(src, dst, mesh, plan=plan_name, mesh_order=mesh_order, dtype=dtype,
                             options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader,
-                            config=config)
+                            config=config,  # the text lists a few chunks per key; --json / --layout all
+                            preview_chunks=None if as_json or layout_key is not None else PREVIEW_CHUNK_LINES)
     for w in result.warnings:
         click.echo(f"ckptconv: warning: {w}", err=True)
     if result.preview is not None and (as_json or layout_key is not None):

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -36,6 +37,7 @@ from converter.plan.selection import Selection, select_entries
 from converter.run.sources import open_checkpoint
 from converter.commands.to_universal import ConversionResult
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
+from formats.dcp.metadata import gc_paused
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype
 from formats.objects import read_checked_object
@@ -190,7 +192,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                    mesh_order: str | None = None, dtype: str | None = None,
                    options: RunOptions | None = None, selection: Selection | None = None,
                    drop_dataloader: bool = False,
-                   config: str | os.PathLike | Mapping | None = None) -> ConversionResult:
+                   config: str | os.PathLike | Mapping | None = None,
+                   preview_chunks: int | None = None) -> ConversionResult:
     """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``.
 
     ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
@@ -198,35 +201,44 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     for the target's DP degree; see :mod:`converter.plan.dataloader_state`).
     ``config`` (a config.json path, inline JSON or a mapping; default: ``src/config.json`` when
     present) gives the attention head counts a TP split must divide.
+    ``preview_chunks`` (dry run): list only that many chunks per key in ``result.preview`` (what
+    the text shows; None: every chunk, the whole plan document).
     """
     options = options or RunOptions()
     target_mesh = parse_mesh(mesh, mesh_order)
     if dtype is not None:
         dtype = cast_dtype(dtype)
     dist = distributed.current()
-    reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
+    planning = contextlib.ExitStack()  # opening and planning build millions of small acyclic objects:
+    planning.enter_context(gc_paused())  # no cyclic GC passes over them until the plan is done
     try:
-        index = reader.index()
-        refs = _atom_refs(reader, index)
-        splits, replicated = _source_hints(reader, index)
-        selected = select_entries(index, selection or Selection(), refs)
-        heads = _head_counts(src, config)
-        layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors,
-                               heads=heads)
-        index = selected.restrict(index)  # the whole index planned the parameters; write the selection
-        # every entry checked (CRC, zip records, pickle globals) before the destination is touched
-        object_specs, index, notes = plan_objects(index, lambda k: read_checked_object(reader, k, options.trust_pickle),
-                                                  target_mesh, drop_dataloader)
-        layout = replace(layout, chunks=tuple(c for c in layout.chunks if c.key in index.tensors),
-                         warnings=layout.warnings + tuple(notes))
-        tasks = _plan(index, layout, options)
-        if options.dry_run:
-            from converter.plan.dry_run import build_preview, render_preview
+        reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
+    except BaseException:
+        planning.close()
+        raise
+    try:
+        with planning:
+            index = reader.index()
+            refs = _atom_refs(reader, index)
+            splits, replicated = _source_hints(reader, index)
+            selected = select_entries(index, selection or Selection(), refs)
+            heads = _head_counts(src, config)
+            layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors,
+                                   heads=heads)
+            index = selected.restrict(index)  # the whole index planned the parameters; write the selection
+            # every entry checked (CRC, zip records, pickle globals) before the destination is touched
+            object_specs, index, notes = plan_objects(index, lambda k: read_checked_object(reader, k, options.trust_pickle),
+                                                      target_mesh, drop_dataloader)
+            layout = replace(layout, chunks=tuple(c for c in layout.chunks if c.key in index.tensors),
+                             warnings=layout.warnings + tuple(notes))
+            tasks = _plan(index, layout, options)
+            if options.dry_run:
+                from converter.plan.dry_run import build_preview, render_preview
 
-            doc = build_preview(source_label(src), str(dst), plan, layout, tasks, index,
-                                [(k, r) for k, _, _, r in object_specs])
-            return ConversionResult(str(dst), len(index.tensors), len(object_specs), doc["totals"]["bytes"], 0.0,
-                                    plan=render_preview(doc), preview=doc)
+                doc = build_preview(source_label(src), str(dst), plan, layout, tasks, index,
+                                    [(k, r) for k, _, _, r in object_specs], chunk_lines=preview_chunks)
+                return ConversionResult(str(dst), len(index.tensors), len(object_specs), doc["totals"]["bytes"], 0.0,
+                                        plan=render_preview(doc), preview=doc)
         header = conversion_header("from-universal", src, index, {
             "--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan), "--dtype": dtype,
             "--keys": None if selection is None or selection.everything else selection.to_json(),

@@ -11,9 +11,14 @@ exactly the picture ``inspect --layout KEY`` draws for the written output.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
+from itertools import groupby
+from operator import attrgetter
 from typing import Any
+
+import numpy as np
 
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
 from formats.dtypes import by_name
@@ -54,42 +59,51 @@ def _box_json(box: Box) -> dict[str, list[int]]:
 
 
 def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterable[Any],
-                  index: CheckpointIndex, objects: Sequence[tuple[str, int]]) -> dict[str, Any]:
+                  index: CheckpointIndex, objects: Sequence[tuple[str, int]],
+                  chunk_lines: int | None = None) -> dict[str, Any]:
     """The dry-run document (JSON-able; see the module docstring). ``layout`` is the
     :class:`converter.commands.from_universal.TargetLayout`, ``tasks`` its copy tasks, ``objects`` the non-tensor
-    entries as ``(key, rank file)``."""
+    entries as ``(key, rank file)``.
+
+    ``chunk_lines``: list only the first that many chunks of each key (what the text form shows;
+    each tensor then says its ``chunk_count``), so a million-chunk plan costs its totals, not a
+    document entry per chunk; None lists every chunk (the schema's document: ``--json``, ``--layout``).
+    """
     mesh = layout.mesh
-    sources: dict[tuple[str, tuple, tuple], set[str]] = {}
-    for t in tasks:
-        files = sources.setdefault((t.key, t.box.offsets, t.box.sizes), set())
-        pieces = t.pieces
-        if hasattr(pieces, "source_files"):  # a lazy plan: one index query for the whole box
-            files.update(pieces.source_files())
-        else:
-            files.update(c.src.file for p in pieces for c in p.copies)
-    per_rank = {r: [0, 0] for r in range(mesh.world_size)}
     by_key: dict[str, list[Any]] = {}
-    for spec in layout.chunks:
-        by_key.setdefault(spec.key, []).append(spec)
+    for key, group in groupby(layout.chunks, _KEY):  # a key's chunks are contiguous: C-level grouping
+        by_key.setdefault(key, []).extend(group)
+    listed = {k: specs if chunk_lines is None else specs[:chunk_lines] for k, specs in by_key.items()}
+    sources = _sources(tasks, None if chunk_lines is None else {
+        k: {(s.box.offsets, s.box.sizes) for s in specs} for k, specs in listed.items()})
+    holder_maps: dict[tuple, dict[tuple, tuple[int, ...]]] = {}
+    n_chunks = np.zeros(mesh.world_size, dtype=np.int64)
+    n_bytes = np.zeros(mesh.world_size, dtype=np.int64)
     tensors = []
     for key, specs in by_key.items():
         entry = index.tensors[key]
         placement = layout.key_placements[key]
-        holders = {(b.offsets, b.sizes): h for b, h in placement.unique_boxes(tuple(entry.shape), mesh)}
-        chunks = []
+        holders = _holders(holder_maps, placement, tuple(entry.shape), mesh)
         itemsize = by_name(specs[0].dtype).itemsize
-        for s in specs:
-            nbytes = s.box.numel * itemsize
-            per_rank[s.rank][0] += 1
-            per_rank[s.rank][1] += nbytes
-            chunks.append({"rank": s.rank, "file": rank_file(s.rank), **_box_json(s.box), "bytes": nbytes,
-                           "holders": list(holders.get((s.box.offsets, s.box.sizes), (s.rank,))),  # ascending
-                           "sources": sorted(sources.get((key, s.box.offsets, s.box.sizes), ()))})
-        tensors.append({"key": key, "dtype": specs[0].dtype, "source_dtype": entry.dtype, "shape": list(entry.shape),
-                        "placement": _placement_json(placement, mesh), "pp_stage": placement.pp_stage,
-                        "rule": placement.rule, "chunks": chunks})
-    ranks = [{"rank": r, "coords": dict(zip(mesh.names, mesh.coords(r))), "file": rank_file(r),
-              "chunks": n, "bytes": b} for r, (n, b) in per_rank.items()]
+        ranks = np.fromiter(map(_RANK, specs), dtype=np.int64, count=len(specs))
+        numels = np.fromiter(map(math.prod, map(_SIZES, map(_BOX, specs))), dtype=np.int64, count=len(specs))
+        np.add.at(n_chunks, ranks, 1)
+        np.add.at(n_bytes, ranks, numels * itemsize)
+        chunks = []
+        for s in listed[key]:
+            box = (s.box.offsets, s.box.sizes)
+            chunks.append({"rank": s.rank, "file": rank_file(s.rank), **_box_json(s.box),
+                           "bytes": s.box.numel * itemsize,
+                           "holders": list(holders.get(box, (s.rank,))),  # ascending
+                           "sources": sorted(sources.get((key, *box), ()))})
+        doc = {"key": key, "dtype": specs[0].dtype, "source_dtype": entry.dtype, "shape": list(entry.shape),
+               "placement": _placement_json(placement, mesh), "pp_stage": placement.pp_stage,
+               "rule": placement.rule, "chunks": chunks}
+        if chunk_lines is not None:
+            doc["chunk_count"] = len(specs)
+        tensors.append(doc)
+    ranks_doc = [{"rank": r, "coords": dict(zip(mesh.names, mesh.coords(r))), "file": rank_file(r),
+                  "chunks": n, "bytes": b} for r, (n, b) in enumerate(zip(n_chunks.tolist(), n_bytes.tolist()))]
     return {
         "schema": SCHEMA_ID,
         "src": src,
@@ -97,13 +111,50 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
         "plan": plan_name,
         "mesh": {"spec": str(mesh), "dims": [{"name": d.name, "size": d.size} for d in mesh.dims],
                  "world_size": mesh.world_size},
-        "ranks": ranks,
+        "ranks": ranks_doc,
         "tensors": tensors,
         "objects": [{"key": k, "file": rank_file(r)} for k, r in objects],
         "warnings": list(layout.warnings),
-        "totals": {"tensors": len(tensors), "objects": len(objects), "bytes": sum(b for _, b in per_rank.values()),
+        "totals": {"tensors": len(tensors), "objects": len(objects), "bytes": int(n_bytes.sum()),
                    "files": mesh.world_size + 1},
     }
+
+
+_KEY, _RANK, _BOX = attrgetter("key"), attrgetter("rank"), attrgetter("box")
+_SIZES = attrgetter("sizes")
+
+
+def _sources(tasks: Iterable[Any], wanted: Mapping[str, set[tuple]] | None) -> dict[tuple, set[str]]:
+    """``{(key, offsets, sizes): source files}`` of every task, or (``wanted``: key -> boxes as
+    ``(offsets, sizes)``) of the wanted boxes only (a key's tasks are scanned until all are found)."""
+    sources: dict[tuple[str, tuple, tuple], set[str]] = {}
+    for key, group in groupby(tasks, _KEY):
+        want = None if wanted is None else set(wanted.get(key, ()))
+        if want is not None and not want:
+            continue
+        for t in group:
+            box = (t.box.offsets, t.box.sizes)
+            if want is not None:
+                if box not in want:
+                    continue
+                want.discard(box)
+            files = sources.setdefault((key, *box), set())
+            pieces = t.pieces
+            if hasattr(pieces, "source_files"):  # a lazy plan: one index query for the whole box
+                files.update(pieces.source_files())
+            else:
+                files.update(c.src.file for p in pieces for c in p.copies)
+            if want is not None and not want:
+                break
+    return sources
+
+
+def _holders(cache: dict, placement: Any, shape: tuple, mesh: Any) -> dict[tuple, tuple[int, ...]]:
+    """``{(offsets, sizes): ranks holding that box}`` of a placement (in ``cache``: shapes repeat)."""
+    found = cache.get((placement, shape))
+    if found is None:
+        found = cache[(placement, shape)] = {(b.offsets, b.sizes): h for b, h in placement.unique_boxes(shape, mesh)}
+    return found
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
@@ -129,8 +180,8 @@ def render_preview(doc: Mapping[str, Any], per_key: bool = True) -> str:
         for t in doc["tensors"]:
             cast = f" (from {t['source_dtype']})" if t["source_dtype"] != t["dtype"] else ""
             stage = f"  pp stage {t['pp_stage']}" if t["pp_stage"] is not None else ""
-            lines.append(f"{t['key']}  {t['dtype']}{cast}  {tuple(t['shape'])}  {plural(len(t['chunks']), 'chunk')}"
-                         f"{stage}")
+            count = t.get("chunk_count", len(t["chunks"]))
+            lines.append(f"{t['key']}  {t['dtype']}{cast}  {tuple(t['shape'])}  {plural(count, 'chunk')}{stage}")
             place = "  ".join(f"{'+'.join(p['mesh_dims'])}: {p['placement']}" for p in t["placement"]) or "replicated"
             lines.append(f"    placement: {place}  (rule: {t['rule'] or '-'})")
             shown = t["chunks"] if len(t["chunks"]) <= PREVIEW_CHUNK_LINES else t["chunks"][:PREVIEW_CHUNK_LINES]
@@ -140,8 +191,8 @@ def render_preview(doc: Mapping[str, Any], per_key: bool = True) -> str:
                 also = f" (also on {_ranks_text(others)})" if others else ""
                 lines.append(f"    rank {c['rank']}{also}: {_box_text(box, tuple(t['shape']))}  "
                              f"<- {', '.join(c['sources']) or '-'}")
-            if len(shown) < len(t["chunks"]):
-                lines.append(f"    ... and {len(t['chunks']) - len(shown)} more chunks (--json lists every one)")
+            if len(shown) < count:
+                lines.append(f"    ... and {count - len(shown)} more chunks (--json lists every one)")
     if doc["objects"]:
         files = sorted({o["file"] for o in doc["objects"]})
         lines.append(f"# {plural(len(doc['objects']), 'non-tensor entry', 'non-tensor entries')} in {', '.join(files)}")

@@ -89,3 +89,21 @@ def test_json_and_layout_need_dry_run(dcp_checkpoint, tmp_path):
         proc = ckptconv("from-universal", str(dcp_checkpoint("fsdp4")), str(tmp_path / "o"), *MESH, *flag)
         assert proc.returncode == 2 and proc.stderr.startswith("ckptconv: error: ") and "--dry-run" in proc.stderr
         assert not (tmp_path / "o").exists()
+
+
+def test_text_dry_run_lists_few_chunks_and_says_the_same_as_the_whole_plan(dcp_checkpoint, tmp_path):
+    """The text form builds entries only for the chunks it shows (a 1,024-rank plan has millions);
+    what it prints is exactly what rendering the whole plan document prints."""
+    from converter.api import from_universal
+    from converter.config import RunOptions
+    from converter.plan.dry_run import PREVIEW_CHUNK_LINES, render_preview
+
+    src, out = dcp_checkpoint("fsdp4"), tmp_path / "out"
+    kw = dict(plan="llama", options=RunOptions(dry_run=True))
+    few = from_universal(src, out, "tp2,dp12", preview_chunks=PREVIEW_CHUNK_LINES, **kw)
+    whole = from_universal(src, out, "tp2,dp12", **kw)
+    assert few.plan == whole.plan == render_preview(whole.preview)
+    assert "more chunks (--json lists every one)" in few.plan  # 24 chunks per matrix: some left out
+    assert max(len(t["chunks"]) for t in few.preview["tensors"]) == PREVIEW_CHUNK_LINES
+    assert [t["chunk_count"] for t in few.preview["tensors"]] == [len(t["chunks"]) for t in whole.preview["tensors"]]
+    assert few.bytes == whole.bytes and few.preview["ranks"] == whole.preview["ranks"]
