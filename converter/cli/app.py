@@ -6,7 +6,6 @@ with status 2; anything else is an internal error (status 3). ``--debug`` shows 
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -16,8 +15,8 @@ from converter import __version__
 from converter.cli import hf as hf_commands
 from converter.cli import tools as tool_commands
 from converter.cli import ds as ds_commands
-from converter.cli.common import (EXIT_ERROR, EXIT_INTERNAL, SIZE, dry_run_line, make_options, make_selection,
-                                 result_line, run_options, selection_options)
+from converter.cli.common import (EXIT_ERROR, EXIT_INTERNAL, SIZE, echo_doc, make_options, make_selection,
+                                 report_result, run_options, selection_options)
 from formats.errors import CkptConvError
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,12 +45,7 @@ def to_universal_cmd(src: str, dst: str, chunk_size: int | None, backend: str, k
 
     selection = make_selection(keys, model_only, optim_only)
     options = make_options(**kw)
-    result = to_universal(src, dst, options, chunk_bytes=chunk_size, selection=selection, backend=backend)
-    if result.plan is not None:
-        click.echo(result.plan)
-        click.echo(dry_run_line(result))
-        return
-    click.echo(result_line(result))
+    report_result(to_universal(src, dst, options, chunk_bytes=chunk_size, selection=selection, backend=backend))
 
 
 @cli.command("inspect")
@@ -89,7 +83,7 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
             doc = build_report(reader, key_pattern)
             if stats:
                 doc = {**doc, "stats": [s.to_json() for s in stats]}
-            _echo_json(doc)
+            echo_doc(doc)
             return
         console = Console()
         if layout_key is not None:
@@ -198,16 +192,12 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
                             options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader,
                             config=config,  # the text lists a few chunks per key; --json / --layout all
                             preview_chunks=None if as_json or layout_key is not None else PREVIEW_CHUNK_LINES)
-    for w in result.warnings:
-        click.echo(f"ckptconv: warning: {w}", err=True)
     if result.preview is not None and (as_json or layout_key is not None):
+        for w in result.warnings:
+            click.echo(f"ckptconv: warning: {w}", err=True)
         _show_preview(result.preview, as_json, layout_key, svg_file, src, kw.get("trust_pickle", False))
         return
-    if result.plan is not None:
-        click.echo(result.plan)
-        click.echo(dry_run_line(result))
-        return
-    click.echo(result_line(result))
+    report_result(result)
 
 
 def _show_preview(doc: dict, as_json: bool, layout_key: str | None, svg_file: str | None, src: str,
@@ -215,7 +205,7 @@ def _show_preview(doc: dict, as_json: bool, layout_key: str | None, svg_file: st
     """``--dry-run --json`` / ``--dry-run --layout KEY [--svg FILE]``: the plan document, or the
     target picture (with ``--svg``: the source and the target side by side)."""
     if as_json:
-        _echo_json(doc)
+        echo_doc(doc)
         return
     from rich.console import Console
 
@@ -378,10 +368,6 @@ def _join_torchrun() -> None:
         import io
 
         sys.stdout = io.StringIO()
-
-
-def _echo_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=1, default=str))
 
 
 hf_commands.register(cli)

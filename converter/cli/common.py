@@ -87,6 +87,29 @@ def make_options(workers, memory_budget, overwrite, resume, trust_pickle, dry_ru
     )
 
 
+def report_result(result: Any) -> None:
+    """Print a conversion's result: its warnings (stderr) first, then the dry run's plan and
+    :func:`dry_run_line`, or the :func:`result_line` of a run. Every conversion command ends here."""
+    import click
+
+    for w in result.warnings:
+        click.echo(f"ckptconv: warning: {w}", err=True)
+    if result.plan is not None:
+        click.echo(result.plan)
+        click.echo(dry_run_line(result))
+        return
+    click.echo(result_line(result))
+
+
+def echo_doc(doc: Any) -> None:
+    """Print a JSON document (a report's ``--json``) on stdout, indented."""
+    import json
+
+    import click
+
+    click.echo(json.dumps(doc, indent=1, default=str))
+
+
 def dry_run_line(result: Any) -> str:
     """The last line of a ``--dry-run``: what would be written."""
     from converter.units import human_bytes, plural

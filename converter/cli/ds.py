@@ -7,17 +7,7 @@ from typing import Any
 
 import click
 
-from converter.cli.common import SIZE, dry_run_line, make_options, result_line, run_options
-
-
-def _report(result: Any) -> None:
-    if result.plan is not None:
-        click.echo(result.plan)
-        click.echo(dry_run_line(result))
-        return
-    click.echo(result_line(result))
-    for w in result.warnings:
-        click.echo(f"ckptconv: warning: {w}", err=True)
+from converter.cli.common import SIZE, make_options, report_result, run_options
 
 
 @click.command("import-ds")
@@ -30,7 +20,7 @@ def import_ds_cmd(ds_dir: str, uni: str, chunk_size: int | None, **kw: Any) -> N
     folder whose latest_universal names it) into a universal store UNI."""
     from converter.api import import_ds
 
-    _report(import_ds(ds_dir, uni, options=make_options(**kw), chunk_bytes=chunk_size))
+    report_result(import_ds(ds_dir, uni, options=make_options(**kw), chunk_bytes=chunk_size))
 
 
 @click.command("export-ds")
@@ -43,7 +33,7 @@ def export_ds_cmd(src: str, out: str, tag: str | None, **kw: Any) -> None:
     "checkpoint": {"load_universal": true} and engine.load_checkpoint(OUT), under ZeRO-1/2/3."""
     from converter.api import export_ds
 
-    _report(export_ds(src, out, tag=tag, options=make_options(**kw)))
+    report_result(export_ds(src, out, tag=tag, options=make_options(**kw)))
 
 
 def register(cli: click.Group) -> None:

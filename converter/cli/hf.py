@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from converter.cli.common import SIZE, dry_run_line, make_options, result_line, run_options
+from converter.cli.common import SIZE, make_options, report_result, run_options
 
 MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k RoPE permutation; exports older and "
             "torchtitan 0.3.0 names, fused qkv_linear.wqkv split; imports older names), torchtitan-llama3 (imports "
@@ -17,16 +17,6 @@ MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k 
             "map file {\"hf.name.{}.x\": \"native.{}.x\", \"dropped.hf.key\": null} or "
             "{\"map\": {...}, \"drop\": [native keys], \"transforms\": {native key: \"rope:<config field>\"}, "
             "\"experts\": {\"hf.{}.experts.{}.w\": \"native.{}.grouped_w\"}}.")
-
-
-def _report(result: Any) -> None:
-    if result.plan is not None:
-        click.echo(result.plan)
-        click.echo(dry_run_line(result))
-        return
-    click.echo(result_line(result))
-    for w in result.warnings:
-        click.echo(f"ckptconv: warning: {w}", err=True)
 
 
 @click.command("export-hf")
@@ -45,7 +35,7 @@ def export_hf_cmd(src: str, out: str, key_map: str, max_shard_size: int, dtype: 
     """Write the model weights of SRC (universal store or DCP) as Hugging Face safetensors in OUT."""
     from converter.api import export_hf
 
-    _report(export_hf(src, out, key_map=key_map, max_shard_size=max_shard_size, dtype=dtype, config=config,
+    report_result(export_hf(src, out, key_map=key_map, max_shard_size=max_shard_size, dtype=dtype, config=config,
                       options=make_options(**kw)))
 
 
@@ -65,7 +55,7 @@ def import_hf_cmd(hf_dir: str, uni: str, key_map: str, config: str | None, prefi
     """Convert Hugging Face safetensors in HF_DIR (single or sharded) into a universal store UNI."""
     from converter.api import import_hf
 
-    _report(import_hf(hf_dir, uni, key_map=key_map, config=config, prefix=prefix, options=make_options(**kw),
+    report_result(import_hf(hf_dir, uni, key_map=key_map, config=config, prefix=prefix, options=make_options(**kw),
                       chunk_bytes=chunk_size, backend=backend))
 
 

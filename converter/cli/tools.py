@@ -7,19 +7,13 @@ not, 2 on an error (no such checkpoint, bad options), like ``cmp``.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
 
+from converter.cli.common import echo_doc
+
 EXIT_FOUND = 1
-
-
-def _emit(doc_or_text: object, as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps(doc_or_text, indent=1))
-    else:
-        click.echo(doc_or_text)
 
 
 @click.command("verify")
@@ -39,7 +33,10 @@ def verify_cmd(path: str, as_json: bool, quick: bool, workers: int | None, trust
     from converter.tools.verify import render_text
 
     report = verify(path, quick=quick, trust_pickle=trust_pickle, workers=_workers(workers))
-    _emit(report.to_json() if as_json else render_text(report), as_json)
+    if as_json:
+        echo_doc(report.to_json())
+    else:
+        click.echo(render_text(report))
     if not report.ok:
         sys.exit(EXIT_FOUND)
 
@@ -76,7 +73,10 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, key_pattern: str | None, 
     report = diff(a, b, atol=atol, rtol=rtol, key_pattern=key_pattern, model_only=model_only,
                   trust_pickle=trust_pickle, workers=_workers(workers), key_map=key_map, config=config,
                   verify_source=not no_verify)
-    _emit(report.to_json() if as_json else render_text(report), as_json)
+    if as_json:
+        echo_doc(report.to_json())
+    else:
+        click.echo(render_text(report))
     if not report.same:
         sys.exit(EXIT_FOUND)
 
