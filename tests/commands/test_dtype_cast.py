@@ -156,6 +156,23 @@ def test_bad_dtype_same_message_everywhere(special_ckpt, tmp_path, command, valu
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["from-universal", "export-hf"])
+def test_every_command_accepts_the_same_spellings(special_ckpt, tmp_path, command):
+    """Every spelling of CAST_ALIASES (and its torch./upper-case forms) is accepted by every
+    command with --dtype, and every spelling of one dtype plans the same bytes (the dry run's line)."""
+    mesh = ("--mesh", "dp2") if command == "from-universal" else ()
+    planned: dict[str, set[str]] = {}
+    for text, name in sorted(CAST_ALIASES.items()):
+        for spelling in {text, text.upper(), f"torch.{name}"}:
+            code, out, err = run_cli(command, str(special_ckpt / "uni"), str(tmp_path / "out"), *mesh,
+                                     "--dtype", spelling, "--dry-run")
+            assert code == 0, (spelling, err)
+            planned.setdefault(name, set()).add(out.strip().splitlines()[-1])
+    assert all(len(lines) == 1 for lines in planned.values()), planned
+    assert set(planned) == {"bfloat16", "float16", "float32", "float64"}
+    assert not (tmp_path / "out").exists()
+
+
 def _ckptconv(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "converter", *args], capture_output=True, text=True, env=env,
