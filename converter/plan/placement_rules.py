@@ -553,7 +553,7 @@ def _rule_from_doc(i: int, doc: Mapping[str, Any], where: str) -> Rule:
     if isinstance(tp, StridedShard) or isinstance(fsdp, StridedShard):
         raise ConfigError(f"{where}: rule {name!r}: write shard(N); _StridedShard is derived automatically")
     fsdp_dim = None if isinstance(fsdp, Replicate) else fsdp.dim
-    return Rule(name, doc["match"], tp, fsdp_dim, bool(doc.get("tp_divisible", False)))
+    return Rule(name, doc["match"], tp, fsdp_dim, bool(doc.get("tp_divisible", False)), bool(doc.get("experts", False)))
 
 
 def _pipeline_from_doc(doc: Mapping[str, Any]) -> PipelineSplit:

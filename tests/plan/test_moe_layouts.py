@@ -213,3 +213,14 @@ def test_detect_reports_ep_not_tp():
     assert rep.tensors[W1].kind == EXPERTS and rep.tensors["tok_embeddings.weight"].kind == FSDP
     assert rep.summary == "FSDP: dim 0 over 4 ranks; grouped experts: 2 tensors split on dim 0, ep2"
     assert dict(rep.mesh) == {"dp": 4, "ep": 2}
+
+
+def test_plan_file_marks_grouped_experts(tmp_path):
+    import json
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"version": 1, "rules": [
+        {"name": "experts", "match": r"blocks\.\d+\.experts\.w_in", "tp": "shard(1)", "experts": True}]}))
+    plan = get_plan(str(path))
+    assert plan.place("blocks.0.experts.w_in", (8, 12, 8), parse_mesh("dp4,ep2")).placements == (StridedShard(0, 2), Shard(0))
+    assert plan.place("blocks.0.experts.w_in", (8, 12, 8), parse_mesh("dp2,tp2")).placements == (Shard(0), Shard(1))
