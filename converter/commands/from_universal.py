@@ -307,7 +307,7 @@ def describe_ranks(layout: TargetLayout, tasks: list[WriteTask]) -> str:
         per_rank[t.target.rank][1] += target_nbytes(t)
     lines = [f"# target mesh {layout.mesh} ({layout.mesh.world_size} ranks)"]
     for rank, (n, nbytes) in per_rank.items():
-        coords = ",".join(f"{d.name}={c}" for d, c in zip(layout.mesh.dims, layout.mesh.coords(rank)))
+        coords = ",".join(f"{n}={c}" for n, c in layout.mesh.rank_coords(rank).items())
         lines.append(f"rank {rank} ({coords}): __{rank}_0.distcp  {plural(n, 'chunk')}  {human_bytes(nbytes)} ({nbytes} bytes)")
     lines += [f"warning: {w}" for w in layout.warnings]
     return "\n".join(lines)

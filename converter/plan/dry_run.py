@@ -102,7 +102,7 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
         if chunk_lines is not None:
             doc["chunk_count"] = len(specs)
         tensors.append(doc)
-    ranks_doc = [{"rank": r, "coords": dict(zip(mesh.names, mesh.coords(r))), "file": rank_file(r),
+    ranks_doc = [{"rank": r, "coords": mesh.rank_coords(r), "file": rank_file(r),
                   "chunks": n, "bytes": b} for r, (n, b) in enumerate(zip(n_chunks.tolist(), n_bytes.tolist()))]
     return {
         "schema": SCHEMA_ID,

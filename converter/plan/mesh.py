@@ -124,6 +124,13 @@ class Mesh:
             rank = rank * size + c
         return rank
 
+    def rank_coords(self, rank: int) -> dict[str, int]:
+        """Dim name -> coordinate of ``rank``, the derived ``efsdp`` and ``ep`` included when ep > 1."""
+        out = dict(zip(self.names, self.coords(rank)))
+        if self.ep > 1:
+            out |= {n: derived_coord(self, out, n) for n in DERIVED}
+        return out
+
     def has(self, name: str) -> bool:
         """Whether ``name`` is a dim of this mesh or a derived one (``ep``/``efsdp`` when ep > 1)."""
         return name in self.names or (name in DERIVED and self.ep > 1)

@@ -224,3 +224,9 @@ def test_plan_file_marks_grouped_experts(tmp_path):
     plan = get_plan(str(path))
     assert plan.place("blocks.0.experts.w_in", (8, 12, 8), parse_mesh("dp4,ep2")).placements == (StridedShard(0, 2), Shard(0))
     assert plan.place("blocks.0.experts.w_in", (8, 12, 8), parse_mesh("dp2,tp2")).placements == (Shard(0), Shard(1))
+
+
+def test_rank_coords_name_the_sparse_mesh():
+    m = parse_mesh("dp2,tp2,ep4")
+    assert m.rank_coords(3) == {"dp_shard": 1, "tp": 1, "efsdp": 0, "ep": 3}
+    assert parse_mesh("dp2").rank_coords(1) == {"dp_shard": 1}
