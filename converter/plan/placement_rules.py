@@ -387,7 +387,9 @@ class RulePlan:
 
 @dataclass(frozen=True)
 class SourcePlan:
-    """Keep the source's TP split dim per tensor, FSDP on top; tensors it does not know replicate."""
+    """Keep the source's TP split dim per tensor, FSDP on top; tensors it does not know replicate.
+    A grouped-experts tensor (3-D or more, a name with ``experts``) is placed as routed experts
+    (:func:`compose_experts`: EP when the target mesh has ep, else the source's TP dim)."""
 
     splits: SourceSplits
     pipeline: PipelineSplit = PipelineSplit()
@@ -398,7 +400,8 @@ class SourcePlan:
             return replicated(mesh)
         tp_dim = self.splits.tp_dim[param_fqn]
         tp = Replicate() if tp_dim is None else Shard(tp_dim)
-        rule = Rule("source", re.escape(param_fqn), tp, self.splits.fsdp_dim.get(param_fqn, 0))
+        experts = len(shape) >= 3 and "experts" in param_fqn
+        rule = Rule("source", re.escape(param_fqn), tp, self.splits.fsdp_dim.get(param_fqn, 0), experts=experts)
         return compose(param_fqn, tuple(shape), mesh, rule)
 
     def assign_stages(self, fqns: Sequence[str], pp: int) -> tuple[dict[str, int | None], list[str]]:

@@ -230,3 +230,13 @@ def test_rank_coords_name_the_sparse_mesh():
     m = parse_mesh("dp2,tp2,ep4")
     assert m.rank_coords(3) == {"dp_shard": 1, "tp": 1, "efsdp": 0, "ep": 3}
     assert parse_mesh("dp2").rank_coords(1) == {"dp_shard": 1}
+
+
+def test_source_plan_places_grouped_experts_as_routed_experts():
+    """--plan source: a grouped-experts tensor goes on the sparse mesh when the target has ep, and
+    keeps the source's TP dim (e.g. Shard(2) of w2) without ep."""
+    plan = get_plan("source", source_splits={W2: 2, "layers.1.moe.shared_experts.w1.weight": 0})
+    assert plan.place(W2, (8, 8, 12), parse_mesh("dp4,ep2")).placements == (StridedShard(0, 2), Shard(0))
+    assert plan.place(W2, (8, 8, 12), parse_mesh("dp2,tp2")).placements == (Shard(0), Shard(2))
+    shared = plan.place("layers.1.moe.shared_experts.w1.weight", (16, 8), parse_mesh("dp2,tp2,ep2"))
+    assert shared.placements == (StridedShard(0, 2), Shard(0))
