@@ -193,7 +193,7 @@ def export_hf_available() -> bool:
 
 def make_steps(src: Path, work: Path, only: set[str] | None, with_torch: bool, with_online: bool) -> list[Step]:
     """The benchmark rows, in run order (later rows may read earlier rows' kept outputs)."""
-    uni, pt = work / "uni", work / "full.pt"
+    uni, unist, pt = work / "uni", work / "uni-st", work / "full.pt"
     fmt = [PY, "-m", "torch.distributed.checkpoint.format_utils"]
     steps = [
         Step("python -c 'import torch'", [PY, "-c", "import torch"], src, group="fixed"),
@@ -208,12 +208,21 @@ def make_steps(src: Path, work: Path, only: set[str] | None, with_torch: bool, w
              uni, work / "tp2dp2", group="ckptconv"),
         Step("from-universal --mesh dp3", _ckptconv("from-universal", str(uni), str(work / "dp3"), "--mesh", "dp3"),
              uni, work / "dp3", group="ckptconv"),
+        # the same conversions through the safetensors backend of the store, side by side
+        Step("to-universal --backend safetensors",
+             _ckptconv("to-universal", "--backend", "safetensors", str(src), str(unist)), src, unist, keep=True,
+             group="ckptconv"),
+        Step("from-universal --mesh dp3 (safetensors store)",
+             _ckptconv("from-universal", str(unist), str(work / "dp3-st"), "--mesh", "dp3"),
+             unist, work / "dp3-st", group="ckptconv"),
     ]
     steps.append(Step(RESHARD, _ckptconv("from-universal", str(src), str(work / "dcp-dp3"), "--mesh", "dp3"),
                       src, work / "dcp-dp3", group="ckptconv"))
     if export_hf_available():
         steps.append(Step("export-hf", _ckptconv("export-hf", str(uni), str(work / "hf")), uni, work / "hf",
                           group="ckptconv"))
+        steps.append(Step("export-hf (safetensors store)", _ckptconv("export-hf", str(unist), str(work / "hf-st")),
+                          unist, work / "hf-st", group="ckptconv"))
     if with_torch:
         steps += [
             Step("torch dcp_to_torch_save", [*fmt, "dcp_to_torch", str(src), str(pt)], src, pt, keep=True,

@@ -250,13 +250,15 @@ def _fsync_tree(root: Path, skip_files: set[str] = frozenset()) -> None:
 
 
 def is_universal_store(path: str | os.PathLike | Storage) -> bool:
-    """True when ``path`` (local or URL) looks like a universal store (complete or not)."""
+    """True when ``path`` (local or URL) looks like a universal store (complete or not): the
+    marker, or ``tensors/`` beside the root ``zarr.json`` (zarr backend) or ``objects/`` (either)."""
     st = open_storage(path)
     if st.is_local:
         p = st.root
-        return (p / METADATA_FILE).is_file() or ((p / TENSORS_DIR).is_dir() and (p / "zarr.json").is_file())
+        return (p / METADATA_FILE).is_file() or ((p / TENSORS_DIR).is_dir() and (
+            (p / "zarr.json").is_file() or (p / OBJECTS_DIR).is_dir()))
     names = st.list()
-    return METADATA_FILE in names or (TENSORS_DIR in names and "zarr.json" in names)
+    return METADATA_FILE in names or (TENSORS_DIR in names and ("zarr.json" in names or OBJECTS_DIR in names))
 
 
 def read_metadata(root: str | os.PathLike | Storage) -> UniversalMetadata:

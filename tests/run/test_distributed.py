@@ -78,6 +78,9 @@ def commands(src: Path, work: Path, hf_ref: Path) -> list[list[str]]:
         ["from-universal", "--mesh", "tp2,dp3", "--memory-budget", "2MiB", str(work / "uni"), str(work / "dcp")],
         ["export-hf", "--max-shard-size", "100KB", str(work / "uni"), str(work / "hf")],
         ["import-hf", "--chunk-size", CHUNK, str(hf_ref), str(work / "uni2")],
+        # the safetensors backend: its store, and a DCP output read from it (equal to the zarr store's)
+        ["to-universal", "--backend", "safetensors", "--chunk-size", CHUNK, str(src), str(work / "unist")],
+        ["from-universal", "--mesh", "tp2,dp3", "--memory-budget", "2MiB", str(work / "unist"), str(work / "dcpst")],
         ["verify", str(work / "uni")],
     ]
 
@@ -141,6 +144,8 @@ def assert_same_outputs(ref: Path, work: Path) -> None:
     assert dcp_files(work / "dcp") == dcp_files(ref / "dcp")
     assert tree_bytes(work / "hf") == tree_bytes(ref / "hf")
     assert universal_files(work / "uni2") == universal_files(ref / "uni2")
+    assert universal_files(work / "unist") == universal_files(ref / "unist")
+    assert dcp_files(work / "dcpst") == dcp_files(ref / "dcp")  # from the safetensors store = from the zarr one
 
 
 def _check_dcp_loads(ref_src: Path, dcp_dir: Path) -> None:
