@@ -291,7 +291,8 @@ def _verify_universal(root: Path, found: _Findings, quick: bool, trust_pickle: b
         return []
     zarr = meta.backend == "zarr"
     found.checks += ["group and array zarr.json files match the records" if zarr else
-                     "every tensor's first safetensors chunk file: the header its record implies", "atoms name existing keys"]
+                     "every tensor's first safetensors chunk file: the header its record implies",
+                     "atoms name existing keys"]
     found.counts.update(tensors=len(meta.tensors), objects=len(meta.objects),
                         chunks=sum(len(t.chunks) for t in index.tensors.values()))
     if zarr:

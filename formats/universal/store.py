@@ -62,6 +62,7 @@ from formats.universal_meta import (
 if TYPE_CHECKING:
     import torch
 
+
 def backend_module(name: str) -> ModuleType:
     """The module that lays a backend's chunk files out (same functions in each)."""
     return {zarr_backend.NAME: zarr_backend, safetensors_backend.NAME: safetensors_backend}[name]
@@ -450,6 +451,8 @@ class UniversalReader:
         from the record (the backend wrote the file from it), cached per file."""
         got = self._located.get(chunk.file)
         if got is None:
+            if len(self._located) >= 1 << 16:  # bounded: a store of millions of chunks
+                self._located.clear()
             got = self._located[chunk.file] = (self._layout.data_offset(record, chunk.box),
                                                tuple(self._layout.stored_shape(record, chunk.box)))
         return got

@@ -82,7 +82,9 @@ class Case:
     @property
     def name(self) -> str:
         steps = "->".join(f"{m}({p})" for m, p in self.chain)
-        tags = [t for t, on in (("universal reader", self.reader == "universal"), ("direct from DCP", not self.via_store),
+        tags = [t for t, on in (("universal reader", self.reader == "universal"),
+                                ("universal reader, safetensors store", self.reader == "universal-safetensors"),
+                                ("direct from DCP", not self.via_store),
                                 (f"order {self.order}", self.order)) if on]
         return f"{self.source}->{steps}" + "".join(f" [{t}]" for t in tags)
 
@@ -99,6 +101,7 @@ DEFAULT_CASES = [
     _c("tp2dp2", "tp2,dp2", "source", loss="exact"),
     Case("tp2dp2", (("dp4", "fsdp"), ("tp2,dp2", "llama")), loss="exact"),
     _c("fsdp4", "tp2,dp2", reader="universal"),
+    _c("fsdp4", "tp2,dp2", reader="universal-safetensors"),  # the store's safetensors backend, same reads
     _c("tp2dp2", "dp4", loss="close"),
     _c("tp2dp2", "dp4", via_store=False),
     _c("fsdp4", "dp4", loss="exact"),
@@ -180,12 +183,14 @@ class Workspace:
     def source(self, kind: str) -> Path:
         return self.dcp_checkpoint(kind)
 
-    def store(self, kind: str) -> Path:
-        if kind not in self._stores:
-            dst = self.root / f"uni-{kind}"
-            api.to_universal(self.source(kind), dst, RunOptions(workers=2), chunk_bytes=STORE_CHUNK_BYTES)
-            self._stores[kind] = dst
-        return self._stores[kind]
+    def store(self, kind: str, backend: str = "zarr") -> Path:
+        name = kind if backend == "zarr" else f"{kind}-{backend}"
+        if name not in self._stores:
+            dst = self.root / f"uni-{name}"
+            api.to_universal(self.source(kind), dst, RunOptions(workers=2), chunk_bytes=STORE_CHUNK_BYTES,
+                             backend=backend)
+            self._stores[name] = dst
+        return self._stores[name]
 
     def ref_path(self, kind: str) -> Path:
         if kind not in self._refs:
@@ -196,8 +201,8 @@ class Workspace:
 
     def converted(self, case: Case) -> Path:
         """The DCP directory the case loads (or the store, for the universal reader)."""
-        if case.reader == "universal":
-            return self.store(case.source)
+        if case.reader.startswith("universal"):
+            return self.store(case.source, case.reader.partition("-")[2] or "zarr")
         if case not in self._converted:
             src = self.store(case.source) if case.via_store else self.source(case.source)
             n, warnings = len(self._converted), ()
@@ -221,7 +226,7 @@ class Workspace:
         key = (mesh, ",".join(sorted(c.name for c in cases)))
         if key not in self._worlds:
             mine = [c for c in cases if c.mesh == mesh]
-            jobs = [LoadJob(c.name, str(self.converted(c)), c.reader, str(self.ref_path(c.source)),
+            jobs = [LoadJob(c.name, str(self.converted(c)), c.reader.partition("-")[0], str(self.ref_path(c.source)),
                             self.spec(c.source), train=c.loss != "none")
                     for c in mine]
             for kind in sorted({c.source for c in mine if c.loss == "native"}):
@@ -349,7 +354,7 @@ def check_case(ws: Workspace, case: Case, cases: list[Case]) -> None:
 
 
 def _universal_mark(case: Case):
-    if case.reader == "universal" and ZERO_D_BUG:
+    if case.reader.startswith("universal") and ZERO_D_BUG:
         return [pytest.mark.xfail(strict=True, reason="formats.dtypes.from_storage_array returns 0-d tensors as "
                                   "shape (1,) (np.ascontiguousarray), so UniversalStorageReader cannot fill 0-d "
                                   "optimizer steps")]
