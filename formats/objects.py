@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import io
 import pickle
@@ -38,10 +39,12 @@ def _numpy_globals() -> list:
 
 #: Plain-data classes training scripts keep in non-tensor state, beyond torch's weights-only
 #: defaults: ``io.BytesIO`` (DCP's own value type for raw bytes: ``dcp.save`` pickles it),
-#: ``numpy`` arrays and RNG states, ``datetime`` values, ``frozenset``, ``range``, ``slice``.
-#: None runs code beyond building the value.
+#: ``numpy`` arrays and RNG states, ``datetime`` values, ``frozenset``, ``range``, ``slice``, and
+#: ``argparse.Namespace`` (Megatron keeps its training arguments in every checkpoint's common state:
+#: the pickle builds it with ``object.__new__`` and fills its ``__dict__``; its values still go through
+#: the allowlist). None runs code beyond building the value.
 EXTRA_SAFE_GLOBALS: list = [
-    io.BytesIO, frozenset, range, slice,
+    io.BytesIO, frozenset, range, slice, argparse.Namespace,
     datetime.date, datetime.time, datetime.datetime, datetime.timedelta, datetime.timezone,
     *_numpy_globals(),
 ]
@@ -365,6 +368,8 @@ def json_view(value: Any) -> Any:
             return [conv(x) for x in v]
         if isinstance(v, dict) and all(isinstance(k, str) for k in v):
             return {k: conv(x) for k, x in v.items()}
+        if type(v) is argparse.Namespace:  # Megatron's args: shown as their fields
+            return {k: conv(x) for k, x in vars(v).items()}
         raise ValueError
 
     try:

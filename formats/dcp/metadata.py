@@ -51,6 +51,13 @@ _RECORDS: dict[tuple[str, str], type[Record]] = {
     )
 }
 _RECORDS[(_DCP_FS, "_StorageInfo")] = record_class("_StorageInfo", fast=True)
+#: torch's own plain planner dataclasses, which Megatron-core's torch_dist backend stores in an extra
+#: ``Metadata.all_local_plans`` attribute (its save-plan cache). Built as inert records like the
+#: rest (no torch class is imported, nothing is called) and not used: no ``dcp.load`` reads them.
+#: ``WriteItemType`` is an Enum: REDUCE with its int value, which a record keeps as an argument.
+_DCP_PLANNER = "torch.distributed.checkpoint.planner"
+for _name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+    _RECORDS[(_DCP_PLANNER, _name)] = record_class(_name)
 _RECORD_KINDS = {cls._kind: cls for cls in _RECORDS.values()}
 
 
