@@ -1,0 +1,309 @@
+"""Megatron-core 0.19.2's own GPTModel, DistributedOptimizer and ``dist_checkpointing`` on CPU under gloo,
+for tests.
+
+megatron-core is installed by ``.ci/install_megatron.sh`` (its cp312-only wheel unpacked, never
+replacing torch); when it is missing every user of this module skips with :func:`skip_reason`.
+
+:func:`apply_cpu_patches` lets megatron's CUDA-only code paths run on CPU; none changes what is
+trained, saved or loaded:
+
+1. ``torch.cuda.synchronize`` / ``current_device`` / ``current_stream`` -> no-ops / ``"cpu"`` / a stub
+   stream (``dist_checkpointing``'s saver, DDP's buffers and grad sync call them);
+2. factory calls with ``device="cuda"`` (the optimizer's overflow buffer) -> CPU, via a
+   ``TorchFunctionMode``; ``Tensor.cuda()`` -> the tensor itself;
+3. ``Tensor.type()`` (no argument) answers ``torch.cuda.<T>Tensor`` for CPU tensors: the
+   DistributedOptimizer accepts only "cuda" parameter types;
+4. the model-parallel CUDA RNG tracker's ``fork`` -> a no-op context (dropout is 0: no RNG is drawn);
+5. ``DistributedOptimizer._set_main_param_and_optimizer_states`` leaves torch Adam's ``step`` tensor
+   alone (without Apex/TE, torch's Adam keeps ``step`` as a state tensor, which megatron's loader
+   expects among the loaded states; the step itself is restored from the param groups as usual).
+
+The model is a small Llama-like GPT on megatron's LOCAL layer spec (no Transformer Engine): RMSNorm,
+SwiGLU, grouped-query attention, RoPE, untied embeddings, no biases; bf16 weights with fp32 main params
+and Adam states in the DistributedOptimizer (``fully_reshardable`` sharding: one ShardedTensor per
+parameter and state, ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``). The checkpoint is what
+Megatron-LM's training loop saves: ``model``, ``optimizer``, ``args`` (an ``argparse.Namespace``),
+``iteration``, ``checkpoint_version``, ``rng_state`` (a ShardedObject over the (pp, tp) grid) and
+``content_metadata``, through ``dist_checkpointing.save`` with the torch_dist backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MCORE_VERSION = "0.19.2"
+SHARDING_TYPE = "fully_reshardable"
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    """The test model (Llama-like GPT): sizes only; every layout builds the same global model."""
+
+    num_layers: int = 2
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 48
+    vocab_size: int = 64
+    seq_len: int = 16
+    bf16: bool = True
+
+
+def skip_reason() -> str | None:
+    """Why megatron tests cannot run here (None: they can)."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return "megatron-core is not installed (run .ci/install_megatron.sh)"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        got = version("megatron-core")
+    except PackageNotFoundError:
+        return "megatron-core has no package metadata (run .ci/install_megatron.sh)"
+    if got != MCORE_VERSION:
+        return f"megatron-core {got} is installed; these tests need {MCORE_VERSION} (.ci/install_megatron.sh)"
+    if importlib.util.find_spec("triton") is None:
+        return "triton (imported by megatron.core) is missing (run .ci/install_megatron.sh)"
+    return None
+
+
+_PATCHED = False
+
+
+def apply_cpu_patches() -> None:
+    """The patches of the module docstring (idempotent; call before importing megatron.core)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    import contextlib
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class _Stream:
+        def wait_event(self, *_: Any) -> None: ...
+        def wait_stream(self, *_: Any) -> None: ...
+        def synchronize(self) -> None: ...
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
+
+    def _cpu(device: Any) -> Any:
+        if device is None:
+            return device
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        return torch.device("cpu") if d.type == "cuda" else device
+
+    class _CpuMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if "device" in kwargs:
+                kwargs["device"] = _cpu(kwargs["device"])
+            return func(*args, **kwargs)
+
+    _CpuMode().__enter__()
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    real_type = torch.Tensor.type
+
+    def _type(self, dtype=None, non_blocking=False, **kw):
+        if dtype is None:
+            name = real_type(self)
+            return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch."):]
+        return real_type(self, dtype, non_blocking, **kw)
+
+    torch.Tensor.type = _type
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    real_set = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_states(self, model_param, tensors):  # patch 5
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None) if "step" not in tensors else None
+        try:
+            real_set(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_states
+    _PATCHED = True
+
+
+# ---------------------------------------------------------------- building (inside a torchrun rank)
+
+
+def init_parallel(tp: int, pp: int) -> None:
+    """gloo process group (from torchrun's env) and megatron's model-parallel groups."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def build(spec: GPTSpec, seed: int) -> tuple[Any, Any, Any]:
+    """(GPTModel, its megatron DDP wrapper, DistributedOptimizer) for this rank's stage and TP shard."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if spec.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size, gated_linear_unit=True,
+        activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=spec.bf16, tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+    )
+    model = GPTModel(
+        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_len, position_embedding_type="rope",
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+    )
+    wrapped = Float16Module(config, model) if spec.bf16 else model
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), wrapped
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, bf16=spec.bf16, clip_grad=0.0),
+        [ddp],
+    )
+    return model, ddp, opt
+
+
+def train_steps(spec: GPTSpec, model: Any, ddp: Any, opt: Any, steps: int) -> None:
+    """``steps`` optimizer steps. Without pipeline parallelism: a real forward/backward on a fixed
+    batch; with it (megatron's pipeline schedules need CUDA streams): gradients set from a seeded
+    generator per parameter (the same on every rank holding it), then megatron's own grad sync and
+    DistributedOptimizer step."""
+    import zlib
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    for step in range(steps):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            g = torch.Generator().manual_seed(1000 + step)
+            tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len), generator=g)
+            pos = torch.arange(spec.seq_len).unsqueeze(0).expand(2, -1)
+            loss = ddp(tokens, pos, None, labels=tokens).float().mean()
+            loss.backward()
+        else:
+            for name, p in model.named_parameters():
+                key = f"{name}/{step}/{ps.get_tensor_model_parallel_rank()}/{ps.get_pipeline_model_parallel_rank()}"
+                g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+                p.main_grad.copy_(torch.randn(p.shape, generator=g) * 1e-2)
+        ddp.finish_grad_sync()
+        ok, _, _ = opt.step()
+        assert ok, "optimizer step skipped"
+
+
+def rng_state_object() -> Any:
+    """Megatron-LM's ``rng_state`` ShardedObject: this rank's RNG states over the (pp, tp) grid,
+    one replica per DP rank (layout-bound: its key names the grid)."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+              "torch_rng_state": torch.get_rng_state()}]
+    pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    return ShardedObject("rng_state", state, (pp, tp),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank())
+
+
+def sharded_state_dict(spec: GPTSpec, model: Any, opt: Any, iteration: int, loading: bool, rng: bool) -> dict:
+    """The state Megatron-LM's ``generate_state_dict`` saves / loads (``rng``: include rng_state)."""
+    import argparse
+
+    from megatron.core import parallel_state as ps
+
+    meta = {"distrib_optim_sharding_type": SHARDING_TYPE, "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True}
+    msd = model.sharded_state_dict()
+    sd: dict[str, Any] = {
+        "model": msd,
+        "optimizer": opt.sharded_state_dict(msd, is_loading=loading, metadata=meta),
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "args": argparse.Namespace(
+            **asdict(spec), tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(), iteration=iteration,
+            ckpt_format="torch_dist", lr=1e-2,
+        ),
+        "content_metadata": meta,
+    }
+    if rng:
+        sd["rng_state"] = rng_state_object()
+    return sd
+
+
+# ---------------------------------------------------------------- running jobs
+
+
+def run_job(job: dict, out_dir: "os.PathLike[str] | str", timeout: int = 900) -> list[dict]:
+    """Run ``megatron_worker.py`` on ``job["world"]`` ranks under torchrun; the per-rank reports."""
+    import json
+    import subprocess
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    job = dict(job, out=str(out_dir / "report"))
+    job_file = out_dir / "job.json"
+    job_file.write_text(json.dumps(job))
+    worker = TESTS_DIR / "megatron_worker.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(
+        [str(TESTS_DIR.parent), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job['world']}",
+           str(worker), str(job_file)]
+    proc = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True, timeout=timeout)
+    (out_dir / "log.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"megatron job {job.get('mode')} failed (rc {proc.returncode}):\n"
+                           f"{(proc.stdout + proc.stderr)[-6000:]}")
+    return [json.loads((out_dir / f"report.{r}.json").read_text()) for r in range(job["world"])]
+
+
+def save_checkpoint(dest: "os.PathLike[str] | str", tp: int, pp: int, dp: int, spec: GPTSpec = GPTSpec(),
+                    steps: int = 2, work: "os.PathLike[str] | str | None" = None) -> list[dict]:
+    """A real megatron checkpoint of ``spec`` at ``tp`` x ``pp`` x ``dp`` in ``dest`` (after ``steps``
+    optimizer steps; iteration = steps)."""
+    work = Path(work) if work is not None else Path(dest).parent / (Path(dest).name + ".run")
+    return run_job({"mode": "save", "world": tp * pp * dp, "tp": tp, "pp": pp, "spec": asdict(spec),
+                    "ckpt": str(dest), "steps": steps}, work)
+
+
+def load_and_compare(reference: "os.PathLike[str] | str", converted: "os.PathLike[str] | str", tp: int, pp: int,
+                     dp: int, work: "os.PathLike[str] | str", spec: GPTSpec = GPTSpec(), rng: bool = False) -> list[dict]:
+    """megatron's own ``dist_checkpointing.load`` of ``reference`` and of ``converted`` into two GPTModels
+    (with their DistributedOptimizers) on ``tp`` x ``pp`` x ``dp``; each rank reports what differs
+    (model parameters, fp32 main params, Adam states and steps, param groups, common state)."""
+    return run_job({"mode": "compare", "world": tp * pp * dp, "tp": tp, "pp": pp, "spec": asdict(spec),
+                    "reference": str(reference), "converted": str(converted), "rng": rng}, work)

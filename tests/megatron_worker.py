@@ -1,0 +1,135 @@
+"""One torchrun rank of megatron-core on CPU (gloo): ``torchrun ... megatron_worker.py JOB.json``.
+
+JOB keys: ``mode`` ("save" or "compare"), ``tp``, ``pp`` (DP is the rest of the world), ``spec``
+(:class:`megatron_support.GPTSpec` fields), ``out`` (this rank writes ``out.<rank>.json``).
+
+- save: builds the GPTModel + DistributedOptimizer, runs ``steps`` optimizer steps and saves with
+  ``dist_checkpointing.save`` (torch_dist) into ``ckpt``.
+- compare: builds two GPTModels (different seeds) on the job's layout, loads ``reference`` into the
+  first and ``converted`` into the second with megatron's own ``dist_checkpointing.load`` (then
+  ``load_state_dict`` on model and optimizer, as Megatron-LM does), and reports every parameter,
+  main param, optimizer state and common-state value that differs bit for bit (``rng``: rng_state
+  is loaded too and compared).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import megatron_support as ms  # noqa: E402
+
+ms.apply_cpu_patches()
+
+
+def _bits(t):
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(_bits(a), _bits(b)))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if type(a).__name__ == "Namespace":
+        return type(b).__name__ == "Namespace" and _same(vars(a), vars(b))
+    try:
+        import numpy as np
+
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return bool(np.array_equal(a, b))
+    except ImportError:
+        pass
+    return a == b
+
+
+def _optimizer_tensors(opt) -> list[tuple[str, object]]:
+    """(label, tensor) of every main param and Adam state of this rank's DistributedOptimizer shards."""
+    out = []
+    for i, o in enumerate(getattr(opt, "chained_optimizers", [opt])):
+        inner = o.optimizer
+        for g, group in enumerate(inner.param_groups):
+            for j, p in enumerate(group["params"]):
+                out.append((f"opt{i}.group{g}.param{j}", p))
+                for k, v in sorted(inner.state.get(p, {}).items()):
+                    out.append((f"opt{i}.group{g}.param{j}.{k}", v))
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            out.append((f"opt{i}.group{g}.hyper", hyper))
+    return out
+
+
+def _load(spec, path: str, seed: int, rng: bool):
+    from megatron.core import dist_checkpointing
+
+    model, ddp, opt = ms.build(spec, seed)
+    for o in getattr(opt, "chained_optimizers", [opt]):  # as Megatron-LM before a load: states exist
+        o._init_optimizer_states_with_dummy_values()
+    sd = ms.sharded_state_dict(spec, model, opt, iteration=0, loading=True, rng=rng)
+    loaded = dist_checkpointing.load(sd, path)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    return model, opt, loaded
+
+
+def _compare(job: dict, spec) -> dict:
+    ref_model, ref_opt, ref = _load(spec, job["reference"], 11, job.get("rng", False))
+    got_model, got_opt, got = _load(spec, job["converted"], 22, job.get("rng", False))
+    bad, compared = [], 0
+    ref_sd, got_sd = ref_model.state_dict(), got_model.state_dict()
+    for key in sorted(set(ref_sd) | set(got_sd)):
+        if key.endswith("_extra_state"):
+            continue
+        compared += 1
+        if key not in ref_sd or key not in got_sd or not _same(ref_sd[key], got_sd[key]):
+            bad.append(f"model {key}")
+    for (label, a), (_, b) in zip(_optimizer_tensors(ref_opt), _optimizer_tensors(got_opt), strict=True):
+        compared += 1
+        if not _same(a, b):
+            bad.append(label)
+    for key in ("iteration", "checkpoint_version", "args", "content_metadata", "rng_state"):
+        if key in ref or key in got:
+            compared += 1
+            if not _same(ref.get(key), got.get(key)):
+                bad.append(f"common {key}: {ref.get(key)!r} != {got.get(key)!r}"[:300])
+    return {"mismatch": bad, "compared": compared, "iteration": got.get("iteration"),
+            "params": sum(int(t.numel()) for t in got_sd.values() if hasattr(t, "numel"))}
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(os.environ["RANK"])
+    spec = ms.GPTSpec(**job["spec"])
+    ms.init_parallel(job["tp"], job["pp"])
+    import torch.distributed as dist
+
+    report: dict = {"rank": rank}
+    if job["mode"] == "save":
+        from megatron.core import dist_checkpointing
+
+        model, ddp, opt = ms.build(spec, 1234)
+        ms.train_steps(spec, model, ddp, opt, job["steps"])
+        os.makedirs(job["ckpt"], exist_ok=True)
+        sd = ms.sharded_state_dict(spec, model, opt, iteration=job["steps"], loading=False, rng=True)
+        dist_checkpointing.save(sd, job["ckpt"], content_metadata=sd.pop("content_metadata"))
+    elif job["mode"] == "compare":
+        report.update(_compare(job, spec))
+    else:
+        raise SystemExit(f"unknown mode {job['mode']!r}")
+    Path(f"{job['out']}.{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
