@@ -297,7 +297,7 @@ def save_checkpoint(dest: "os.PathLike[str] | str", tp: int, pp: int, dp: int, s
     optimizer steps; iteration = steps)."""
     work = Path(work) if work is not None else Path(dest).parent / (Path(dest).name + ".run")
     return run_job({"mode": "save", "world": tp * pp * dp, "tp": tp, "pp": pp, "spec": asdict(spec),
-                    "ckpt": str(dest), "steps": steps}, work)
+                    "ckpt": str(Path(dest).resolve()), "steps": steps}, work)
 
 
 def load_and_compare(reference: "os.PathLike[str] | str", converted: "os.PathLike[str] | str", tp: int, pp: int,
@@ -306,4 +306,5 @@ def load_and_compare(reference: "os.PathLike[str] | str", converted: "os.PathLik
     (with their DistributedOptimizers) on ``tp`` x ``pp`` x ``dp``; each rank reports what differs
     (model parameters, fp32 main params, Adam states and steps, param groups, common state)."""
     return run_job({"mode": "compare", "world": tp * pp * dp, "tp": tp, "pp": pp, "spec": asdict(spec),
-                    "reference": str(reference), "converted": str(converted), "rng": rng}, work)
+                    "reference": str(Path(reference).resolve()), "converted": str(Path(converted).resolve()), "rng": rng},
+                   work)

@@ -160,6 +160,10 @@ def _missing_key(message: str) -> list[str]:
 @click.option("--config", default=None,
               help="Model config.json (path or inline JSON) with the attention head counts a TP split must divide "
                    "(default: SRC/config.json when present).")
+@click.option("--layout-bound-objects", "layout_objects", type=click.Choice(["drop", "keep", "refuse"]), default="drop",
+              show_default=True,
+              help="Megatron objects saved per (pp, tp) grid cell (rng_state, ...) when the target's pp/tp differ from the "
+                   "source's: drop them with a warning (Megatron-LM skips them after a TP/PP change), keep them, or refuse.")
 @click.option("--json", "as_json", is_flag=True,
               help="With --dry-run: print the target plan as JSON (schemas/target-plan.schema.json).")
 @click.option("--layout", "layout_key", default=None, metavar="KEY",
@@ -170,9 +174,9 @@ def _missing_key(message: str) -> list[str]:
 @selection_options
 @run_options
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
-                       dtype: str | None, drop_dataloader: bool, config: str | None, as_json: bool,
-                       layout_key: str | None, svg_file: str | None, keys: tuple[str, ...], model_only: bool,
-                       optim_only: bool, **kw: Any) -> None:
+                       dtype: str | None, drop_dataloader: bool, config: str | None, layout_objects: str,
+                       as_json: bool, layout_key: str | None, svg_file: str | None, keys: tuple[str, ...],
+                       model_only: bool, optim_only: bool, **kw: Any) -> None:
     """Write from SRC (universal store or DCP) the DCP checkpoint a job on --mesh would save."""
     from converter.api import from_universal
 
@@ -190,7 +194,7 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
 
     result = from_universal(src, dst, mesh, plan=plan_name, mesh_order=mesh_order, dtype=dtype,
                             options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader,
-                            config=config,  # the text lists a few chunks per key; --json / --layout all
+                            config=config, layout_objects=layout_objects,  # the text lists a few chunks per key; --json / --layout all
                             preview_chunks=None if as_json or layout_key is not None else PREVIEW_CHUNK_LINES)
     if result.preview is not None and (as_json or layout_key is not None):
         for w in result.warnings:

@@ -30,6 +30,7 @@ from converter.run.destination import (conversion_header, guarded, open_destinat
                                    write_output_record)
 from converter.run import distributed
 from converter.run.executor import os_errors_as_storage_errors
+from converter.plan.megatron import plan_layout_bound
 from converter.plan.mesh import Mesh, parse_mesh
 from converter.plan.copy_tasks import Piece, WriteTask, plan_tensor
 from converter.plan.placement_rules import HeadCounts, TensorPlacement, check_head_split, get_plan, plan_all, replicated
@@ -38,6 +39,7 @@ from converter.run.sources import open_checkpoint
 from converter.commands.to_universal import ConversionResult
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.metadata import gc_paused
+from formats.dcp.framework_files import read_framework_files, write_framework_files
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype
 from formats.objects import read_checked_object
@@ -193,7 +195,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                    options: RunOptions | None = None, selection: Selection | None = None,
                    drop_dataloader: bool = False,
                    config: str | os.PathLike | Mapping | None = None,
-                   preview_chunks: int | None = None) -> ConversionResult:
+                   preview_chunks: int | None = None,
+                   layout_objects: str = "drop") -> ConversionResult:
     """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``.
 
     ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
@@ -203,6 +206,10 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     present) gives the attention head counts a TP split must divide.
     ``preview_chunks`` (dry run): list only that many chunks per key in ``result.preview`` (what
     the text shows; None: every chunk, the whole plan document).
+    ``layout_objects`` (``drop``, ``keep``, ``refuse``): what becomes of Megatron's layout-bound
+    ShardedObjects (``rng_state``, ...) when the target layout differs from the saved one
+    (:mod:`converter.plan.megatron`); framework files beside the source (Megatron's ``metadata.json``,
+    ``common.pt``) are copied as they are.
     """
     options = options or RunOptions()
     target_mesh = parse_mesh(mesh, mesh_order)
@@ -229,6 +236,10 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             # every entry checked (CRC, zip records, pickle globals) before the destination is touched
             object_specs, index, notes = plan_objects(index, lambda k: read_checked_object(reader, k, options.trust_pickle),
                                                       target_mesh, drop_dataloader)
+            unbound, bound_notes = plan_layout_bound([k for k, *_ in object_specs], target_mesh, layout_objects)
+            object_specs, notes = [o for o in object_specs if o[0] not in unbound], [*notes, *bound_notes]
+            index = replace(index, objects={k: o for k, o in index.objects.items() if k not in unbound})
+            framework = read_framework_files(src, options.trust_pickle) if index.format in ("dcp", "universal") else {}
             layout = replace(layout, chunks=tuple(c for c in layout.chunks if c.key in index.tensors),
                              warnings=layout.warnings + tuple(notes))
             tasks = _plan(index, layout, options)
@@ -242,7 +253,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         header = conversion_header("from-universal", src, index, {
             "--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan), "--dtype": dtype,
             "--keys": None if selection is None or selection.everything else selection.to_json(),
-            "--drop-dataloader-state": bool(drop_dataloader), "--config": option_value(config)})
+            "--drop-dataloader-state": bool(drop_dataloader), "--config": option_value(config),
+            **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {})})
         out, journal = open_destination(src, dst, header, options)
         objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
         planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
@@ -255,6 +267,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                     writer.adopt_chunk(task.target)
             if dist.leader:
                 writer.write_objects()
+                write_framework_files(out, framework)  # Megatron's metadata.json / common.pt, as they are
             sink = _RankChunkSink(writer)
             stats, _ = dist.execute(tasks, reader, sink, workers=options.workers,
                                     memory_budget=options.memory_budget, progress=options.progress,

@@ -21,7 +21,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -35,15 +35,16 @@ from converter.run import distributed
 from converter.run.destination import conversion_header, guarded, open_destination, option_value
 from converter.run.executor import os_errors_as_storage_errors
 from converter.run.journal import task_id
-from converter.plan.key_maps import (CONFIG_FILLERS, KeyMap, fused_qkv_rows, get_key_map, heads_for, parse_transform,
-                                rename_all, rope_permutation)
+from converter.plan.key_maps import (CONFIG_FILLERS, KeyMap, fused_halves_rows, fused_qkv_rows, get_key_map, heads_for,
+                                     megatron_args_config, parse_transform, rename_all, rope_permutation)
+from converter.plan.megatron import stacked_layers, unstacked_name
 from converter.plan.copy_tasks import Piece, WriteTask, describe, plan_tensor
 from converter.run.sources import detect_format, open_checkpoint
 from converter.commands.to_universal import ConversionResult, _ChunkSink, universal_chunk_bytes
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, copy_bits_into, full_box
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype, from_storage_array
 from formats.storage import source_label
-from formats.errors import ConfigError, InvalidCheckpointError, PlanError
+from formats.errors import CkptConvError, ConfigError, InvalidCheckpointError, PlanError
 from formats.fsutil import atomic_write_bytes
 from formats.hf import DEFAULT_MAX_SHARD_BYTES, HFWriter, TensorSpec, plan_files
 
@@ -62,7 +63,9 @@ CONFIG_FILE = "config.json"
 class Source(NamedTuple):
     """Where a target tensor comes from: the source key and a row permutation (or None); or one
     expert ``index`` of a grouped-experts source ``[E, ...]`` (the slice ``[index]``, dim 0
-    dropped); or the ``stack`` of source keys (one per expert, a new dim 0; ``key`` unused)."""
+    dropped), or one layer of a Megatron layer-stacked source ``[L, ...]`` (the same slice, its rows
+    then permuted when ``perm`` is given); or the ``stack`` of source keys (one per expert, a new
+    dim 0; ``key`` unused)."""
 
     key: str
     perm: np.ndarray | None = None  # int64 row indices
@@ -105,7 +108,7 @@ class MappedReader:
     def __init__(self, reader: CheckpointReader, sources: Mapping[str, Source],
                  paths: Mapping[str, tuple] | None = None) -> None:
         self.reader = reader
-        self.sources = {k: s if s.perm is None else Source(s.key, np.asarray(s.perm, dtype=np.int64))
+        self.sources = {k: s if s.perm is None else s._replace(perm=np.asarray(s.perm, dtype=np.int64))
                         for k, s in sources.items()}
         src_index = reader.index()
         tensors = {}
@@ -115,8 +118,13 @@ class MappedReader:
                 tensors[target] = stacked_entry(target, [src_index.tensors[k] for k in src.stack], path)
                 continue
             e = src_index.tensors[src.key]
-            if src.index is not None:
+            if src.index is not None and src.perm is None:
                 tensors[target] = TensorEntry(target, e.dtype, tuple(e.shape[1:]), expert_chunks(e, src.index), path)
+                continue
+            if src.index is not None:  # rows of one slice: permute the slice's chunks, locate the source's
+                chunks = permuted_chunks(expert_chunks(e, src.index), src.perm, src.key)
+                chunks = tuple(replace(c, locator=_VLoc(src.key, c.locator.chunk.locator.chunk)) for c in chunks)
+                tensors[target] = TensorEntry(target, e.dtype, (len(src.perm), *e.shape[2:]), chunks, path)
                 continue
             if src.perm is None:
                 chunks = tuple(ChunkRef(c.box, c.file, _VLoc(src.key, c), c.rank) for c in e.chunks)
@@ -293,18 +301,31 @@ class ExportPlan:
 
 def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
                 config: Mapping[str, Any] | None) -> ExportPlan:
-    """Pure: which source tensor becomes which HF tensor, with dtypes and permutations."""
+    """Pure: which source tensor becomes which HF tensor, with dtypes and permutations.
+
+    With a key map other than ``identity``, Megatron's layer-stacked tensors export one tensor per
+    layer (``decoder.layers.<i>.<name>``, read as the slice ``source[i]``)."""
     weights = model_weights(index)
     if not weights:
         raise InvalidCheckpointError(f"{index.root}: no model weights found (only optimizer / training state); nothing to export")
-    fqn_key = {fqn: key for key, fqn in weights.items()}
-    if len(fqn_key) != len(weights):
+    if len(set(weights.values())) != len(weights):
         raise InvalidCheckpointError(f"{index.root}: two keys hold the same model weight; cannot export")
-    shapes = {fqn: tuple(index.tensors[k].shape) for fqn, k in fqn_key.items()}
+    stacked = {} if kmap.identity else stacked_layers(index)
+    fqn_src: dict[str, tuple[str, int | None]] = {}  # native name -> (source key, layer of a stacked tensor)
+    for key, fqn in weights.items():
+        if key in stacked:
+            fqn_src |= {unstacked_name(fqn, i): (key, i) for i in range(stacked[key])}
+        else:
+            fqn_src[fqn] = (key, None)
+    fqn_key = {fqn: key for fqn, (key, _) in fqn_src.items()}
+    shapes = {fqn: tuple(index.tensors[k].shape)[0 if layer is None else 1:] for fqn, (k, layer) in fqn_src.items()}
     parts = _fused_parts(kmap, shapes)  # part fqn -> (fused fqn, part number)
+    counts: dict[str, int] = {}  # fused fqn -> its number of parts
+    for f, i in parts.values():
+        counts[f] = max(counts.get(f, 0), i + 1)
     filler = CONFIG_FILLERS.get(kmap.name)
     if config is not None and filler is not None:
-        config = filler(_part_shapes(shapes, parts, config, kmap.name), config)
+        config = filler(_part_shapes(shapes, parts, config, kmap.name, counts), config)
     natives = [p for fqn in fqn_key for p in ([q for q, (f, _) in parts.items() if f == fqn] or [fqn])]
     grouped = {f: kmap.expert_names(f, int(shapes[f][0])) for f in natives if shapes.get(f) and len(shapes[f]) >= 2}
     grouped = {f: names for f, names in grouped.items() if names is not None}
@@ -322,13 +343,14 @@ def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
             continue  # dropped by the map
         hf = names[fqn]
         fused, part = parts.get(fqn, (fqn, None))
-        entry = index.tensors[fqn_key[fused]]
-        rows = None if part is None else _fused_rows(shapes[fused], config, kmap.name, fused)[part]
-        shape = entry.shape if rows is None else (len(rows), *entry.shape[1:])
+        key, layer = fqn_src[fused]
+        entry = index.tensors[key]
+        rows = None if part is None else _fused_rows(shapes[fused], config, kmap.name, fused, counts[fused])[part]
+        shape = shapes[fused] if rows is None else (len(rows), *shapes[fused][1:])
         perm = _perm_for(kmap, fqn, shape, config, to_hf=True)
         if rows is not None:
             perm = rows if perm is None else rows[perm]
-        sources[hf] = Source(fqn_key[fused], perm)
+        sources[hf] = Source(key, perm, index=layer)
         target = dtype if dtype is not None and entry.dtype in CASTABLE else entry.dtype
         specs.append(TensorSpec(hf, target, tuple(shape)))
     return ExportPlan(sources, tuple(specs), None if config is None else dict(config))
@@ -346,10 +368,15 @@ def _fused_parts(kmap: KeyMap, shapes: Mapping[str, tuple]) -> dict[str, tuple[s
     return out
 
 
-def _fused_rows(shape: tuple, config: Mapping[str, Any] | None, map_name: str, key: str) -> tuple[np.ndarray, ...]:
-    """The source rows of q, k, v in a fused ``wqkv`` (head counts from the config; without
-    ``num_key_value_heads``, from the fused rows and the head size: ``rows = (heads + 2 kv) head_dim``,
-    never HF's default of as many k/v heads as q heads, whose split also divides a GQA tensor)."""
+def _fused_rows(shape: tuple, config: Mapping[str, Any] | None, map_name: str, key: str,
+                parts: int = 3) -> tuple[np.ndarray, ...]:
+    """The source rows of each part of a fused tensor: a two-part one (Megatron's GLU
+    ``linear_fc1``) in halves; q, k, v of a fused ``wqkv`` / ``linear_qkv`` by query group (head
+    counts from the config; without ``num_key_value_heads``, from the fused rows and the head size:
+    ``rows = (heads + 2 kv) head_dim``, never HF's default of as many k/v heads as q heads, whose
+    split also divides a GQA tensor)."""
+    if parts != 3:
+        return fused_halves_rows(int(shape[0]), parts, key)
     n_heads = heads_for("num_attention_heads", config, map_name, key)
     if (config or {}).get("num_key_value_heads") is None and len(shape) == 2:
         head_dim = (config or {}).get("head_dim") or int(shape[1]) // n_heads  # HF Llama: hidden / heads
@@ -361,12 +388,13 @@ def _fused_rows(shape: tuple, config: Mapping[str, Any] | None, map_name: str, k
 
 
 def _part_shapes(shapes: Mapping[str, tuple], parts: Mapping[str, tuple[str, int]],
-                 config: Mapping[str, Any], map_name: str) -> dict[str, tuple]:
+                 config: Mapping[str, Any], map_name: str, counts: Mapping[str, int] | None = None) -> dict[str, tuple]:
     """``shapes`` with each fused tensor replaced by its parts' shapes (for the config filler)."""
     out = {f: s for f, s in shapes.items() if not any(f == fused for fused, _ in parts.values())}
     for name, (fused, i) in parts.items():
-        if isinstance(config.get("num_attention_heads"), int):
-            rows = _fused_rows(shapes[fused], config, map_name, fused)[i]
+        n = (counts or {}).get(fused, 3)
+        if n != 3 or isinstance(config.get("num_attention_heads"), int):
+            rows = _fused_rows(shapes[fused], config, map_name, fused, n)[i]
             out[name] = (len(rows), *shapes[fused][1:])
     return out
 
@@ -429,6 +457,8 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
         index = reader.index()
+        if kmap.name.startswith("megatron") and not (cfg or {}).get("num_attention_heads"):
+            cfg = {**megatron_args_config(megatron_args(reader, index)), **(cfg or {})} or None
         plan = plan_export(index, kmap, dtype, cfg)
         view = MappedReader(reader, plan.sources)
         file_plans = plan_files(plan.specs, max_bytes)
@@ -467,6 +497,25 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         return ConversionResult(str(out), len(plan.specs), 0, total, stats.seconds)
     finally:
         reader.close()
+
+
+def megatron_args(reader: CheckpointReader, index: CheckpointIndex) -> dict[str, Any]:
+    """``vars(args)`` of a Megatron checkpoint's training arguments (its ``common_state`` entry,
+    loaded through the allowlist: an ``argparse.Namespace`` is plain data), or ``{}``."""
+    import argparse
+
+    for key in index.objects:
+        if key.split("/", 1)[0] != "common_state":
+            continue
+        try:
+            value = reader.load_object(key, trust_pickle=False)
+        except CkptConvError:
+            return {}
+        if isinstance(value, list) and len(value) == 1:  # torch_dist stores a ShardedObject's data in a list
+            value = value[0]
+        args = value.get("args") if isinstance(value, dict) else None
+        return dict(vars(args)) if isinstance(args, argparse.Namespace) else {}
+    return {}
 
 
 def _config_bytes(cfg: Mapping[str, Any]) -> bytes:

@@ -21,6 +21,7 @@ from converter.plan.copy_tasks import Piece, WriteTask, describe, store_tasks
 from converter.plan.selection import Selection, select_entries
 from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
+from formats.dcp.framework_files import read_framework_files, write_framework_files
 from formats.objects import object_label, preview_value, read_checked_object
 from formats.universal import DEFAULT_BACKEND, StorePlan, UniversalWriter, plan_store
 from formats.universal_meta import SourceInfo
@@ -149,6 +150,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
             "--keys": None if selection is None or selection.everything else selection.to_json(),
             **({"--backend": backend} if backend != DEFAULT_BACKEND else {})})
         objects = _checked_objects(reader, index, options.trust_pickle)
+        framework = read_framework_files(src, options.trust_pickle) if index.format == "dcp" else {}
         out, journal = open_destination(src, dst, header, options)
         writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out), backend=backend)  # URL dst: upload as final
         layout = detect_layout(index)
@@ -163,6 +165,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
                 writer.restore_chunk(task.key, task.target, journal.info(task))
         if dist.leader:
             _copy_objects(index, objects, writer, refs)
+            write_framework_files(out, framework)  # Megatron's metadata.json / common.pt, as they are
         stats, written = dist.execute(tasks, reader, _ChunkSink(writer), workers=options.workers,
                                       memory_budget=options.memory_budget, progress=options.progress,
                                       label="to-universal", journal=journal, gather_info=dist.active)

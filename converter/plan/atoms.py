@@ -14,15 +14,32 @@ Both styles may sit under one common prefix, as in DCP's tutorial, which saves
 
 Nested optimizer state (Shampoo-like: ``state.<fqn>.<group>.<name>``) keeps the whole tail as
 its role. Anything else (buffers are parameters too; extra state) is an atom of its own.
+
+Megatron-core (``dist_checkpointing``, torch_dist backend) writes no planner data: keys are its
+ShardedTensor keys, model weights at the top level (``embedding.word_embeddings.weight``,
+``decoder.layers.mlp.linear_fc1.weight``, ``output_layer.weight``) and DistributedOptimizer states
+as ``optimizer.state.<state>.<key>``, the state name BEFORE the parameter's key (``param`` is the
+fp32 main copy: role ``main_param``, never the parameter's own role). ShardedObjects are bytes keys
+``<key>/shard_<offsets>_<grid>``. See :func:`megatron_refs`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from formats.dcp.reader import guess_path
+
 OPTIMIZER_ROOTS = ("optim", "optimizer")
 MODEL_ROOTS = ("model",)
+#: Top-level module names of Megatron-core models (GPT, hybrid/Mamba, T5, BERT, multimodal).
+MEGATRON_MODEL_ROOTS = frozenset({"embedding", "decoder", "encoder", "output_layer", "mtp", "pooler",
+                                  "lm_head", "binary_head", "vision_model", "language_model", "vision_projection"})
+#: Megatron's DistributedOptimizer state keys: ``optimizer.state.<state>.<parameter key>``.
+MEGATRON_STATE = re.compile(r"optimizer\.state\.([A-Za-z_][A-Za-z0-9_]*)\.(.+)")
+#: A ShardedObject's key in a torch_dist checkpoint: ``<key>/shard_<offsets>_<grid>``.
+SHARDED_OBJECT = re.compile(r"(?P<key>.+)/shard_(?P<offsets>\d+(?:\.\d+)*)_(?P<grid>\d+(?:\.\d+)*)")
 
 
 @dataclass(frozen=True)
@@ -106,20 +123,60 @@ def atom_of(key: str, path: tuple, fqns: set[str]) -> AtomRef:
     return AtomRef(key, "value")
 
 
+def is_megatron(paths: Mapping[str, tuple]) -> bool:
+    """Whether ``paths`` are Megatron-core torch_dist keys: no planner data (every path is the
+    reader's guess from the key) and a Megatron model root or a DistributedOptimizer state whose
+    parameter key is among the keys."""
+    if not paths or any(tuple(p) and tuple(p) != guess_path(k) for k, p in paths.items()):
+        return False
+    for key in paths:
+        m = MEGATRON_STATE.fullmatch(key)
+        if (m and m.group(2) in paths) or key.split(".", 1)[0] in MEGATRON_MODEL_ROOTS:
+            return True
+    return False
+
+
+def megatron_refs(keys: Iterable[str]) -> dict[str, AtomRef]:
+    """key -> AtomRef for Megatron-core keys (see the module docstring): optimizer states join their
+    parameter's atom (state ``param`` as ``main_param``), every other key outside ``optimizer.`` that
+    is not a ShardedObject is a model weight, the rest are values."""
+    keys = list(keys)
+    present = set(keys)
+    refs = {}
+    for key in keys:
+        m = MEGATRON_STATE.fullmatch(key)
+        if m and m.group(2) in present:
+            state = m.group(1)
+            refs[key] = AtomRef(m.group(2), "main_param" if state == "param" else state)
+        elif key.split(".", 1)[0] not in OPTIMIZER_ROOTS and not SHARDED_OBJECT.fullmatch(key):
+            refs[key] = AtomRef(key, "param")
+        else:
+            refs[key] = AtomRef(key, "value")
+    return refs
+
+
 def group_atoms(paths: Mapping[str, tuple]) -> tuple[dict[str, AtomRef], dict[str, dict[str, str]]]:
     """(key -> AtomRef, atom -> {role: key}) for every key of a checkpoint."""
-    prefix = root_prefix(paths.values())
-    fqns = model_fqns(paths, prefix)
-    refs = {}
-    for key, p in paths.items():
-        rel = _strip(tuple(p) or (key,), prefix)
-        refs[key] = AtomRef(key, "value") if rel is None else atom_of(key, rel, fqns)
+    if is_megatron(paths):
+        refs = megatron_refs(paths)
+    else:
+        refs = _generic_refs(paths)
     atoms: dict[str, dict[str, str]] = {}
     for key, ref in refs.items():
         members = atoms.setdefault(ref.atom, {})
         role = ref.role if ref.role not in members else f"{ref.role}#{key}"
         members[role] = key
     return refs, atoms
+
+
+def _generic_refs(paths: Mapping[str, tuple]) -> dict[str, AtomRef]:
+    prefix = root_prefix(paths.values())
+    fqns = model_fqns(paths, prefix)
+    refs = {}
+    for key, p in paths.items():
+        rel = _strip(tuple(p) or (key,), prefix)
+        refs[key] = AtomRef(key, "value") if rel is None else atom_of(key, rel, fqns)
+    return refs
 
 
 def param_of_keys(refs: Mapping[str, AtomRef]) -> dict[str, str]:

@@ -346,9 +346,44 @@ TORCHTITAN_QWEN3 = KeyMap(
     fused=_FUSED,
     experts=_TITAN_EXPERTS,
 )
+_ML = "decoder.layers.{}."
+_MQKV = _ML + "self_attention.linear_qkv."
+_MFC1 = _ML + "mlp.linear_fc1."
+#: Megatron-core GPT (local or Transformer Engine layer spec: the checkpoint uses TE's names either way)
+#: with Llama's architecture (RMSNorm, SwiGLU, RoPE rotate-half, no biases) -> HF Llama. Layer-stacked
+#: tensors (``decoder.layers.<name>``, shape (L, ...)) are unstacked into ``decoder.layers.<i>.<name>``
+#: first (:mod:`converter.plan.megatron`). ``linear_qkv`` splits per query group
+#: (``[q heads of the group, k, v]``, :func:`fused_qkv_rows`), ``linear_fc1`` into its ``[gate; up]``
+#: halves. Megatron's RoPE is rotate-half already: no row permutation.
+MEGATRON_LLAMA = KeyMap(
+    "megatron-llama",
+    from_hf={
+        "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+        "model.layers.{}.input_layernorm.weight": _MQKV + "layer_norm_weight",
+        "model.layers.{}.self_attn.q_proj.weight": _MQKV + "q.weight",
+        "model.layers.{}.self_attn.k_proj.weight": _MQKV + "k.weight",
+        "model.layers.{}.self_attn.v_proj.weight": _MQKV + "v.weight",
+        "model.layers.{}.self_attn.o_proj.weight": _ML + "self_attention.linear_proj.weight",
+        "model.layers.{}.post_attention_layernorm.weight": _MFC1 + "layer_norm_weight",
+        "model.layers.{}.mlp.gate_proj.weight": _MFC1 + "gate.weight",
+        "model.layers.{}.mlp.up_proj.weight": _MFC1 + "up.weight",
+        "model.layers.{}.mlp.down_proj.weight": _ML + "mlp.linear_fc2.weight",
+        "model.norm.weight": "decoder.final_layernorm.weight",
+        "lm_head.weight": "output_layer.weight",
+    },
+    # the local spec's own names, where a checkpoint keeps them (no TE-style remapping)
+    export_aliases={
+        _ML + "input_layernorm.weight": "model.layers.{}.input_layernorm.weight",
+        _ML + "pre_mlp_layernorm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    },
+    fused={
+        _MQKV + "weight": (_MQKV + "q.weight", _MQKV + "k.weight", _MQKV + "v.weight"),
+        _MFC1 + "weight": (_MFC1 + "gate.weight", _MFC1 + "up.weight"),
+    },
+)
 IDENTITY = KeyMap("identity", identity=True)
 BUILTIN_MAPS: dict[str, KeyMap] = {m.name: m for m in (IDENTITY, TORCHTITAN_LLAMA, TORCHTITAN_LLAMA3,
-                                                        TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_QWEN3)}
+                                                        TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_QWEN3, MEGATRON_LLAMA)}
 
 
 def get_key_map(name_or_path: str | KeyMap | None) -> KeyMap:
@@ -479,7 +514,69 @@ def llama_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, Any]) 
     return cfg
 
 
-CONFIG_FILLERS = {"torchtitan-llama": llama_config, "torchtitan-llama3": llama_config}
+def megatron_llama_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` completed with what the megatron-llama weights' shapes say (HF LlamaConfig names,
+    per-layer part shapes); a given value that contradicts the shapes is an error."""
+    cfg = dict(given)
+    derived: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    emb = shapes.get("embedding.word_embeddings.weight")
+    if emb is not None:
+        derived["vocab_size"], derived["hidden_size"] = int(emb[0]), int(emb[1])
+    layers = {k.split(".")[2] for k in shapes if k.startswith("decoder.layers.") and k.split(".")[2].isdigit()}
+    if layers:
+        derived["num_hidden_layers"] = len(layers)
+    gate = shapes.get(_MFC1.format(0) + "gate.weight")
+    if gate is not None:
+        derived["intermediate_size"] = int(gate[0])
+    derived["tie_word_embeddings"] = "output_layer.weight" not in shapes
+    q, k = shapes.get(_MQKV.format(0) + "q.weight"), shapes.get(_MQKV.format(0) + "k.weight")
+    n_heads = cfg.get("num_attention_heads")
+    if isinstance(n_heads, int) and n_heads > 0 and q is not None and k is not None:
+        head_dim = int(q[0]) // n_heads
+        if head_dim and int(k[0]) % head_dim == 0:
+            derived["num_key_value_heads"] = int(k[0]) // head_dim
+        if cfg.get("hidden_size", derived.get("hidden_size")) != int(q[0]):
+            derived["head_dim"] = head_dim
+    for name, value in derived.items():
+        if name in cfg and cfg[name] != value and name not in ("architectures",):
+            raise ConfigError(f"config.json says {name}={cfg[name]!r} but the weights give {value!r}; fix the config")
+        cfg.setdefault(name, value)
+    return cfg
+
+
+def megatron_args_config(args: Mapping[str, Any]) -> dict[str, Any]:
+    """HF config fields from Megatron's training arguments (``vars(args)`` of the checkpoint's
+    ``argparse.Namespace``): head counts first (the fused ``linear_qkv`` split needs them)."""
+    out: dict[str, Any] = {}
+
+    def take(hf: str, value: Any, kind: type | tuple = int) -> None:
+        if isinstance(value, kind) and not isinstance(value, bool):
+            out[hf] = value
+
+    take("num_attention_heads", args.get("num_attention_heads"))
+    groups = args.get("num_query_groups")
+    if args.get("group_query_attention", True) is not False and isinstance(groups, int):
+        take("num_key_value_heads", groups)
+    else:
+        take("num_key_value_heads", args.get("num_attention_heads"))
+    take("head_dim", args.get("kv_channels"))
+    take("rms_norm_eps", args.get("norm_epsilon"), float)
+    take("rope_theta", args.get("rotary_base"), (int, float))
+    take("max_position_embeddings", args.get("max_position_embeddings"))
+    return out
+
+
+CONFIG_FILLERS = {"torchtitan-llama": llama_config, "torchtitan-llama3": llama_config,
+                  "megatron-llama": megatron_llama_config}
+
+
+def fused_halves_rows(rows: int, parts: int, key: str = "") -> tuple[np.ndarray, ...]:
+    """The rows of each of ``parts`` equal blocks of a fused tensor (Megatron's GLU ``linear_fc1``:
+    ``[gate; up]``)."""
+    if rows % parts:
+        raise ConfigError(f"{key or 'fused tensor'}: {rows} rows do not split into {parts} equal parts")
+    n = rows // parts
+    return tuple(np.arange(i * n, (i + 1) * n, dtype=np.int64) for i in range(parts))
 
 
 def fused_qkv_rows(rows: int, n_heads: int, n_kv_heads: int, key: str = "") -> tuple[np.ndarray, np.ndarray, np.ndarray]:

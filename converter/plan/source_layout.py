@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
@@ -65,6 +65,7 @@ class TensorLayout:
     owners: tuple[tuple[int | None, Box], ...] = ()
     tp_dim: int | None = None
     tiles: bool = True  # boxes cover the tensor exactly once
+    layers: int = 0  # Megatron layer-stacked tensor: dim 0 holds this many layers (not a split)
 
 
 @dataclass(frozen=True)
@@ -357,6 +358,12 @@ def expert_parallel_degree(entry: TensorEntry) -> int:
     local = {r: i for i, r in enumerate(ranks)}
     seq = [local[c.rank] for c in live]
     return tp_major_factor(seq) or len(live)
+def _fused_halves(entry: TensorEntry) -> bool:
+    """Megatron's fused GLU ``linear_fc1`` under TP: ``[gate; up]`` each split over the TP ranks, so
+    each rank holds two row blocks; in offset order the owners run through the TP ranks twice."""
+    ranks = [c.rank for c in _order(entry.chunks)]
+    half = len(ranks) // 2
+    return len(ranks) % 2 == 0 and ranks[:half] == ranks[half:] and len(set(ranks[:half])) == half
 
 
 def _tp_inner_dim(dims: Mapping[int, int]) -> int | None:
@@ -381,6 +388,8 @@ def _classify(entry: TensorEntry, mesh: _Mesh | None,
     if set(dims) == {0}:
         n = dims[0]
         if mesh.tp > 1 and n in (mesh.dp * mesh.tp, mesh.fsdp * mesh.tp):  # the latter: HSDP x TP
+            return TP_COLWISE, 0
+        if mesh.tp > 1 and n == 2 * mesh.tp and _fused_halves(entry):
             return TP_COLWISE, 0
         return FSDP, None
     d = _tp_inner_dim(dims)
@@ -407,6 +416,11 @@ def detect_layout(index: CheckpointIndex) -> LayoutReport:
 
     Pure: reads metadata only. See the module docstring for the rules and their limits.
     """
+    from converter.plan.megatron import stacked_layers
+
+    stacked = stacked_layers(index)
+    if stacked:  # Megatron: dim 0 of a layer-stacked tensor is its layers; one layer shows the split
+        index = replace(index, tensors={k: layer_view(t) if k in stacked else t for k, t in index.tensors.items()})
     stages = find_stages(index)
     stage_of = {r: s for s in stages for r in s}
     by_stage: dict[tuple[int, ...], list[TensorEntry]] = {s: [] for s in stages}
@@ -421,10 +435,24 @@ def detect_layout(index: CheckpointIndex) -> LayoutReport:
         kind, tp_dim = _classify(t, mesh, facts[key])
         owners = tuple((c.rank, c.box) for c in _order(t.chunks))
         dims, tiled = facts[key]
-        layouts[key] = TensorLayout(key, dims, kind, owners, tp_dim, tiled)
+        if key in stacked:  # back to the stacked tensor's dims
+            dims = {d + 1: n for d, n in dims.items()}
+            tp_dim = None if tp_dim is None else tp_dim + 1
+        layouts[key] = TensorLayout(key, dims, kind, owners, tp_dim, tiled, stacked.get(key, 0))
     ws = world_size(index)
     summary, mesh_guess, notes = _summarize(index, ws, stages, meshes, layouts)
     return LayoutReport(summary, ws, layouts, mesh_guess, stages, notes)
+
+
+def layer_view(entry: TensorEntry) -> TensorEntry:
+    """One layer of a Megatron layer-stacked tensor (the first layer's chunks, dim 0 dropped): how
+    the saving job split each layer. With PP, the first layer of each stage shows its ranks; the
+    layers of one stage are split alike, so the first stage's layer stands for all."""
+    first = {c.box.offsets[0] for c in entry.chunks}
+    stage_firsts = sorted(first)
+    chunks = tuple(ChunkRef(Box(c.box.offsets[1:], c.box.sizes[1:]), c.file, c.locator, c.rank)
+                   for c in entry.chunks if c.box.offsets[0] == stage_firsts[0])
+    return replace(entry, shape=tuple(entry.shape[1:]), chunks=chunks)
 
 
 def tp_split_dims(index: CheckpointIndex) -> dict[str, int | None]:

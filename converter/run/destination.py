@@ -58,9 +58,11 @@ KIND_OF_OP = {"to-universal": UNIVERSAL, "import-hf": UNIVERSAL, "import-ds": UN
 # the file sets ckptconv writes (what --overwrite may remove)
 
 _TMP = r"\.{name}\.tmp-\d+"  # formats.fsutil.atomic_write_bytes's temp file
+#: Framework files carried beside DCP's (formats.dcp.framework_files: Megatron's metadata.json, common.pt).
+_FRAMEWORK = [r"metadata\.json", r"common\.pt", _TMP.format(name=r"(metadata\.json|common\.pt)")]
 _OWN_FILES = {
-    UNIVERSAL: [r"ckptconv\.json", r"zarr\.json", _TMP.format(name=r"ckptconv\.json")],
-    DCP: [r"\.metadata", r"__\d+_\d+\.distcp", r"__\d+\.metadata", _TMP.format(name=r"\.metadata")],
+    UNIVERSAL: [r"ckptconv\.json", r"zarr\.json", _TMP.format(name=r"ckptconv\.json"), *_FRAMEWORK],
+    DCP: [r"\.metadata", r"__\d+_\d+\.distcp", r"__\d+\.metadata", _TMP.format(name=r"\.metadata"), *_FRAMEWORK],
     HF: [r"model\.safetensors", r"model-\d+-of-\d+\.safetensors", r"model(-\d+-of-\d+)?\.safetensors\.tmp",
          r"model\.safetensors\.index\.json", r"config\.json",
          _TMP.format(name=r"(config\.json|model\.safetensors\.index\.json)")],

@@ -97,6 +97,7 @@ def _tensor_row(t: TensorEntry, lay: TensorLayout) -> dict[str, Any]:
         "tp_dim": lay.tp_dim,
         "files": sorted({c.file for c in t.chunks}),
         "ranks": sorted({c.rank for c in t.chunks if c.rank is not None}),
+        **({"layers": lay.layers} if lay.layers else {}),
     }
 
 
@@ -225,6 +226,8 @@ def render_report(report: Mapping[str, Any], console) -> None:
         rows = []
         for t in r["tensors"]:
             split = " ".join(f"d{d}/{n}" for d, n in t["split"].items())
+            if t.get("layers"):  # Megatron layer-stacked: dim 0 is the layers
+                split = f"layers={t['layers']} {split}".strip()
             rows.append((t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(t["chunks"]),
                          human_bytes(t["bytes"]), f"{t['layout']} {split}".strip(), _ranks_text(t["ranks"])))
         title = "tensors" + (f" matching {r['key_pattern']!r}" if r["key_pattern"] else "")

@@ -101,8 +101,10 @@ class _RankOf(dict):
         return rank
 
 
-def _guess_path(key: str) -> tuple[str | int, ...]:
-    """An object path for a key without planner data (dots inside FQNs make this a guess)."""
+def guess_path(key: str) -> tuple[str | int, ...]:
+    """An object path for a key without planner data (dots inside FQNs make this a guess; a
+    checkpoint whose every path is this guess had no planner data: Megatron-core's torch_dist
+    backend writes none, see :mod:`converter.plan.atoms`)."""
     parts = key.split(".")
     if len(parts) >= 4 and parts[1] == "state":
         return (parts[0], "state", ".".join(parts[2:-1]), parts[-1])
@@ -348,7 +350,7 @@ class DCPReader:
         set_box, set_file = ChunkRef.box.__set__, ChunkRef.file.__set__
         set_locator, set_rank = ChunkRef.locator.__set__, ChunkRef.rank.__set__
         for key, meta in md.entries.items():
-            path = md.planner_data.get(key) or _guess_path(key)
+            path = md.planner_data.get(key) or guess_path(key)
             if isinstance(meta, BytesMeta):
                 info = _storage_of(md, key, None, where)
                 _need(need, key, info)
