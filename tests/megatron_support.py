@@ -308,3 +308,30 @@ def load_and_compare(reference: "os.PathLike[str] | str", converted: "os.PathLik
     return run_job({"mode": "compare", "world": tp * pp * dp, "tp": tp, "pp": pp, "spec": asdict(spec),
                     "reference": str(Path(reference).resolve()), "converted": str(Path(converted).resolve()), "rng": rng},
                    work)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Regenerate a checked-in fixture: ``python tests/megatron_support.py DEST --tp 2 --dp 2``."""
+    import argparse
+    import shutil
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("dest")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2)
+    a = p.parse_args(argv)
+    reason = skip_reason()
+    if reason:
+        raise SystemExit(reason)
+    dest = Path(a.dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    work = dest.parent / (dest.name + ".run")
+    save_checkpoint(dest, a.tp, a.pp, a.dp, steps=a.steps, work=work)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
