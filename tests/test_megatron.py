@@ -1,11 +1,11 @@
 """Megatron-core torch_dist checkpoints, on a small one saved by megatron-core 0.19.2 itself (fast).
 
-``tests/data/megatron/gpt_tp2_dp2``: a real ``GPTModel`` (local layer spec, Llama-like: RMSNorm,
+``tests/data/megatron/gpt_tp2_dp2`` (and ``gpt_pp2_dp2``, the same model at PP2 x DP2): a real ``GPTModel`` (local layer spec, Llama-like: RMSNorm,
 SwiGLU, GQA 4 heads / 2 query groups, bf16 weights) with its DistributedOptimizer (fp32 main params and
 Adam states, ``fully_reshardable``) after 2 steps at TP2 x DP2 on gloo, saved by
 ``dist_checkpointing.save`` (torch_dist) with Megatron-LM's common state (``args`` Namespace,
 ``iteration``, ``rng_state`` over the (pp, tp) grid); regenerate with
-``python tests/megatron_support.py tests/data/megatron/gpt_tp2_dp2 --tp 2 --dp 2``.
+``python tests/megatron_support.py tests/data/megatron/gpt_tp2_dp2 --tp 2 --dp 2`` (``--tp 1 --pp 2``).
 
 The oracle is torch's own reading of the checkpoints (``dcp_to_torch_save``); megatron's own load of
 the conversions is in ``tests/test_megatron_e2e.py`` (slow).
@@ -35,6 +35,7 @@ from formats.objects import load_torch_object
 from tests.oracle import bits_equal, torch_reference
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "megatron" / "gpt_tp2_dp2"
+PP_FIXTURE = FIXTURE.parent / "gpt_pp2_dp2"  # the same model saved at PP2 x DP2 (layer 0 on stage 0, layer 1 on 1)
 STACKED = ("decoder.layers.self_attention.linear_qkv.weight", "decoder.layers.mlp.linear_fc1.weight")
 
 
@@ -270,3 +271,32 @@ def test_export_hf_identity_keeps_the_stacked_tensors(tmp_path):
     assert len(got) == 9 and not any(k.startswith("optimizer.") for k in got)
     for k, v in got.items():
         assert bits_equal(ref[k], v), k
+
+
+def test_pipeline_stages_show_as_runs_of_layers():
+    code, out, err = run_cli("inspect", str(PP_FIXTURE), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["layout"]["mesh"] == {"pp": 2}
+    assert "PP: 2 stages (layers 0-0 on ranks 0 | layers 1-1 on ranks 2)" in doc["layout"]["summary"]
+
+
+def test_pp_source_round_trip_and_export(tmp_path):
+    """A PP2 save (each stage wrote its own layers of the stacked tensors) to TP2 and to HF."""
+    from safetensors.torch import load_file
+
+    code, _, err = run_cli("from-universal", str(PP_FIXTURE), str(tmp_path / "out"), "--mesh", "tp2,dp2")
+    assert code == 0 and "pp 1 -> 1" not in err, err
+    _assert_tensors_equal(PP_FIXTURE, tmp_path / "out")
+    code, _, err = run_cli("export-hf", str(PP_FIXTURE), str(tmp_path / "hf"), "--map", "megatron-llama")
+    assert code == 0, err
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    ref = torch_reference(PP_FIXTURE)
+    assert bits_equal(ref["decoder.layers.self_attention.linear_proj.weight"][1],
+                      got["model.layers.1.self_attn.o_proj.weight"])
+
+
+def test_megatron_llama_is_export_only(tmp_path):
+    (tmp_path / "hf").mkdir()
+    code, _, err = run_cli("import-hf", str(tmp_path / "hf"), str(tmp_path / "uni"), "--map", "megatron-llama")
+    assert code == 2 and "export only" in err

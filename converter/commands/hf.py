@@ -604,6 +604,9 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
 
     options = options or RunOptions()
     kmap = get_key_map(key_map)
+    if kmap.export_only:
+        raise ConfigError(f"--map {kmap.name}: export only (Megatron keeps layers stacked and q/k/v, gate/up fused); "
+                          "import-hf cannot write its names")
     if detect_format(src) != "hf":
         raise ConfigError(f"{src}: import-hf reads a Hugging Face directory (*.safetensors); use to-universal for other checkpoints")
     if config is None and (src_config := source_config(src)) is not None:  # head counts, tie_word_embeddings

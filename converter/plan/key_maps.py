@@ -147,6 +147,8 @@ class KeyMap:
     export_aliases: Mapping[str, str] = field(default_factory=dict)
     #: fused native tensors split on export: template -> the native names of its parts (in order)
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: import-hf refuses the map (its native names need fusing or stacking the import cannot do)
+    export_only: bool = False
     #: grouped experts: HF template (layer, expert) -> native template (layer) of ``[E, ...]``
     experts: Mapping[str, str] = field(default_factory=dict)
 
@@ -380,6 +382,7 @@ MEGATRON_LLAMA = KeyMap(
         _MQKV + "weight": (_MQKV + "q.weight", _MQKV + "k.weight", _MQKV + "v.weight"),
         _MFC1 + "weight": (_MFC1 + "gate.weight", _MFC1 + "up.weight"),
     },
+    export_only=True,
 )
 IDENTITY = KeyMap("identity", identity=True)
 BUILTIN_MAPS: dict[str, KeyMap] = {m.name: m for m in (IDENTITY, TORCHTITAN_LLAMA, TORCHTITAN_LLAMA3,

@@ -419,6 +419,7 @@ def detect_layout(index: CheckpointIndex) -> LayoutReport:
     from converter.plan.megatron import stacked_layers
 
     stacked = stacked_layers(index)
+    layer_stages = megatron_stages(index, stacked)
     if stacked:  # Megatron: dim 0 of a layer-stacked tensor is its layers; one layer shows the split
         index = replace(index, tensors={k: layer_view(t) if k in stacked else t for k, t in index.tensors.items()})
     stages = find_stages(index)
@@ -441,7 +442,37 @@ def detect_layout(index: CheckpointIndex) -> LayoutReport:
         layouts[key] = TensorLayout(key, dims, kind, owners, tp_dim, tiled, stacked.get(key, 0))
     ws = world_size(index)
     summary, mesh_guess, notes = _summarize(index, ws, stages, meshes, layouts)
+    if len(layer_stages) > 1 and len(stages) <= 1:  # Megatron PP: the layers of one stacked tensor
+        spans = " | ".join(f"layers {lo}-{hi} on ranks {_span(sorted(rs))}" for (lo, hi), rs in layer_stages)
+        first = meshes.get(stages[0]) if stages else None
+        inner = {k: v for k, v in mesh_guess.items() if k != "pp"} if first is not None and first.tp > 1 else {}
+        mesh_guess = {"pp": len(layer_stages), **inner}
+        summary = f"PP: {len(layer_stages)} stages ({spans}); " + summary
     return LayoutReport(summary, ws, layouts, mesh_guess, stages, notes)
+
+
+def megatron_stages(index: CheckpointIndex, stacked: Mapping[str, int]) -> list[tuple[tuple[int, int], frozenset[int]]]:
+    """Megatron pipeline stages from its layer-stacked tensors: ((first, last layer), ranks) per
+    stage, in layer order. Each layer's chunks are written by its stage's ranks (the main replica),
+    so runs of layers whose writers are disjoint from the next run's are the stages; [] when the
+    layers do not split into disjoint contiguous runs (one stage)."""
+    if not stacked:
+        return []
+    writers: dict[int, set[int]] = {}
+    for key in stacked:
+        for c in index.tensors[key].chunks:
+            if c.rank is not None and c.box.numel:
+                writers.setdefault(c.box.offsets[0], set()).add(c.rank)
+    runs: list[tuple[list[int], set[int]]] = []
+    for layer in sorted(writers):
+        if runs and not runs[-1][1].isdisjoint(writers[layer]):
+            runs[-1][0].append(layer)
+            runs[-1][1].update(writers[layer])
+        else:
+            runs.append(([layer], set(writers[layer])))
+    if any(not a[1].isdisjoint(b[1]) for i, a in enumerate(runs) for b in runs[i + 1:]):
+        return []  # a rank in two runs: not PP stages
+    return [((ls[0], ls[-1]), frozenset(rs)) for ls, rs in runs] if len(runs) > 1 else []
 
 
 def layer_view(entry: TensorEntry) -> TensorEntry:
