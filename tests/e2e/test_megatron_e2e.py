@@ -21,7 +21,7 @@ from cli_runner import run_cli
 
 pytestmark = pytest.mark.slow
 
-FIXTURE = Path(__file__).resolve().parent / "data" / "megatron" / "gpt_tp2_dp2"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "megatron" / "gpt_tp2_dp2"
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,8 @@ from typing import Any
 
 MCORE_VERSION = "0.19.2"
 SHARDING_TYPE = "fully_reshardable"
-TESTS_DIR = Path(__file__).resolve().parent
+SUPPORT_DIR = Path(__file__).resolve().parent
+REPO = SUPPORT_DIR.parents[1]
 
 
 @dataclass(frozen=True)
@@ -278,9 +279,9 @@ def run_job(job: dict, out_dir: "os.PathLike[str] | str", timeout: int = 900) ->
     job = dict(job, out=str(out_dir / "report"))
     job_file = out_dir / "job.json"
     job_file.write_text(json.dumps(job))
-    worker = TESTS_DIR / "megatron_worker.py"
+    worker = SUPPORT_DIR / "megatron_worker.py"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(
-        [str(TESTS_DIR.parent), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+        [str(REPO), str(SUPPORT_DIR), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={job['world']}",
            str(worker), str(job_file)]
     proc = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True, timeout=timeout)
@@ -311,7 +312,7 @@ def load_and_compare(reference: "os.PathLike[str] | str", converted: "os.PathLik
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Regenerate a checked-in fixture: ``python tests/megatron_support.py DEST --tp 2 --dp 2``."""
+    """Regenerate a checked-in fixture: ``python tests/support/megatron_support.py DEST --tp 2 --dp 2``."""
     import argparse
     import shutil
 

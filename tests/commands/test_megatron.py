@@ -5,10 +5,10 @@ SwiGLU, GQA 4 heads / 2 query groups, bf16 weights) with its DistributedOptimize
 Adam states, ``fully_reshardable``) after 2 steps at TP2 x DP2 on gloo, saved by
 ``dist_checkpointing.save`` (torch_dist) with Megatron-LM's common state (``args`` Namespace,
 ``iteration``, ``rng_state`` over the (pp, tp) grid); regenerate with
-``python tests/megatron_support.py tests/data/megatron/gpt_tp2_dp2 --tp 2 --dp 2`` (``--tp 1 --pp 2``).
+``python tests/support/megatron_support.py tests/data/megatron/gpt_tp2_dp2 --tp 2 --dp 2`` (``--tp 1 --pp 2``).
 
 The oracle is torch's own reading of the checkpoints (``dcp_to_torch_save``); megatron's own load of
-the conversions is in ``tests/test_megatron_e2e.py`` (slow).
+the conversions is in ``tests/e2e/test_megatron_e2e.py`` (slow).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from converter.plan.mesh import parse_mesh
 from converter.run.sources import open_checkpoint
 from formats.errors import ConfigError, UnsafePickleError
 from formats.objects import load_torch_object
-from tests.oracle import bits_equal, torch_reference
+from oracle import bits_equal, torch_reference
 
-FIXTURE = Path(__file__).resolve().parent / "data" / "megatron" / "gpt_tp2_dp2"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "megatron" / "gpt_tp2_dp2"
 PP_FIXTURE = FIXTURE.parent / "gpt_pp2_dp2"  # the same model saved at PP2 x DP2 (layer 0 on stage 0, layer 1 on 1)
 STACKED = ("decoder.layers.self_attention.linear_qkv.weight", "decoder.layers.mlp.linear_fc1.weight")
 
