@@ -194,7 +194,8 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
 
     result = from_universal(src, dst, mesh, plan=plan_name, mesh_order=mesh_order, dtype=dtype,
                             options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader,
-                            config=config, layout_objects=layout_objects,  # the text lists a few chunks per key; --json / --layout all
+                            config=config, layout_objects=layout_objects,
+                            # the text lists a few chunks per key; --json / --layout all
                             preview_chunks=None if as_json or layout_key is not None else PREVIEW_CHUNK_LINES)
     if result.preview is not None and (as_json or layout_key is not None):
         for w in result.warnings:
