@@ -44,7 +44,7 @@ from formats.errors import (
     UnsupportedError,
 )
 from formats.fsutil import atomic_write_bytes, fsync_dir, loads_json, pwrite_all, read_error, short, source_path
-from formats.storage import RandomFile, Storage, check_relative, close_file, open_storage, read_into
+from formats.storage import OpenFiles, RandomFile, Storage, check_relative, close_file, open_storage, read_into
 
 if TYPE_CHECKING:
     import torch
@@ -249,8 +249,7 @@ class HFReader:
             raise CheckpointNotFoundError(f"{self.root}: no such directory; check the path")
         if not (self.root.is_dir() if self._storage.is_local else self._names):
             raise InvalidCheckpointError(f"{self.root}: is a file; pass the Hugging Face model directory")
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._open = OpenFiles(self._storage, self._check_size)
         self._entries: dict[str, tuple[str, StEntry]] = {}
         self._index = self._build_index()
 
@@ -321,25 +320,15 @@ class HFReader:
 
     def _fd(self, file: str) -> int | RandomFile:
         """An fd (local) or a ranged-read file (URL), opened once per file."""
-        with self._lock:
-            fd = self._fds.get(file)
-            if fd is None and not self._storage.is_local:
-                fd = self._fds[file] = self._storage.open_random(file)
-            if fd is None:
-                path = source_path(self.root, file)
-                try:
-                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                except FileNotFoundError:
-                    raise CheckpointNotFoundError(f"{path}: file disappeared") from None
-                except OSError as e:
-                    raise read_error(path, e) from None
-                size, expected = os.fstat(fd).st_size, self._index.info["files"].get(file)
-                if expected is not None and size != expected:  # safetensors has no checksums: sizes at least
-                    os.close(fd)
-                    raise CorruptCheckpointError(f"{path}: {size} bytes now, {expected} when its header was read; the "
-                                                 "file changed during the conversion: rerun it")
-                self._fds[file] = fd
-            return fd
+        return self._open.get(file)
+
+    def _check_size(self, file: str, path: Path, fd: int) -> None:
+        """A local file opened for reading must still have its header's size."""
+        size, expected = os.fstat(fd).st_size, self._index.info["files"].get(file)
+        if expected is not None and size != expected:  # safetensors has no checksums: sizes at least
+            os.close(fd)
+            raise CorruptCheckpointError(f"{path}: {size} bytes now, {expected} when its header was read; the "
+                                         "file changed during the conversion: rerun it")
 
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
         """A new contiguous tensor holding ``region``: one pread of the rows it spans."""
@@ -391,10 +380,7 @@ class HFReader:
 
     def close(self) -> None:
         """Close open files (they are reopened if the reader is used again)."""
-        with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            close_file(fd)
+        self._open.close()
 
     def __enter__(self) -> HFReader:
         return self

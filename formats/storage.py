@@ -368,6 +368,51 @@ def open_storage(root: str | os.PathLike | LocalStorage | RemoteStorage) -> Stor
     return LocalStorage(root)
 
 
+class OpenFiles:
+    """The files of one checkpoint a reader reads, each opened once and shared by its threads:
+    an fd (local; ``source_path``-checked, a vanished file is CheckpointNotFoundError) or a
+    ranged-read file (URL). ``on_open(relative, path, fd)`` may check a newly opened local file
+    (it closes the fd itself when it raises). :meth:`close` closes them all; a later
+    :meth:`get` reopens."""
+
+    def __init__(self, storage: Storage, on_open: Any = None) -> None:
+        import threading
+
+        self._storage, self._on_open = storage, on_open
+        self._files: dict[str, int | RandomFile] = {}
+        self._lock = threading.Lock()
+
+    def get(self, relative: str) -> int | RandomFile:
+        """The open file for ``relative`` (opened on first use)."""
+        from formats.fsutil import source_path
+
+        with self._lock:
+            f = self._files.get(relative)
+            if f is not None:
+                return f
+            if not self._storage.is_local:
+                f = self._files[relative] = self._storage.open_random(relative)
+                return f
+            path = source_path(self._storage.root, relative)
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"{path}: file disappeared") from None
+            except OSError as e:
+                raise read_error(path, e) from None
+            if self._on_open is not None:
+                self._on_open(relative, path, fd)
+            self._files[relative] = fd
+            return fd
+
+    def close(self) -> None:
+        """Close every open file."""
+        with self._lock:
+            files, self._files = self._files, {}
+        for f in files.values():
+            close_file(f)
+
+
 def listdir(root: str | os.PathLike | LocalStorage | RemoteStorage) -> list[str]:
     """Names directly under ``root`` (a path, URL or storage)."""
     return open_storage(root).list()

@@ -48,9 +48,9 @@ from formats.errors import (
     UnsupportedError,
 )
 from formats.dtypes import BY_NAME, by_name, itemsize_of
-from formats.fsutil import read_error, short, source_path
+from formats.fsutil import short, source_path
 from formats.integrity import ChunkChecks, crc32
-from formats.storage import RandomFile, Storage, open_storage
+from formats.storage import OpenFiles, RandomFile, Storage, open_storage
 
 if TYPE_CHECKING:
     import numpy as np
@@ -328,8 +328,7 @@ class DCPReader:
         self._md, self._md_files = read_checkpoint_metadata(self._storage)
         with gc_paused():
             self._index = self._build_index()
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._files = OpenFiles(self._storage)
         self._cache = _Cache(CACHE_ENTRIES, CACHE_BYTES)
 
     # -- index -------------------------------------------------------------------------------
@@ -421,20 +420,7 @@ class DCPReader:
 
     def _fd(self, relative_path: str) -> int | RandomFile:
         """An fd (local) or a ranged-read file (URL) for ``relative_path``, opened once."""
-        with self._lock:
-            fd = self._fds.get(relative_path)
-            if fd is None and not self._storage.is_local:
-                fd = self._fds[relative_path] = self._storage.open_random(relative_path)
-            if fd is None:
-                path = source_path(self.root, relative_path)
-                try:
-                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                except FileNotFoundError:
-                    raise CheckpointNotFoundError(f"{path}: file disappeared") from None
-                except OSError as e:
-                    raise read_error(path, e) from None
-                self._fds[relative_path] = fd
-            return fd
+        return self._files.get(relative_path)
 
     def _item(self, loc: Locator, key: str, limit: int) -> archive.ReadAt:
         """A reader over the item's (decoded) bytes."""
@@ -573,13 +559,7 @@ class DCPReader:
 
     def close(self) -> None:
         """Close the open files and drop cached headers (the reader reopens files if used again)."""
-        with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            if isinstance(fd, int):
-                os.close(fd)
-            else:
-                fd.close()
+        self._files.close()
         self._cache.clear()
 
     def __enter__(self) -> DCPReader:
