@@ -8,6 +8,8 @@ not, 2 on an error (no such checkpoint, bad options), like ``cmp``.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -33,12 +35,7 @@ def verify_cmd(path: str, as_json: bool, quick: bool, workers: int | None, trust
     from converter.tools.verify import render_text
 
     report = verify(path, quick=quick, trust_pickle=trust_pickle, workers=_workers(workers))
-    if as_json:
-        echo_doc(report.to_json())
-    else:
-        click.echo(render_text(report))
-    if not report.ok:
-        sys.exit(EXIT_FOUND)
+    _finish(report, render_text, as_json, report.ok)
 
 
 @click.command("diff")
@@ -73,11 +70,16 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, key_pattern: str | None, 
     report = diff(a, b, atol=atol, rtol=rtol, key_pattern=key_pattern, model_only=model_only,
                   trust_pickle=trust_pickle, workers=_workers(workers), key_map=key_map, config=config,
                   verify_source=not no_verify)
+    _finish(report, render_text, as_json, report.same)
+
+
+def _finish(report: Any, render_text: Callable[[Any], str], as_json: bool, good: bool) -> None:
+    """Print a tool's report (JSON or text); exit status 1 when it found something."""
     if as_json:
         echo_doc(report.to_json())
     else:
         click.echo(render_text(report))
-    if not report.same:
+    if not good:
         sys.exit(EXIT_FOUND)
 
 
