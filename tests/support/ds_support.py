@@ -12,11 +12,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from ckpt_factory import run_world
+from oracle import bits_equal
 from models import ModelArgs
 
 #: The tiny model of the checked-in fixtures (tests/data/deepspeed/).
@@ -87,3 +89,40 @@ def fsdp2_load_and_check(ckpt_dir: Path, expected: Path, world: int, report_dir:
         assert not rep["errors"], f"FSDP2 dp{world} rank {rep['rank']}: {rep['errors']}"
         assert rep["checked"] > 0
     return reports
+
+
+def live_of(stage: int) -> dict:
+    """DeepSpeed's live full state saved with the ZeRO-``stage`` fixture (the oracle)."""
+    return torch.load(DATA / f"zero{stage}" / "live.pt", weights_only=False)
+
+
+def universal_of(stage: int) -> Path:
+    """The checked-in universal checkpoint of the ZeRO-``stage`` fixture."""
+    return DATA / f"zero{stage}" / "universal"
+
+
+def import_ds(src: Path, dst: Path) -> Any:
+    """import-ds with default options."""
+    from converter.commands.import_ds import import_ds as run
+
+    return run(src, dst)
+
+
+def export_ds(src: Path, dst: Path, **kw: Any) -> Any:
+    """export-ds (keyword options passed on)."""
+    from converter.commands.export_ds import export_ds as run
+
+    return run(src, dst, **kw)
+
+
+def assert_matches_live(ref: dict, live: dict) -> None:
+    """torch's reading of a DCP checkpoint equals DeepSpeed's live state, bit for bit."""
+    keys = [k for k in live if k.startswith(("model.", "optim.state."))]
+    assert keys
+    bad = [k for k in keys if not bits_equal(ref.get(k), live[k])]
+    assert not bad, bad[:5]
+    steps = [v for k, v in ref.items() if k.startswith("optim.state.") and k.endswith(".step")]
+    assert len(steps) == len([k for k in ref if k.startswith("model.")])
+    assert all(bits_equal(s, live["step"]) for s in steps)
+    for name, value in live["param_groups"][0].items():
+        assert ref[f"optim.param_groups.0.{name}"] == value, name
