@@ -138,6 +138,9 @@ def plan_export_ds(index: CheckpointIndex, refs: Mapping[str, AtomRef], atoms: M
     if not files:
         raise InvalidCheckpointError(f"{index.root}: no model weights found (keys model.<fqn> or <fqn>); nothing "
                                      "to export to DeepSpeed")
+    if not any(f.rel.endswith(("/exp_avg.pt", "/exp_avg_sq.pt")) for f in files):
+        warnings.append("no Adam states (exp_avg, exp_avg_sq) in the source: DeepSpeed's ZeRO-3 universal load "
+                        "needs them; ZeRO-1/2 engines load the weights alone")
     groups, params = _param_groups(index, refs, group_values)
     if params is None:  # one group (or the hyperparameters' groups) over every parameter
         params = [list(shapes)] if len(groups) <= 1 else None
