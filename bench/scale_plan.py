@@ -86,15 +86,18 @@ def run_case(spec: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| source | target | .metadata MB | torch pickle.load CPU s (in-process) / peak GiB | "
-           "inspect CPU s / wall s / peak GiB | dry run CPU s / wall s / peak GiB | load avg |",
+    out = ["| source | target | .metadata MB | torch pickle.load CPU s in-process / whole process / wall s / peak GiB | "
+           "inspect CPU s / wall s / peak GiB (÷ torch's process: CPU, wall) | dry run CPU s / wall s / peak GiB | "
+           "load avg |",
            "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         t, i, d = r["torch_pickle_load"], r["inspect"], r["dry_run"]
         out.append(
             f"| {r['model'].upper()} DP{r['world']} | `{r['target']} --plan llama` | {r['metadata_bytes'] / 1e6:.0f} | "
-            f"{t['in_process_cpu_s']:.1f} / {t['peak_rss_gib']:.2f} | {i['cpu_s']:.1f} / {i['wall_s']:.1f} / "
-            f"{i['peak_rss_gib']:.2f} | {d['cpu_s']:.1f} / {d['wall_s']:.1f} / {d['peak_rss_gib']:.2f} | "
+            f"{t['in_process_cpu_s']:.1f} / {t['cpu_s']:.1f} / {t['wall_s']:.1f} / {t['peak_rss_gib']:.2f} | "
+            f"{i['cpu_s']:.1f} / {i['wall_s']:.1f} / {i['peak_rss_gib']:.2f} "
+            f"({i['cpu_s'] / t['cpu_s']:.2f}x, {i['wall_s'] / t['wall_s']:.2f}x) | "
+            f"{d['cpu_s']:.1f} / {d['wall_s']:.1f} / {d['peak_rss_gib']:.2f} | "
             f"{r['load_avg_before']:.1f}-{r['load_avg_after']:.1f} |")
     return "\n".join(out)
 

@@ -14,7 +14,7 @@ import operator
 import os
 import re
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
 from itertools import repeat
 from pathlib import Path
@@ -68,6 +68,7 @@ ARCHIVE_SLACK = 16 << 20
 
 _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
 _REL, _LENGTH = operator.attrgetter("relative_path"), operator.attrgetter("length")
+_OFFSET = operator.attrgetter("offset")
 _TRANSFORMS = operator.attrgetter("transforms")
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -91,6 +92,22 @@ def is_dcp_checkpoint(path: str | os.PathLike | Storage) -> bool:
 def _rank_of(relative_path: str) -> int | None:
     m = DISTCP_RE.match(os.path.basename(relative_path))
     return int(m.group(1)) if m else None
+
+
+def _last_items(rels: list[str], ends: list[int], keys: list[str]) -> dict[str, tuple[int, str]]:
+    """``{file: (end of its last item, the key of the first chunk ending there)}`` over chunks given
+    as parallel lists (sorted in numpy: millions of chunks)."""
+    import numpy as np
+
+    if not rels:
+        return {}
+    ids: dict[str, int] = {}
+    fid = np.fromiter(map(ids.setdefault, rels, map(len, repeat(ids))), dtype=np.int64, count=len(rels))
+    end = np.fromiter(ends, dtype=np.int64, count=len(ends))
+    order = np.lexsort((-np.arange(len(rels)), end, fid))  # by file, then end, the first chunk last
+    last = order[np.r_[fid[order][1:] != fid[order][:-1], True]]
+    names = list(ids)
+    return {names[fid[i]]: (ends[i], keys[i]) for i in last.tolist()}
 
 
 class _RankOf(dict):
@@ -340,14 +357,15 @@ class DCPReader:
         need: dict[str, tuple[int, str]] = {}  # file -> (end of its last item, a key there)
         transforms: set[tuple[str, ...]] = set()
         sized: list[tuple[str, Any, int, StorageInfo]] = []  # chunks bigger than their items
-        need_end: dict[str, int] = {}  # file -> end of its last item (for chunks; with need's key)
-        need_key: dict[str, str] = {}
         ranks = _RankOf()  # file -> the rank that wrote it
-        storage_get, need_end_get = md.storage.get, need_end.get
+        storage_get = md.storage.get
         prod = math.prod
         new_ref = ChunkRef.__new__
         set_box, set_file = ChunkRef.box.__set__, ChunkRef.file.__set__
         set_locator, set_rank = ChunkRef.locator.__set__, ChunkRef.rank.__set__
+        chunk_rels: list[str] = []  # every chunk's file, item end and key (for need, at the end)
+        chunk_ends: list[int] = []
+        chunk_keys: list[str] = []
         for key, meta in md.entries.items():
             path = md.planner_data.get(key) or guess_path(key)
             if isinstance(meta, BytesMeta):
@@ -370,23 +388,18 @@ class DCPReader:
                           if prod(b.sizes) * itemsize > i.length]
             if any(map(_TRANSFORMS, infos)):
                 transforms.update(filter(None, map(_TRANSFORMS, infos)))
-            chunks = []
-            append = chunks.append
-            for box, info, rel, rank in zip(boxes, infos, rels, map(ranks.__getitem__, rels)):
-                end = info.offset + info.length
-                if end > need_end_get(rel, -1):
-                    need_end[rel] = end
-                    need_key[rel] = key
-                ref = new_ref(ChunkRef)  # ChunkRef(box, rel, info, rank), without __init__'s calls
-                set_box(ref, box)
-                set_file(ref, rel)
-                set_locator(ref, info)
-                set_rank(ref, rank)
-                append(ref)
+            chunk_rels += rels
+            chunk_ends += map(operator.add, map(_OFFSET, infos), map(_LENGTH, infos))
+            chunk_keys += repeat(key, len(rels))
+            # ChunkRef(box, rel, info, rank) for every chunk in C-level loops (no Python call each)
+            chunks = list(map(new_ref, repeat(ChunkRef, len(boxes))))
+            for setter, values in ((set_box, boxes), (set_file, rels), (set_locator, infos),
+                                   (set_rank, map(ranks.__getitem__, rels))):
+                deque(map(setter, chunks, values), 0)
             tensors[key] = TensorEntry(key, meta.dtype, meta.size, tuple(chunks), path)
-        for rel, end in need_end.items():
+        for rel, (end, key) in _last_items(chunk_rels, chunk_ends, chunk_keys).items():
             if end > need.get(rel, (-1, ""))[0]:
-                need[rel] = (end, need_key[rel])
+                need[rel] = (end, key)
         files = _check_sizes(self._storage, need)
         for key, offsets, nbytes, info in sized:
             _check_item_size(key, offsets, nbytes, info, where)
