@@ -72,7 +72,15 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
         from formats.errors import ConfigError
 
         raise ConfigError(f"{'--svg' if svg_file else '--vs'} draws a tensor's layout: add --layout KEY")
-    reader = open_checkpoint(path, trust_pickle=trust_pickle, verify=bool(stats_keys))  # --stats reads: check them
+    from formats.dcp.metadata import gc_paused
+
+    pause = gc_paused()  # the index and the report are millions of small acyclic objects at scale:
+    pause.__enter__()  # no cyclic GC passes over them (the reports are built, printed, and dropped)
+    try:
+        reader = open_checkpoint(path, trust_pickle=trust_pickle, verify=bool(stats_keys))  # --stats reads: check them
+    except BaseException:
+        pause.__exit__(None, None, None)
+        raise
     try:
         index = reader.index()
         stats = []
@@ -101,6 +109,7 @@ def inspect_cmd(path: str, as_json: bool, key_pattern: str | None, stats_keys: t
             render_stats(stats, console)
     finally:
         reader.close()
+        pause.__exit__(None, None, None)
 
 
 def draw_layouts(sides: list[tuple[str, Any]], pattern: str, svg_file: str | None, console: Any,
