@@ -311,6 +311,18 @@ def load_and_compare(reference: "os.PathLike[str] | str", converted: "os.PathLik
                    work)
 
 
+def forward_logits(ckpt: "os.PathLike[str] | str", tokens: list[list[int]], work: "os.PathLike[str] | str",
+                   spec: GPTSpec = GPTSpec()) -> Any:
+    """float32 logits ``[batch, seq, vocab]`` of megatron's GPTModel (TP1, one process) loaded from
+    ``ckpt`` by megatron's own ``dist_checkpointing.load``, on ``tokens``."""
+    import torch
+
+    work = Path(work)
+    run_job({"mode": "forward", "world": 1, "tp": 1, "pp": 1, "spec": asdict(spec),
+             "ckpt": str(Path(ckpt).resolve()), "tokens": tokens, "logits": str((work / "logits.pt").resolve())}, work)
+    return torch.load(work / "logits.pt")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Regenerate a checked-in fixture: ``python tests/support/megatron_support.py DEST --tp 2 --dp 2``."""
     import argparse

@@ -106,6 +106,24 @@ def _compare(job: dict, spec) -> dict:
             "params": sum(int(t.numel()) for t in got_sd.values() if hasattr(t, "numel"))}
 
 
+def _forward(job: dict, spec) -> dict:
+    """Logits of the model loaded from ``ckpt`` (megatron's own load, model only) on ``tokens``,
+    saved as float32 to ``logits``."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    model, _, _ = ms.build(spec, 33)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, job["ckpt"])
+    model.load_state_dict(loaded["model"])
+    model.eval()
+    tokens = torch.tensor(job["tokens"], dtype=torch.long)
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        logits = model(tokens, pos, None)
+    torch.save(logits.float().contiguous(), job["logits"])
+    return {"shape": list(logits.shape)}
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     rank = int(os.environ["RANK"])
@@ -124,6 +142,8 @@ def main() -> None:
         dist_checkpointing.save(sd, job["ckpt"], content_metadata=sd.pop("content_metadata"))
     elif job["mode"] == "compare":
         report.update(_compare(job, spec))
+    elif job["mode"] == "forward":
+        report.update(_forward(job, spec))
     else:
         raise SystemExit(f"unknown mode {job['mode']!r}")
     Path(f"{job['out']}.{rank}.json").write_text(json.dumps(report))
