@@ -23,7 +23,7 @@ from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
 from formats.dcp.framework_files import read_framework_files, write_framework_files
 from formats.objects import object_label, preview_value, read_checked_object
-from formats.universal import DEFAULT_BACKEND, StorePlan, UniversalWriter, plan_store
+from formats.universal import DEFAULT_BACKEND, StorePlan, UniversalReader, UniversalWriter, plan_store
 from formats.universal_meta import SourceInfo
 from formats.storage import source_label
 
@@ -97,6 +97,19 @@ def _source_info(index: CheckpointIndex, layout: LayoutReport, src: str) -> Sour
     )
 
 
+def recorded_source(reader: CheckpointReader, index: CheckpointIndex, layout: LayoutReport,
+                    src: str) -> tuple[dict[str, SourceHint], SourceInfo]:
+    """(per-key source hints, the source record) for the new store. A universal store as the
+    source (re-encoded, e.g. into the other backend) passes on what it recorded of ITS source, so
+    ``--plan source`` still follows the original checkpoint's layout."""
+    if isinstance(reader, UniversalReader):
+        meta = reader.meta
+        hints = {k: SourceHint(dict(r.source_split), r.source_replicated, r.tp_split_dim)
+                 for k, r in meta.tensors.items() if k in index.tensors}
+        return hints, meta.source
+    return source_hints(layout, index), _source_info(index, layout, src)
+
+
 def _checked_objects(reader: CheckpointReader, index: CheckpointIndex, trust_pickle: bool) -> dict[str, bytes]:
     """Every non-tensor entry's bytes, checked (CRC, zip records, pickle globals) before the
     destination is touched: a refused entry leaves nothing behind."""
@@ -153,8 +166,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         framework = read_framework_files(src, options.trust_pickle) if index.format == "dcp" else {}
         out, journal = open_destination(src, dst, header, options)
         writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out), backend=backend)  # URL dst: upload as final
-        layout = detect_layout(index)
-        hints = source_hints(layout, index)
+        hints, source = recorded_source(reader, index, detect_layout(index), str(src))
         for key, entry in index.tensors.items():
             h = hints[key]
             writer.add_tensor(entry, refs[key].atom, refs[key].role, source_split=h.split,
@@ -175,7 +187,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
                 for task in tasks:
                     writer.restore_chunk(task.key, task.target, written[task_id(task)])
             created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-            writer.commit(_source_info(index, layout, str(src)), __version__, atoms, created)
+            writer.commit(source, __version__, atoms, created)
             dist.remove_journals(journal, out)
 
         dist.on_leader(publish)

@@ -157,6 +157,20 @@ def test_import_hf_to_either_backend(stores, tmp_path):
     assert tree(tmp_path / "hf-zarr") == tree(tmp_path / "hf-safetensors")
 
 
+def test_store_to_store_switches_backend_and_back_byte_identical(stores, tmp_path):
+    """zarr store -> safetensors store -> zarr store: the same bytes as the first (the source's
+    record and layout hints carried over, so --plan source still follows the original checkpoint)."""
+    _, zarr_store = stores("tp2dp2", "zarr")
+    api.to_universal(zarr_store, tmp_path / "st", chunk_bytes=CHUNK, backend="safetensors")
+    api.to_universal(tmp_path / "st", tmp_path / "back", chunk_bytes=CHUNK)
+    first, st = (json.loads((p / "ckptconv.json").read_text()) for p in (zarr_store, tmp_path / "st"))
+    assert st["source"] == first["source"] and st["atoms"] == first["atoms"]
+    skip = ("ckptconv.json",)
+    assert tree(tmp_path / "back", skip) == tree(zarr_store, skip)
+    back = json.loads((tmp_path / "back" / "ckptconv.json").read_text())
+    assert {k: v for k, v in back.items() if k != "created"} == {k: v for k, v in first.items() if k != "created"}
+
+
 # ------------------------------------------------------------------------------ the CLI
 
 
