@@ -569,8 +569,98 @@ def megatron_args_config(args: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _merge_derived(given: Mapping[str, Any], derived: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` completed with ``derived``; a given value the weights contradict is an error."""
+    cfg = dict(given)
+    for name, value in derived.items():
+        if name in cfg and cfg[name] != value and name not in ("architectures", "model_type"):
+            raise ConfigError(f"config.json says {name}={cfg[name]!r} but the weights give {value!r}; fix the config")
+        cfg.setdefault(name, value)
+    return cfg
+
+
+def _layer_ids(shapes: Mapping[str, Sequence[int]]) -> list[int]:
+    return sorted({int(k.split(".")[1]) for k in shapes if k.startswith("layers.") and k.split(".")[1].isdigit()})
+
+
+def _first_moe(shapes: Mapping[str, Sequence[int]], suffix: str) -> Sequence[int] | None:
+    for i in _layer_ids(shapes):
+        hit = shapes.get(f"layers.{i}.{suffix}")
+        if hit is not None:
+            return hit
+    return None
+
+
+def _moe_common(shapes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+    derived: dict[str, Any] = {}
+    emb = shapes.get("tok_embeddings.weight")
+    if emb is not None:
+        derived["vocab_size"], derived["hidden_size"] = int(emb[0]), int(emb[1])
+    if _layer_ids(shapes):
+        derived["num_hidden_layers"] = len(_layer_ids(shapes))
+    derived["tie_word_embeddings"] = "lm_head.weight" not in shapes and "output.weight" not in shapes
+    return derived
+
+
+def qwen3_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, Any]) -> dict[str, Any]:
+    """HF Qwen3 / Qwen3-MoE config fields the torchtitan qwen3 weights' shapes give (routing
+    fields, RoPE theta and norm eps are not in the weights: pass them in ``--config``)."""
+    derived = _moe_common(shapes)
+    w1 = _first_moe(shapes, "moe.routed_experts.inner_experts.w1_EFD")
+    moe = w1 is not None
+    derived["architectures"] = ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"]
+    derived["model_type"] = "qwen3_moe" if moe else "qwen3"
+    if moe:
+        derived["num_experts"], derived["moe_intermediate_size"] = int(w1[0]), int(w1[1])
+    dense = _first_moe(shapes, "feed_forward.w1.weight")
+    if dense is not None:
+        derived["intermediate_size"] = int(dense[0])
+    q_norm, wq, wk = (_first_moe(shapes, f"attention.{n}.weight") for n in ("q_norm", "qkv_linear.wq", "qkv_linear.wk"))
+    if q_norm is not None:
+        hd = int(q_norm[0])
+        derived["head_dim"] = hd
+        if wq is not None and int(wq[0]) % hd == 0:
+            derived["num_attention_heads"] = int(wq[0]) // hd
+        if wk is not None and int(wk[0]) % hd == 0:
+            derived["num_key_value_heads"] = int(wk[0]) // hd
+    return _merge_derived(given, derived)
+
+
+def deepseek_v3_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, Any]) -> dict[str, Any]:
+    """HF DeepSeek-V3 config fields the torchtitan deepseek_v3 weights' shapes give; the per-head
+    sizes need ``num_attention_heads`` in ``--config`` (routing, RoPE and norm fields always do)."""
+    derived = _moe_common(shapes)
+    derived["architectures"], derived["model_type"] = ["DeepseekV3ForCausalLM"], "deepseek_v3"
+    w1 = _first_moe(shapes, "moe.routed_experts.inner_experts.w1_EFD")
+    if w1 is not None:
+        derived["n_routed_experts"], derived["moe_intermediate_size"] = int(w1[0]), int(w1[1])
+        shared = _first_moe(shapes, "moe.shared_experts.w1.weight")
+        if shared is not None and int(shared[0]) % int(w1[1]) == 0:
+            derived["n_shared_experts"] = int(shared[0]) // int(w1[1])
+        ids = _layer_ids(shapes)
+        derived["first_k_dense_replace"] = next(
+            (n for n, i in enumerate(ids) if f"layers.{i}.moe.routed_experts.inner_experts.w1_EFD" in shapes), len(ids))
+    dense = _first_moe(shapes, "feed_forward.w1.weight")
+    if dense is not None:
+        derived["intermediate_size"] = int(dense[0])
+    kv_norm, wkv_a = _first_moe(shapes, "attention.kv_norm.weight"), _first_moe(shapes, "attention.wkv_a.weight")
+    if kv_norm is not None and wkv_a is not None:
+        derived["kv_lora_rank"] = int(kv_norm[0])
+        derived["qk_rope_head_dim"] = int(wkv_a[0]) - int(kv_norm[0])
+    wq_a = _first_moe(shapes, "attention.wq_a.weight")
+    derived["q_lora_rank"] = None if wq_a is None else int(wq_a[0])
+    heads = given.get("num_attention_heads")
+    wq = _first_moe(shapes, "attention.wq.weight") or _first_moe(shapes, "attention.wq_b.weight")
+    wkv_b = _first_moe(shapes, "attention.wkv_b.weight")
+    if isinstance(heads, int) and heads > 0 and wq is not None and wkv_b is not None and "qk_rope_head_dim" in derived:
+        nope = int(wq[0]) // heads - derived["qk_rope_head_dim"]
+        derived["qk_nope_head_dim"], derived["v_head_dim"] = nope, int(wkv_b[0]) // heads - nope
+    return _merge_derived(given, derived)
+
+
 CONFIG_FILLERS = {"torchtitan-llama": llama_config, "torchtitan-llama3": llama_config,
-                  "megatron-llama": megatron_llama_config}
+                  "megatron-llama": megatron_llama_config, "torchtitan-qwen3": qwen3_config,
+                  "torchtitan-deepseek-v3": deepseek_v3_config}
 
 
 def fused_halves_rows(rows: int, parts: int, key: str = "") -> tuple[np.ndarray, ...]:

@@ -182,14 +182,13 @@ def test_map_file_with_experts(tmp_path):
     assert km.expert_of("m.3.e.1.w") == ("blocks.3.experts.w", 1)
 
 
-QWEN3_MOE_HF = {  # torchtitan's qwen3 debugmodel_moe (cut to 2 layers, 8 experts, top-2) as HF Qwen3MoeConfig
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 2048, "hidden_size": 256,
-    "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "moe_intermediate_size": 768, "intermediate_size": 768, "num_experts": 8, "num_experts_per_tok": 2,
-    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False, "hidden_act": "silu",
-    "attention_bias": False,
+QWEN3_MOE_HF = {  # what the weights do not say of torchtitan's qwen3 MoE (the rest is derived from the shapes)
+    "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "max_position_embeddings": 4096, "intermediate_size": 768,
 }
+QWEN3_MOE_DERIVED = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 2048,
+                     "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 8,
+                     "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 8, "tie_word_embeddings": False}
 
 
 def test_transformers_qwen3_moe_logits_equal_torchtitans_model(tmp_path):
@@ -214,6 +213,8 @@ def test_transformers_qwen3_moe_logits_equal_torchtitans_model(tmp_path):
     code, out, err = run_cli("export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--map", "torchtitan-qwen3",
                              "--config", json.dumps(QWEN3_MOE_HF))
     assert code == 0, out + err
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: written[k] for k in QWEN3_MOE_DERIVED} == QWEN3_MOE_DERIVED
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(32).expand(2, 32)
@@ -233,3 +234,27 @@ def test_transformers_qwen3_moe_logits_equal_torchtitans_model(tmp_path):
         bad = (hf(tokens).logits - want).abs().max().item()
     print(f"experts 0 and 1 swapped: {bad:.3g}")
     assert bad > 5 * err_ok, (bad, err_ok)
+
+
+def test_deepseek_v3_config_from_shapes(tmp_path):
+    """export-hf --config completes DeepSeek-V3's config.json from the weights (the per-head sizes
+    from num_attention_heads), and transformers reads it as DeepseekV3Config."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = _model_state("deepseek_v3/debugmodel")
+    dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"))
+    code, out, err = run_cli("export-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--map", "torchtitan-deepseek-v3",
+                             "--config", json.dumps({"num_attention_heads": 16}))
+    assert code == 0, out + err
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    want = {"model_type": "deepseek_v3", "vocab_size": 2048, "hidden_size": 256, "num_hidden_layers": 3,
+            "n_routed_experts": 8, "moe_intermediate_size": 256, "n_shared_experts": 2, "first_k_dense_replace": 1,
+            "intermediate_size": 1024, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "q_lora_rank": None,
+            "qk_nope_head_dim": 128, "v_head_dim": 128, "tie_word_embeddings": False}
+    assert {k: cfg[k] for k in want} == want
+    code, _, err = run_cli("export-hf", str(tmp_path / "dcp"), str(tmp_path / "hf2"), "--map", "torchtitan-deepseek-v3",
+                           "--config", json.dumps({"n_routed_experts": 4}))
+    assert code == 2 and "n_routed_experts=4 but the weights give 8" in err
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert type(hf_cfg).__name__ == "DeepseekV3Config" and hf_cfg.n_routed_experts == 8
