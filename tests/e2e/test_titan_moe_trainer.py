@@ -123,3 +123,17 @@ def test_trainer_save_exports_as_its_adapter(titan_moe_checkpoint, tmp_path):
         back |= load_file(str(f))
     assert sorted(back) == sorted(model)
     assert all(torch.equal(back[k], model[k]) for k in model)
+
+
+def test_inspect_reports_ep(titan_moe_checkpoint):
+    """inspect on the real EP save: FSDP4 with ep2 (not TP), the experts' layout 'experts', and its
+    --json valid against schemas/inspect.schema.json."""
+    import jsonschema
+
+    src = titan_moe_checkpoint(SOURCE)
+    code, out, err = run_cli("inspect", str(src / "ckpt"), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    jsonschema.validate(doc, json.loads((Path(__file__).resolve().parents[2] / "schemas" / "inspect.schema.json").read_text()))
+    assert doc["layout"]["mesh"] == {"dp": 4, "ep": 2}
+    assert "grouped experts: 45 tensors split on dim 0, ep2" in doc["layout"]["summary"]
