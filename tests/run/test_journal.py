@@ -1,0 +1,88 @@
+"""converter/run/journal.py: the resume journal on its own (header, batches, torn lines, a
+different conversion refused, the index fingerprint)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from converter.plan.copy_tasks import WriteTask
+from converter.run.journal import JOURNAL_NAME, Journal, index_fingerprint, task_id
+from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
+from formats.errors import DestinationError
+
+HEADER = {"op": "to-universal", "fingerprint": "abc"}
+
+
+def _task(key: str, row: int) -> WriteTask:
+    return WriteTask(key, "float32", (key, row), Box((row, 0), (1, 4)), ())
+
+
+def test_task_id_is_stable_and_names_key_and_box():
+    a, b = _task("w", 3), _task("w", 3)
+    assert task_id(a) == task_id(b) == '["w",[3,0],[1,4]]'
+    assert task_id(_task("w", 4)) != task_id(a) and task_id(_task("v", 3)) != task_id(a)
+
+
+def test_recorded_tasks_are_durable_only_after_flush(tmp_path):
+    j = Journal(tmp_path, HEADER)
+    assert json.loads((tmp_path / JOURNAL_NAME).read_text()) == {"header": HEADER}
+    j.record(_task("w", 0), {"crc": 1})
+    j.record(_task("w", 1))
+    assert not j.is_done(_task("w", 0))  # recorded, not yet flushed
+    synced = []
+    j.flush(lambda: synced.append(True), force=True)
+    assert synced == [True] and j.is_done(_task("w", 0)) and j.info(_task("w", 0)) == {"crc": 1}
+    j.flush(lambda: synced.append(True), force=True)  # nothing pending: no sync
+    assert synced == [True]
+    again = Journal.resume(tmp_path, HEADER)
+    assert again.is_done(_task("w", 1)) and again.info(_task("w", 1)) is None
+    assert not again.is_done(_task("w", 2))
+
+
+def test_flush_waits_for_the_batch_interval(tmp_path, monkeypatch):
+    monkeypatch.setattr("converter.knobs.JOURNAL_FLUSH_SECONDS", 3600.0)
+    j = Journal(tmp_path, HEADER)
+    j.record(_task("w", 0))
+    j.flush(lambda: None)
+    assert not Journal.resume(tmp_path, HEADER).done  # not forced, interval not reached
+    j.flush(lambda: None, force=True)
+    assert Journal.resume(tmp_path, HEADER).is_done(_task("w", 0))
+
+
+def test_a_torn_last_line_is_redone(tmp_path):
+    j = Journal(tmp_path, HEADER)
+    for row in range(3):
+        j.record(_task("w", row))
+    j.flush(lambda: None, force=True)
+    with open(tmp_path / JOURNAL_NAME, "a") as f:
+        f.write('{"t": "[\\"w\\",[3')  # killed mid-append
+    again = Journal.resume(tmp_path, HEADER)
+    assert [again.is_done(_task("w", r)) for r in range(4)] == [True, True, True, False]
+
+
+def test_resume_refuses_another_conversion_or_no_journal(tmp_path):
+    with pytest.raises(DestinationError, match="nothing to resume"):
+        Journal.resume(tmp_path, HEADER)
+    Journal(tmp_path, HEADER)
+    with pytest.raises(DestinationError, match="different conversion"):
+        Journal.resume(tmp_path, {**HEADER, "fingerprint": "other"})
+    Journal.resume(tmp_path, HEADER).remove()
+    assert not (tmp_path / JOURNAL_NAME).exists()
+    j = Journal(tmp_path, HEADER)
+    j.remove()
+    j.remove()  # removing twice is fine
+    Journal(tmp_path, HEADER, done={})  # reopened with what was done: writes no header
+    assert not (tmp_path / JOURNAL_NAME).exists()
+
+
+def test_index_fingerprint_changes_with_what_decides_the_output():
+    def index(file: str = "__0_0.distcp", shape=(4, 4), locator=("a", 0)) -> CheckpointIndex:
+        chunk = ChunkRef(Box((0, 0), shape), file, locator)
+        return CheckpointIndex("dcp", "/x", {"w": TensorEntry("w", "float32", shape, (chunk,), ("w",))}, {})
+
+    base = index_fingerprint(index())
+    assert base == index_fingerprint(index())
+    assert len({base, index_fingerprint(index(file="__1_0.distcp")), index_fingerprint(index(shape=(4, 5))),
+                index_fingerprint(index(locator=("a", 64)))}) == 4
