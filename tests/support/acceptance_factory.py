@@ -345,13 +345,17 @@ def cache_dir() -> Path:
 _entries = None
 
 
+def _build_entry(kind: str, tmp: Path) -> None:
+    build(KINDS[kind], tmp)  # the entry is tmp itself: ckpt/ plus the kind's json files
+
+
 def get(kind: str) -> Path:
     """The cached checkpoint of ``kind`` (built on first use, manifest-checked; READ-ONLY)."""
     global _entries
     if _entries is None:
         import fixture_cache
 
-        _entries = fixture_cache.FixtureCache(cache_dir(), lambda name, tmp: build(KINDS[name], tmp), names=lambda: KINDS)
+        _entries = fixture_cache.FixtureCache(cache_dir(), _build_entry, names=lambda: KINDS)
     return _entries.get(kind) / "ckpt"
 
 
