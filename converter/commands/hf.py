@@ -637,7 +637,8 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
             "--chunk-size": chunk_bytes, **({"--backend": backend} if backend != "zarr" else {})})
         out, journal = open_destination(src, dst, header, options)
         refs, atoms = group_atoms(paths)
-        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out), backend=backend)  # URL dst: upload as final
+        # URL destination: each file is uploaded as soon as it is final
+        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out), backend=backend)
         for key, entry in vindex.tensors.items():
             writer.add_tensor(entry, refs[key].atom, refs[key].role, plan=store.arrays[key])
         writer.prepare()

@@ -165,7 +165,8 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         objects = _checked_objects(reader, index, options.trust_pickle)
         framework = read_framework_files(src, options.trust_pickle) if index.format == "dcp" else {}
         out, journal = open_destination(src, dst, header, options)
-        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out), backend=backend)  # URL dst: upload as final
+        # URL destination: each file is uploaded as soon as it is final
+        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out), backend=backend)
         hints, source = recorded_source(reader, index, detect_layout(index), str(src))
         for key, entry in index.tensors.items():
             h = hints[key]

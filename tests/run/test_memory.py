@@ -62,9 +62,10 @@ def big_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def test_to_universal_peak_rss_stays_under_budget(big_checkpoint, tmp_path):
+@pytest.mark.parametrize("backend", ["zarr", "safetensors"])
+def test_to_universal_peak_rss_stays_under_budget(big_checkpoint, tmp_path, backend):
     budget = 32 * MIB  # the checkpoint is 8x larger
-    growth = rss_growth("to-universal", "--workers", "2", "--memory-budget", "32MiB",
+    growth = rss_growth("to-universal", "--workers", "2", "--memory-budget", "32MiB", "--backend", backend,
                         str(big_checkpoint), str(tmp_path / "u1"))
     size = sum(f.stat().st_size for f in big_checkpoint.iterdir())
     print(f"to-universal: checkpoint {size / MIB:.0f} MiB, budget 32 MiB, RSS growth {growth / MIB:.1f} MiB")
@@ -72,9 +73,11 @@ def test_to_universal_peak_rss_stays_under_budget(big_checkpoint, tmp_path):
     assert growth < budget, f"RSS grew {growth / MIB:.0f} MiB, over the 32 MiB budget"
 
 
-def test_from_universal_peak_rss_stays_under_budget(big_checkpoint, tmp_path):
+@pytest.mark.parametrize("backend", ["zarr", "safetensors"])
+def test_from_universal_peak_rss_stays_under_budget(big_checkpoint, tmp_path, backend):
     uni = tmp_path / "u"
-    subprocess.run([sys.executable, "-m", "converter", "to-universal", str(big_checkpoint), str(uni)],
+    subprocess.run([sys.executable, "-m", "converter", "to-universal", "--backend", backend, str(big_checkpoint),
+                    str(uni)],
                    check=True, timeout=600, capture_output=True)
     # one process target: every rank chunk is a whole 32 MiB tensor, streamed in pieces
     growth = rss_growth("from-universal", "--workers", "2", "--memory-budget", "32MiB", "--mesh", "dp1",
