@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from converter.plan.copy_tasks import PlannedPieces
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
 from formats.dtypes import by_name
 
@@ -140,7 +141,7 @@ def _sources(tasks: Iterable[Any], wanted: Mapping[str, set[tuple]] | None) -> d
                 want.discard(box)
             files = sources.setdefault((key, *box), set())
             pieces = t.pieces
-            if hasattr(pieces, "source_files"):  # a lazy plan: one index query for the whole box
+            if isinstance(pieces, PlannedPieces):  # a lazy plan: one index query for the whole box
                 files.update(pieces.source_files())
             else:
                 files.update(c.src.file for p in pieces for c in p.copies)
