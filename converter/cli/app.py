@@ -171,8 +171,9 @@ def _missing_key(message: str) -> list[str]:
                    "(default: SRC/config.json when present).")
 @click.option("--layout-bound-objects", "layout_objects", type=click.Choice(["drop", "keep", "refuse"]), default="drop",
               show_default=True,
-              help="Megatron objects saved per (pp, tp) grid cell (rng_state, ...) when the target's pp/tp differ from the "
-                   "source's: drop them with a warning (Megatron-LM skips them after a TP/PP change), keep them, or refuse.")
+              help="Megatron entries saved per (pp, tp) grid cell (rng_state, the dp_reshardable optimizer state, ...) when "
+                   "the target's pp/tp differ from the source's: drop them with a warning (Megatron-LM skips RNG states "
+                   "after a TP/PP change and loads without that optimizer state with --no-load-optim), keep them, or refuse.")
 @click.option("--json", "as_json", is_flag=True,
               help="With --dry-run: print the target plan as JSON (schemas/target-plan.schema.json).")
 @click.option("--layout", "layout_key", default=None, metavar="KEY",

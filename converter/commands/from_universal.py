@@ -236,9 +236,11 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             # every entry checked (CRC, zip records, pickle globals) before the destination is touched
             object_specs, index, notes = plan_objects(index, lambda k: read_checked_object(reader, k, options.trust_pickle),
                                                       target_mesh, drop_dataloader)
-            unbound, bound_notes = plan_layout_bound([k for k, *_ in object_specs], target_mesh, layout_objects)
+            unbound, bound_notes = plan_layout_bound([*(k for k, *_ in object_specs), *index.tensors], target_mesh,
+                                                     layout_objects)
             object_specs, notes = [o for o in object_specs if o[0] not in unbound], [*notes, *bound_notes]
-            index = replace(index, objects={k: o for k, o in index.objects.items() if k not in unbound})
+            index = replace(index, objects={k: o for k, o in index.objects.items() if k not in unbound},
+                            tensors={k: t for k, t in index.tensors.items() if k not in unbound})
             framework = read_framework_files(src, options.trust_pickle) if index.format in ("dcp", "universal") else {}
             layout = replace(layout, chunks=tuple(c for c in layout.chunks if c.key in index.tensors),
                              warnings=layout.warnings + tuple(notes))

@@ -8,7 +8,9 @@ only loads on that layout (Megatron asks for ``rng_state/shard_<pp_rank>.<tp_ran
   itself does not load them after a TP/PP change;
 - ``rerun_state_machine_state``: one per rank of the world;
 - ``optimizer.distributed.dp_group_idx_<i>.*``: the DistributedOptimizer's ``dp_reshardable`` /
-  ``dp_zero_gather_scatter`` state, one per (pp, tp) group.
+  ``dp_zero_gather_scatter`` state, one per (pp, tp) group: objects and the flat per-bucket tensors
+  (Megatron reshards them over DP only; after a TP/PP change Megatron-LM needs ``--no-load-optim``,
+  or a save with ``fully_reshardable``).
 
 Objects over other grids (``<module>._extra_state/shard_<layer>_<layers>``: per layer;
 ``common_state/shard_0_1``) load on any layout. :func:`plan_layout_bound` keeps the bound ones for an
@@ -38,6 +40,8 @@ _GRID_AXES = {
     "rerun_state_machine_state": {1: ("world",)},
 }
 _DP_GROUP = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\..+")
+#: How the warnings name the DistributedOptimizer's per-(pp, tp)-group state (objects and flat buffers).
+DP_GROUP_STATE = "optimizer.distributed.dp_group_idx_* (dp_reshardable optimizer state)"
 #: A layer-stacked key: a ``layers`` module with no layer number after it.
 _STACKED = re.compile(r"(?:^|.*\.)layers\.(?!\d+(?:\.|$)).+")
 
@@ -57,7 +61,8 @@ def _grid(text: str) -> tuple[int, ...]:
 
 
 def layout_bound_objects(keys: Iterable[str]) -> list[BoundObject]:
-    """The layout-bound ShardedObjects among ``keys`` (see the module docstring)."""
+    """The layout-bound entries among ``keys``: ShardedObjects and the dp-group optimizer tensors
+    (see the module docstring)."""
     out = []
     for key in keys:
         m = SHARDED_OBJECT.fullmatch(key)
@@ -68,7 +73,7 @@ def layout_bound_objects(keys: Iterable[str]) -> list[BoundObject]:
             if axes is not None:
                 out.append(BoundObject(key, name, grid, axes))
         elif _DP_GROUP.fullmatch(name):
-            out.append(BoundObject(key, name, (), ("pp", "tp")))
+            out.append(BoundObject(key, DP_GROUP_STATE, (), ("pp", "tp")))
     return out
 
 
@@ -119,9 +124,11 @@ def plan_layout_bound(keys: Iterable[str], mesh: Mesh, policy: str = "drop") -> 
     if policy == "keep":
         return set(), [f"kept layout-bound Megatron objects saved for another layout: {what}; Megatron will not "
                        "find its own shard of them on the target mesh (load with --no-load-rng / without them)"]
+    optim = (" The dp_reshardable optimizer state reshards over DP only: Megatron-LM loads this checkpoint with "
+             "--no-load-optim (or save with --dist-ckpt-optim-fully-reshardable to keep it)." if DP_GROUP_STATE in keys_of else "")
     return keys_out, [f"dropped layout-bound Megatron objects saved for another layout: {what}; Megatron-LM "
                       "skips them after a TP/PP change (RNG states restart from the seed); "
-                      "--layout-bound-objects keep|refuse to change this"]
+                      "--layout-bound-objects keep|refuse to change this." + optim]
 
 
 def stacked_layers(index: CheckpointIndex) -> dict[str, int]:

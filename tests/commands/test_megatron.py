@@ -300,3 +300,15 @@ def test_megatron_llama_is_export_only(tmp_path):
     (tmp_path / "hf").mkdir()
     code, _, err = run_cli("import-hf", str(tmp_path / "hf"), str(tmp_path / "uni"), "--map", "megatron-llama")
     assert code == 2 and "export only" in err
+
+
+def test_dp_reshardable_optimizer_state_is_bound_to_pp_and_tp():
+    """Megatron-LM's default optimizer format keeps flat per-(pp, tp)-group buffers (tensors) and
+    objects: kept for a DP change, dropped (with the --no-load-optim hint) for a TP change."""
+    group = "optimizer.distributed.dp_group_idx_0"
+    keys = [f"{group}.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0.exp_avg",
+            f"{group}.optimizer/shard_0_1", "rng_state/shard_0.0_1.2", "rng_state/shard_0.1_1.2",
+            "decoder.layers.mlp.linear_fc1.weight"]
+    assert plan_layout_bound(keys, parse_mesh("tp2,dp4", None)) == (set(), [])
+    dropped, warnings = plan_layout_bound(keys, parse_mesh("dp2", None))
+    assert dropped == set(keys[:4]) and "--no-load-optim" in warnings[0]

@@ -1,8 +1,8 @@
 """Megatron-core 0.19.2's own ``dist_checkpointing.load`` of ckptconv's conversions into a real GPTModel
 with its DistributedOptimizer on the target layout, bit-exact (``-m slow``: multi-process gloo runs).
 
-Sources: ``tests/data/megatron/gpt_tp2_dp2`` (saved by megatron at TP2 x DP2) and a PP2 x DP2 save made
-here. Each case converts (through the universal store, or DCP to DCP) to the target mesh, then
+Sources: ``tests/data/megatron/gpt_tp2_dp2`` (saved by megatron at TP2 x DP2), a PP2 x DP2 save and a
+TP2 x DP2 save with Megatron-LM's default ``dp_reshardable`` optimizer format made here. Each case converts (through the universal store, or DCP to DCP) to the target mesh, then
 megatron loads both the SOURCE and the conversion into two GPTModels on the target layout (megatron
 reshards its own checkpoints on load, so the source's load is the oracle) and every model parameter,
 fp32 main param, Adam state and step, param group and common-state value (args, iteration; rng_state
@@ -30,9 +30,28 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     if reason:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("megatron")
-    pp2 = root / "pp2_dp2"
-    ms.save_checkpoint(pp2, tp=1, pp=2, dp=2, work=root / "pp2.run")
-    return {"tp2,dp2": FIXTURE, "pp2,dp2": pp2}
+    out = {"tp2,dp2": FIXTURE}
+    return _Lazy(out, root)
+
+
+class _Lazy(dict):
+    """Sources saved by megatron on first use (each save is a minute of gloo ranks)."""
+
+    def __init__(self, known: dict, root: Path) -> None:
+        super().__init__(known)
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        path = self.root / name.replace(",", "_")
+        if name == "pp2,dp2":
+            ms.save_checkpoint(path, tp=1, pp=2, dp=2, work=self.root / "pp2.run")
+        elif name == "tp2,dp2,dp_reshardable":
+            ms.save_checkpoint(path, tp=2, pp=1, dp=2, spec=ms.GPTSpec(sharding="dp_reshardable"),
+                               work=self.root / "dpr.run")
+        else:
+            raise KeyError(name)
+        self[name] = path
+        return path
 
 
 CASES = [  # (source, via the store, target mesh, (tp, pp, dp) megatron loads with, rng_state kept)
@@ -41,6 +60,8 @@ CASES = [  # (source, via the store, target mesh, (tp, pp, dp) megatron loads wi
     ("tp2,dp2", True, "tp2", (2, 1, 1), True),  # DP change
     ("tp2,dp2", True, "pp2,tp2", (2, 2, 1), False),  # PP1 -> PP2
     ("pp2,dp2", True, "tp2,dp2", (2, 1, 2), False),  # PP2 -> TP2
+    # Megatron-LM's default optimizer format (flat per-group buffers): DP change only
+    ("tp2,dp2,dp_reshardable", True, "tp2", (2, 1, 1), True),
 ]
 
 
@@ -62,7 +83,8 @@ def test_megatron_loads_the_conversion_bit_exact(sources, tmp_path, src, via_sto
     assert (out / "metadata.json").read_bytes() == (source / "metadata.json").read_bytes()
     t1 = time.time()
     tp, pp, dp = load
-    reports = ms.load_and_compare(source, out, tp=tp, pp=pp, dp=dp, work=tmp_path / "load", rng=rng)
+    spec = ms.GPTSpec(sharding="dp_reshardable") if src.endswith("dp_reshardable") else ms.GPTSpec()
+    reports = ms.load_and_compare(source, out, tp=tp, pp=pp, dp=dp, work=tmp_path / "load", rng=rng, spec=spec)
     for rep in reports:
         assert rep["mismatch"] == [], (rep["rank"], rep["mismatch"][:5])
         assert rep["compared"] >= 20 and rep["iteration"] == 2

@@ -54,6 +54,9 @@ class GPTSpec:
     vocab_size: int = 64
     seq_len: int = 16
     bf16: bool = True
+    #: the DistributedOptimizer's checkpoint format: ``fully_reshardable`` (one tensor per parameter
+    #: and state) or ``dp_reshardable`` (Megatron-LM's default: flat per-bucket buffers, DP-reshardable only)
+    sharding: str = SHARDING_TYPE
 
 
 def skip_reason() -> str | None:
@@ -246,7 +249,7 @@ def sharded_state_dict(spec: GPTSpec, model: Any, opt: Any, iteration: int, load
 
     from megatron.core import parallel_state as ps
 
-    meta = {"distrib_optim_sharding_type": SHARDING_TYPE, "singleton_local_shards": False,
+    meta = {"distrib_optim_sharding_type": spec.sharding, "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True}
     msd = model.sharded_state_dict()
     sd: dict[str, Any] = {
