@@ -442,6 +442,7 @@ def detect_layout(index: CheckpointIndex) -> LayoutReport:
         layouts[key] = TensorLayout(key, dims, kind, owners, tp_dim, tiled, stacked.get(key, 0))
     ws = world_size(index)
     summary, mesh_guess, notes = _summarize(index, ws, stages, meshes, layouts)
+    notes = notes + _layout_bound_note(index)
     if len(layer_stages) > 1 and len(stages) <= 1:  # Megatron PP: the layers of one stacked tensor
         spans = " | ".join(f"layers {lo}-{hi} on ranks {_span(sorted(rs))}" for (lo, hi), rs in layer_stages)
         first = meshes.get(stages[0]) if stages else None
@@ -449,6 +450,21 @@ def detect_layout(index: CheckpointIndex) -> LayoutReport:
         mesh_guess = {"pp": len(layer_stages), **inner}
         summary = f"PP: {len(layer_stages)} stages ({spans}); " + summary
     return LayoutReport(summary, ws, layouts, mesh_guess, stages, notes)
+
+
+def _layout_bound_note(index: CheckpointIndex) -> tuple[str, ...]:
+    """A note naming Megatron's layout-bound entries (loadable only on the saved pp x tp; see
+    :mod:`converter.plan.megatron`), or nothing."""
+    from converter.plan.megatron import layout_bound_objects, source_axes
+
+    bound = layout_bound_objects([*index.objects, *index.tensors])
+    if not bound:
+        return ()
+    names = sorted({b.name for b in bound})
+    axes = source_axes(bound)
+    saved = " x ".join(f"{a}{n}" for a, n in axes.items()) or "its saved layout"
+    return (f"layout-bound Megatron entries (load only on {saved}; from-universal drops them on a TP/PP change): "
+            f"{', '.join(names)} ({len(bound)} entries)",)
 
 
 def megatron_stages(index: CheckpointIndex, stacked: Mapping[str, int]) -> list[tuple[tuple[int, int], frozenset[int]]]:

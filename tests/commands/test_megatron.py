@@ -141,6 +141,8 @@ def test_layer_stacked_tensors_are_not_tp_splits():
     assert doc["layout"]["mesh"] == {"tp": 2}
     objs = {o["key"] for o in doc["objects"]}
     assert {"rng_state/shard_0.0_1.2", "rng_state/shard_0.1_1.2", "common_state/shard_0_1"} <= objs
+    assert any(n.startswith("layout-bound Megatron entries (load only on pp1 x tp2") and "rng_state (2 entries)" in n
+               for n in doc["layout"]["notes"]), doc["layout"]["notes"]
 
 
 def test_layout_bound_objects_follow_pp_and_tp():
