@@ -282,7 +282,9 @@ def read_model(parts: Sequence[Any], mesh: Mesh) -> dict[str, dict]:
     return table
 
 
-def _init_fake_world(world: int) -> None:
+def init_fake_world(world: int) -> None:
+    """A process group of ``world`` fake ranks in this (child) process: the model's parallelize
+    code runs as rank 0 with no communication (torch's fake backend)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -300,7 +302,7 @@ def _python_plan(target: str, mesh: Mesh) -> dict:
         raise ConfigError(f"--plan python:{target}: {module} has no function {func}")
     from torch.distributed.device_mesh import init_device_mesh
 
-    _init_fake_world(mesh.world_size)
+    init_fake_world(mesh.world_size)
     dm = init_device_mesh("cpu", mesh.shape, mesh_dim_names=mesh.names)
     built = fn(dm)
     parts = list(built) if isinstance(built, (list, tuple)) else [built]

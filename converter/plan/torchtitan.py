@@ -13,7 +13,7 @@ import sys
 import types
 from typing import Any
 
-from converter.plan.from_code import _init_fake_world, read_model
+from converter.plan.from_code import init_fake_world, read_model
 from converter.plan.mesh import Mesh
 from formats.errors import ConfigError, PlanError
 
@@ -127,7 +127,7 @@ def torchtitan_plan(target: str, mesh: Mesh, backend: str = "partial_dtensor") -
     spec = _model_spec(model, flavor)
     job = _job_config(mesh, backend)
     spec.model.update_from_config(config=job)
-    _init_fake_world(mesh.world_size)
+    init_fake_world(mesh.world_size)
     dims = ParallelDims.from_config(job.parallelism, mesh.world_size)
     dims.build_mesh()
     with torch.device("meta"):
