@@ -35,12 +35,13 @@ requires_deepspeed = pytest.mark.skipif(
     not deepspeed_available(), reason="DeepSpeed is not installed (bash .ci/install_deepspeed.sh)")
 
 
-def train_and_save(out_dir: Path, stage: int, world: int, args: ModelArgs = TINY, steps: int = 3) -> Path:
+def train_and_save(out_dir: Path, stage: int, world: int, args: ModelArgs = TINY, steps: int = 3,
+                   groups: int = 1) -> Path:
     """A real ZeRO-``stage`` run of ``world`` ranks; its checkpoint tag folder (``live.pt``, the
     engine's own full state, lies in ``out_dir``)."""
     from ds_worker import train_and_save as worker
 
-    run_world(worker, world, (stage, args.to_json(), str(out_dir), steps), timeout=TIMEOUT)
+    run_world(worker, world, (stage, args.to_json(), str(out_dir), steps, groups), timeout=TIMEOUT)
     return out_dir / f"step{steps}"
 
 
@@ -57,13 +58,14 @@ def to_universal(tag_dir: Path, out_dir: Path, stage: int) -> Path:
 
 
 def load_and_check(load_dir: Path, expected: Path, stage: int, world: int, report_dir: Path,
-                   args: ModelArgs = TINY) -> list[dict]:
+                   args: ModelArgs = TINY, groups: int = 1) -> list[dict]:
     """A ZeRO-``stage`` engine of ``world`` ranks loads ``load_dir`` (``load_universal``); every
     rank's report, after asserting none found a difference."""
     from ds_worker import load_and_check as worker
 
     report_dir.mkdir(parents=True, exist_ok=True)
-    run_world(worker, world, (stage, args.to_json(), str(load_dir), str(expected), str(report_dir)), timeout=TIMEOUT)
+    run_world(worker, world, (stage, args.to_json(), str(load_dir), str(expected), str(report_dir), groups),
+              timeout=TIMEOUT)
     reports = [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(world)]
     for rep in reports:
         assert not rep["errors"], f"ZeRO-{stage} world {world} rank {rep['rank']}: {rep['errors']}"
@@ -77,13 +79,14 @@ def save_expected(expected: dict, path: Path) -> Path:
 
 
 def fsdp2_load_and_check(ckpt_dir: Path, expected: Path, world: int, report_dir: Path,
-                         args: ModelArgs = TINY) -> list[dict]:
+                         args: ModelArgs = TINY, groups: int = 1) -> list[dict]:
     """FSDP2 (``dp<world>``) loads the DCP checkpoint ``ckpt_dir`` with ``dcp.load``; every rank's
     report, after asserting none found a difference with ``expected``."""
     from ds_worker import fsdp2_load_and_check as worker
 
     report_dir.mkdir(parents=True, exist_ok=True)
-    run_world(worker, world, (args.to_json(), str(ckpt_dir), str(expected), str(report_dir)), timeout=TIMEOUT)
+    run_world(worker, world, (args.to_json(), str(ckpt_dir), str(expected), str(report_dir), groups),
+              timeout=TIMEOUT)
     reports = [json.loads((report_dir / f"rank{r}.json").read_text()) for r in range(world)]
     for rep in reports:
         assert not rep["errors"], f"FSDP2 dp{world} rank {rep['rank']}: {rep['errors']}"

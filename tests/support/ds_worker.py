@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ckpt_factory import free_port
-from models import ModelArgs, build_model, make_batch, make_optimizer
+from models import LR, ModelArgs, build_model, make_batch, make_optimizer
 from oracle import bits_equal
 
 STATES = ("exp_avg", "exp_avg_sq")
@@ -39,7 +39,19 @@ def _init_deepspeed(rank: int, world: int) -> Any:
     return deepspeed
 
 
-def _engine(deepspeed: Any, args: ModelArgs, seed: int, stage: int, world: int, universal: bool) -> Any:
+def grouped_optimizer(model: torch.nn.Module, groups: int) -> torch.optim.Optimizer:
+    """The fixtures' AdamW (``groups`` 1), or the usual two groups: matrices with weight decay,
+    vectors (norms, biases) without."""
+    if groups == 1:
+        return make_optimizer(model)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             lr=LR, foreach=False)
+
+
+def _engine(deepspeed: Any, args: ModelArgs, seed: int, stage: int, world: int, universal: bool,
+            groups: int = 1) -> Any:
     model = build_model(args, seed)
     config = {
         "train_batch_size": 2 * world,
@@ -51,7 +63,7 @@ def _engine(deepspeed: Any, args: ModelArgs, seed: int, stage: int, world: int, 
     }
     if args.dtype in ("bfloat16", "float16"):  # DeepSpeed's mixed precision: fp32 master weights and states
         config["bf16" if args.dtype == "bfloat16" else "fp16"] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model), config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=grouped_optimizer(model, groups), config=config)
     return engine
 
 
@@ -64,7 +76,10 @@ def live_state(engine: Any) -> dict[str, Any]:
     for name, p in engine.module.named_parameters():
         out[f"model.{name}"] = safe_get_full_fp32_param(p).detach().clone()
         for state in STATES:
-            out[f"optim.state.{name}.{state}"] = safe_get_full_optimizer_state(p, state).detach().clone()
+            try:
+                out[f"optim.state.{name}.{state}"] = safe_get_full_optimizer_state(p, state).detach().clone()
+            except ValueError:  # DeepSpeed 0.19's fragment map misses it (seen with 2 param groups)
+                out.setdefault("unmapped", []).append(f"optim.state.{name}.{state}")
     inner = engine.optimizer.optimizer
     steps = [s["step"] for s in inner.state.values() if "step" in s]
     out["step"] = steps[0].detach().clone() if steps and torch.is_tensor(steps[0]) else steps[0] if steps else None
@@ -73,12 +88,13 @@ def live_state(engine: Any) -> dict[str, Any]:
     return out
 
 
-def train_and_save(rank: int, world: int, stage: int, args_json: dict, out_dir: str, steps: int) -> None:
+def train_and_save(rank: int, world: int, stage: int, args_json: dict, out_dir: str, steps: int,
+                   groups: int = 1) -> None:
     """Train ``steps`` steps under ZeRO-``stage``, ``save_checkpoint(out_dir, tag="step<steps>")``,
     then rank 0 saves DeepSpeed's live state as ``out_dir/live.pt`` (the oracle)."""
     deepspeed = _init_deepspeed(rank, world)
     args = ModelArgs.from_json(args_json)
-    engine = _engine(deepspeed, args, seed=0, stage=stage, world=world, universal=False)
+    engine = _engine(deepspeed, args, seed=0, stage=stage, world=world, universal=False, groups=groups)
     for step in range(steps):
         inputs, targets = make_batch(args, seed=rank, step=step, first_stage=True)
         loss = _loss(engine, inputs, targets)
@@ -96,13 +112,13 @@ def _loss(engine: Any, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 def load_and_check(rank: int, world: int, stage: int, args_json: dict, load_dir: str, expected_path: str,
-                   report_dir: str) -> None:
+                   report_dir: str, groups: int = 1) -> None:
     """Start a ZeRO-``stage`` engine from other weights, ``load_checkpoint(load_dir)`` with
     ``load_universal``, compare DeepSpeed's live state bit for bit with ``expected_path`` (full
     tensors by key, ``step``, ``param_groups``), train one more step; a JSON report per rank."""
     deepspeed = _init_deepspeed(rank, world)
     args = ModelArgs.from_json(args_json)
-    engine = _engine(deepspeed, args, seed=1234, stage=stage, world=world, universal=True)
+    engine = _engine(deepspeed, args, seed=1234, stage=stage, world=world, universal=True, groups=groups)
     path, _ = engine.load_checkpoint(load_dir, load_optimizer_states=True, load_lr_scheduler_states=False)
     live = live_state(engine)
     expected = torch.load(expected_path, weights_only=False)
@@ -151,7 +167,7 @@ def expected_from_store_reference(ref: dict[str, Any], groups: list[dict]) -> di
 
 
 def fsdp2_load_and_check(rank: int, world: int, args_json: dict, ckpt_dir: str, expected_path: str,
-                         report_dir: str) -> None:
+                         report_dir: str, groups: int = 1) -> None:
     """FSDP2 on a ``dp<world>`` mesh (other weights) ``dcp.load``s ``ckpt_dir`` through
     ``get_state_dict``/``set_state_dict``; its full state (torch's own gather) must equal
     ``expected_path`` bit for bit; then one more training step runs. A JSON report per rank."""
@@ -163,7 +179,7 @@ def fsdp2_load_and_check(rank: int, world: int, args_json: dict, ckpt_dir: str, 
     args = ModelArgs.from_json(args_json)
     layout = {"dp": world}
     model = build_parallel_model(layout, args, make_mesh(layout), seed=1234)
-    optim = make_optimizer(model)
+    optim = grouped_optimizer(model, groups)
     train_steps(model, optim, 1, seed=7)  # optimizer state exists, with other values: the load must win
     load_into(FixtureSpec("deepspeed", tuple(layout.items()), args), model, optim, ckpt_dir)
     model_sd, optim_sd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
