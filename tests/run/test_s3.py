@@ -121,7 +121,7 @@ def test_export_and_import_hf_through_s3(s3_source, s3_bucket, tmp_path):
             assert (tmp_path / "hf2" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
 
 
-def test_remote_destination_rules(s3_source, s3_bucket):
+def test_remote_destination_rules(s3_source, s3_bucket, tmp_path):
     local_src, src = s3_source
     dst = f"{s3_bucket}/uni"
     _ok("to-universal", str(local_src), dst)
@@ -135,11 +135,13 @@ def test_remote_destination_rules(s3_source, s3_bucket):
 
     other = f"{s3_bucket}/notckpt"
     st = RemoteStorage(other)
-    st.fs.pipe(st._key("important.txt"), b"keep")  # not ckptconv's: --overwrite refuses, deletes nothing
+    keep = tmp_path / "important.txt"
+    keep.write_bytes(b"keep")
+    st.put_file(keep, "important.txt")  # not ckptconv's: --overwrite refuses, deletes nothing
     code, out, err = run_cli("to-universal", str(local_src), other, "--overwrite")
     assert code == 2 and "important.txt" in err and "not a ckptconv output" in err, err
-    st.fs.invalidate_cache()
-    assert st.fs.cat(st._key("important.txt")) == b"keep"
+    st.refresh()
+    assert st.read_bytes("important.txt") == b"keep"
     code, out, err = run_cli("to-universal", src, f"{src}/inner")
     assert code == 2 and "overlaps the source" in err
 
