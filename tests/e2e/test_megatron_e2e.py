@@ -2,7 +2,8 @@
 with its DistributedOptimizer on the target layout, bit-exact (``-m slow``: multi-process gloo runs).
 
 Sources: ``tests/data/megatron/gpt_tp2_dp2`` (saved by megatron at TP2 x DP2), a PP2 x DP2 save and a
-TP2 x DP2 save with Megatron-LM's default ``dp_reshardable`` optimizer format made here. Each case converts (through the universal store, or DCP to DCP) to the target mesh, then
+TP2 x DP2 save with Megatron-LM's default ``dp_reshardable`` optimizer format and one with megatron's
+plain (non-distributed) mixed-precision optimizer, made here. Each case converts (through the universal store, or DCP to DCP) to the target mesh, then
 megatron loads both the SOURCE and the conversion into two GPTModels on the target layout (megatron
 reshards its own checkpoints on load, so the source's load is the oracle) and every model parameter,
 fp32 main param, Adam state and step, param group and common-state value (args, iteration; rng_state
@@ -45,6 +46,9 @@ class _Lazy(dict):
         path = self.root / name.replace(",", "_")
         if name == "pp2,dp2":
             ms.save_checkpoint(path, tp=1, pp=2, dp=2, work=self.root / "pp2.run")
+        elif name == "tp2,dp2,plain_optimizer":
+            ms.save_checkpoint(path, tp=2, pp=1, dp=2, spec=ms.GPTSpec(distributed_optimizer=False),
+                               work=self.root / "plain.run")
         elif name == "tp2,dp2,dp_reshardable":
             ms.save_checkpoint(path, tp=2, pp=1, dp=2, spec=ms.GPTSpec(sharding="dp_reshardable"),
                                work=self.root / "dpr.run")
@@ -62,6 +66,8 @@ CASES = [  # (source, via the store, target mesh, (tp, pp, dp) megatron loads wi
     ("pp2,dp2", True, "tp2,dp2", (2, 1, 2), False),  # PP2 -> TP2
     # Megatron-LM's default optimizer format (flat per-group buffers): DP change only
     ("tp2,dp2,dp_reshardable", True, "tp2", (2, 1, 1), True),
+    # megatron's plain mixed-precision optimizer (optimizer.state.fp32_param.<key>): TP2 -> TP1
+    ("tp2,dp2,plain_optimizer", True, "dp2", (1, 1, 2), False),
 ]
 
 
@@ -83,7 +89,8 @@ def test_megatron_loads_the_conversion_bit_exact(sources, tmp_path, src, via_sto
     assert (out / "metadata.json").read_bytes() == (source / "metadata.json").read_bytes()
     t1 = time.time()
     tp, pp, dp = load
-    spec = ms.GPTSpec(sharding="dp_reshardable") if src.endswith("dp_reshardable") else ms.GPTSpec()
+    spec = ms.GPTSpec(sharding="dp_reshardable") if src.endswith("dp_reshardable") else \
+        ms.GPTSpec(distributed_optimizer=False) if src.endswith("plain_optimizer") else ms.GPTSpec()
     reports = ms.load_and_compare(source, out, tp=tp, pp=pp, dp=dp, work=tmp_path / "load", rng=rng, spec=spec)
     for rep in reports:
         assert rep["mismatch"] == [], (rep["rank"], rep["mismatch"][:5])

@@ -57,6 +57,8 @@ class GPTSpec:
     #: the DistributedOptimizer's checkpoint format: ``fully_reshardable`` (one tensor per parameter
     #: and state) or ``dp_reshardable`` (Megatron-LM's default: flat per-bucket buffers, DP-reshardable only)
     sharding: str = SHARDING_TYPE
+    #: False: megatron's plain (non-distributed) mixed-precision optimizer
+    distributed_optimizer: bool = True
 
 
 def skip_reason() -> str | None:
@@ -187,10 +189,12 @@ def build(spec: GPTSpec, seed: int) -> tuple[Any, Any, Any]:
     )
     wrapped = Float16Module(config, model) if spec.bf16 else model
     ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), wrapped
+        config, DistributedDataParallelConfig(use_distributed_optimizer=spec.distributed_optimizer,
+                                              grad_reduce_in_fp32=True), wrapped
     )
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, bf16=spec.bf16, clip_grad=0.0),
+        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=spec.distributed_optimizer, bf16=spec.bf16,
+                        clip_grad=0.0),
         [ddp],
     )
     return model, ddp, opt

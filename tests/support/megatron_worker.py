@@ -74,7 +74,8 @@ def _load(spec, path: str, seed: int, rng: bool):
 
     model, ddp, opt = ms.build(spec, seed)
     for o in getattr(opt, "chained_optimizers", [opt]):  # as Megatron-LM before a load: states exist
-        o._init_optimizer_states_with_dummy_values()
+        if hasattr(o, "_init_optimizer_states_with_dummy_values"):  # the plain optimizers init on is_loading
+            o._init_optimizer_states_with_dummy_values()
     sd = ms.sharded_state_dict(spec, model, opt, iteration=0, loading=True, rng=rng)
     loaded = dist_checkpointing.load(sd, path)
     model.load_state_dict(loaded["model"])
