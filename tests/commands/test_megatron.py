@@ -314,3 +314,16 @@ def test_dp_reshardable_optimizer_state_is_bound_to_pp_and_tp():
     assert plan_layout_bound(keys, parse_mesh("tp2,dp4", None)) == (set(), [])
     dropped, warnings = plan_layout_bound(keys, parse_mesh("dp2", None))
     assert dropped == set(keys[:4]) and "--no-load-optim" in warnings[0]
+
+
+def test_plain_optimizer_and_model_only_keys_are_atoms():
+    """megatron's non-distributed optimizer names its fp32 copy fp32_param; a model-only save (no
+    optimizer) is still recognised by its top-level module names."""
+    from formats.dcp.reader import guess_path
+
+    w = "decoder.layers.mlp.linear_fc2.weight"
+    keys = [w, "embedding.word_embeddings.weight", f"optimizer.state.fp32_param.{w}", f"optimizer.state.exp_avg.{w}"]
+    refs, atoms = group_atoms({k: guess_path(k) for k in keys})
+    assert atoms[w] == {"param": w, "fp32_param": keys[2], "exp_avg": keys[3]}
+    refs, _ = group_atoms({k: guess_path(k) for k in keys[:2]})
+    assert all(r.role == "param" for r in refs.values())
