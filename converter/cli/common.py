@@ -3,12 +3,15 @@ options become :class:`converter.config.RunOptions`, and the one-line result pri
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from converter.config import RunOptions, parse_size
 from formats.errors import CkptConvError
+
+if TYPE_CHECKING:
+    from converter.commands.to_universal import ConversionResult
 
 EXIT_ERROR = 2
 _IMPORTED = __import__("time").time()
@@ -87,7 +90,7 @@ def make_options(workers, memory_budget, overwrite, resume, trust_pickle, dry_ru
     )
 
 
-def report_result(result: Any) -> None:
+def report_result(result: ConversionResult) -> None:
     """Print a conversion's result: its warnings (stderr) first, then the dry run's plan and
     :func:`dry_run_line`, or the :func:`result_line` of a run. Every conversion command ends here."""
     import click
@@ -110,7 +113,7 @@ def echo_doc(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=1, default=str))
 
 
-def dry_run_line(result: Any) -> str:
+def dry_run_line(result: ConversionResult) -> str:
     """The last line of a ``--dry-run``: what would be written."""
     from converter.units import human_bytes, plural
 
@@ -118,7 +121,7 @@ def dry_run_line(result: Any) -> str:
             f"{human_bytes(result.bytes)} ({result.bytes} bytes); nothing written")
 
 
-def result_line(result: Any) -> str:
+def result_line(result: ConversionResult) -> str:
     """The end-of-run summary of a conversion (one line on stdout): what was written (entries,
     bytes, files), the target mesh and world size, the processes that did it, the wall time since
     this process started (what ``time`` reports, start-up included) and the rate over it."""
@@ -129,7 +132,7 @@ def result_line(result: Any) -> str:
     where = f" in {plural(files, 'file')}" if files is not None else ""
     parts = [f"wrote {result.dst}: {plural(result.tensors, 'tensor')}, {plural(result.objects, 'object')}, "
              f"{human_bytes(result.bytes)}{where}"]
-    if getattr(result, "mesh", None):
+    if result.mesh:
         parts.append(f"mesh {result.mesh} (world size {result.world_size})")
     wall = process_seconds()
     procs = distributed.env_world()[1]
