@@ -187,6 +187,7 @@ class DeepSpeedLayout:
     shapes: dict[str, tuple[int, ...]]  # from param_shapes
     steps: tuple[Any, ...]  # ZeRO-3: per group, the step description (or value) in optimizer_state.pt
     global_steps: int | None
+    shared: dict[str, str]  # tied parameter name -> the name whose data it shares (``shared_params``)
 
 
 def find_universal_dir(path: str | os.PathLike) -> Path:
@@ -288,7 +289,15 @@ def read_layout(root: Path) -> tuple[DeepSpeedLayout, _Archive]:
         shapes={k: tuple(s) for g in shapes for k, s in g.items()},
         steps=tuple(steps),
         global_steps=_as_int(ms_value.get("global_steps")),
+        shared=_shared_params(ms_value),
     ), opt
+
+
+def _shared_params(ms_value: dict) -> dict[str, str]:
+    shared = ms_value.get("shared_params")
+    if not isinstance(shared, dict):
+        return {}
+    return {k: v for k, v in shared.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _check_fqn(fqn: str, where: Path) -> str:
@@ -341,6 +350,9 @@ class DeepSpeedReader:
             self._add_param(fqn, tensors, opt)
         if not tensors:
             raise InvalidCheckpointError(f"{zero}: no parameter folders; rerun ds_to_universal.py")
+        for alias, target in self.layout.shared.items():  # tied weights: saved once, under ``target``
+            if f"model.{alias}" not in tensors and f"model.{target}" in tensors:
+                self._add(tensors, f"model.{alias}", ("model", alias), self._refs[f"model.{target}"])
         objects = self._group_objects()
         info = {"version": self.layout.ds_version, "zero_stage": self.layout.zero_stage, "world_size": None,
                 "global_steps": self.layout.global_steps}

@@ -236,3 +236,26 @@ def test_import_ds_resumes(tmp_path: Path, monkeypatch) -> None:
     fresh, out = _tree(tmp_path / "fresh"), _tree(tmp_path / "out")
     assert fresh.keys() == out.keys()
     assert all(fresh[k] == out[k] for k in fresh if k != "ckptconv.json")
+
+
+def test_import_ds_restores_tied_weights(tmp_path: Path) -> None:
+    """A tied weight DeepSpeed saved once (``shared_params`` of the model states: alias -> owner)
+    comes back under both names, as the model's state dict has it."""
+    from formats.deepspeed import DeepSpeedReader
+
+    src = tmp_path / "u"
+    shutil.copytree(universal_of(3), src)
+    shutil.rmtree(src / "zero" / "output.weight")
+    for ms_file in src.glob("*model_states.pt"):
+        ms = torch.load(ms_file, weights_only=False)
+        ms["param_shapes"][0].pop("output.weight")
+        ms["shared_params"] = {"output.weight": "tok_embeddings.weight"}
+        torch.save(ms, ms_file)
+    index = DeepSpeedReader(src).index()
+    assert "model.output.weight" in index.tensors and "optim.state.output.weight.exp_avg" not in index.tensors
+    import_ds(src, tmp_path / "uni")
+    from converter.commands.from_universal import from_universal
+
+    from_universal(tmp_path / "uni", tmp_path / "dcp", mesh="dp2")
+    ref = torch_reference(tmp_path / "dcp")
+    assert bits_equal(ref["model.output.weight"], ref["model.tok_embeddings.weight"])
