@@ -29,6 +29,9 @@ from formats.base import Box
 
 #: Deepest MARK nesting the fast reader follows (beyond it: the general path decides).
 MAX_MARKS = 1000
+#: Most record encodings (class/name references) learned per kind: dcp.save uses one or two; a
+#: pickle that varies them record by record would otherwise cost a regex compile (ms) per record.
+MAX_PATTERNS = 16
 
 
 class _Bail(Exception):
@@ -222,6 +225,8 @@ class _Reader:
         head = b"\0".join(g[i] for i in (0, 1, 2, 4, 5))
         pattern = self.fast_chunk.get(head, False)
         if pattern is False:
+            if len(self.fast_chunk) >= MAX_PATTERNS:
+                return pos  # read opcode by opcode
             self._expect(g[0], self.records["ChunkStorageMetadata"])
             self._expect(g[1], "offsets")
             self._expect(g[4], "sizes")
@@ -256,6 +261,8 @@ class _Reader:
         head = b"\0".join(g[i] for i in (0, 1, 3, 5, 6, 8, 9, 11, 13))
         pattern = self.fast_pair.get(head, False)
         if pattern is False:
+            if len(self.fast_pair) >= MAX_PATTERNS:
+                return pos  # read opcode by opcode
             self._expect(g[0], self.records["MetadataIndex"])
             self._expect(g[1], "fqn")
             self._expect(g[3], "index")

@@ -189,3 +189,98 @@ def test_first_overlap_finds_what_the_pairwise_check_finds(boxes):
     assert (pair is not None) == _overlapping(boxes)
     if pair is not None:
         assert pair[0].intersect(pair[1]) is not None or not pair[0].ndim
+
+
+# ---------------------------------------------------------------------------------------------
+# crafted pickles: what dcp.save never writes, opcode by opcode
+
+
+class _Pickle:
+    """A protocol-4 pickle written opcode by opcode, counting its memo entries."""
+
+    def __init__(self) -> None:
+        self.b, self.n = bytearray(b"\x80\x04"), 0
+
+    def op(self, raw: bytes) -> None:
+        self.b += raw
+
+    def memo(self) -> int:
+        self.b += b"\x94"
+        self.n += 1
+        return self.n - 1
+
+    def text(self, value: str) -> int:
+        raw = value.encode()
+        self.b += b"\x8c" + bytes([len(raw)]) + raw
+        return self.memo()
+
+    def get(self, index: int) -> None:
+        self.b += b"j" + index.to_bytes(4, "little")
+
+    def glob(self, module: str, name: str) -> int:
+        self.text(module)
+        self.text(name)
+        self.op(b"\x93")
+        return self.memo()
+
+
+def _chunks_with_distinct_class_refs(n: int) -> bytes:
+    """``{"setup": (cls, ..., n copies of cls), "chunks": [n chunk records]}``, each record naming
+    its class through another memo copy (so each has its own encoding)."""
+    p = _Pickle()
+    p.op(b"}")
+    p.memo()
+    p.op(b"(")
+    p.text("setup")
+    p.op(b"(")
+    cls = p.glob("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata")
+    offsets, sizes, size = p.text("offsets"), p.text("sizes"), p.glob("torch", "Size")
+    copies = []
+    for _ in range(n):
+        p.get(cls)
+        copies.append(p.memo())
+    p.op(b"t")
+    p.memo()
+    p.text("chunks")
+    p.op(b"]")
+    p.memo()
+    p.op(b"(")
+    for i, c in enumerate(copies):
+        p.get(c)
+        p.op(b")\x81")
+        p.memo()
+        p.op(b"}")
+        p.memo()
+        p.op(b"(")
+        for name, value in ((offsets, i % 200), (sizes, 1)):
+            p.get(name)
+            p.get(size)
+            p.op(b"K" + bytes([value]) + b"\x85")
+            p.memo()
+            p.op(b"\x85")
+            p.memo()
+            p.op(b"R")
+            p.memo()
+        p.op(b"ub")
+    p.op(b"eu.")
+    return bytes(p.b)
+
+
+def _boxes(items) -> list:
+    return [(b.offsets, b.sizes) if type(b) is Box else (b.get("offsets", 0), b.get("sizes", 1)) for b in items]
+
+
+def test_record_encodings_varied_record_by_record_cost_no_compile_each(monkeypatch):
+    """A pickle naming the record class through a new memo copy in every record (valid, but not
+    what dcp.save writes) must not compile a pattern per record (ms each: minutes for a crafted
+    file of megabytes): past a few encodings the reader goes opcode by opcode, same result."""
+    from formats.dcp import metadata_fast as F
+
+    data = _chunks_with_distinct_class_refs(200)
+    compiled = []
+    real = F._specialize
+    monkeypatch.setattr(F, "_specialize", lambda *a: compiled.append(1) or real(*a))
+    root = _fast(data)
+    assert root is not None and len(compiled) <= F.MAX_PATTERNS
+    general = safe_loads(data, "x/.metadata", M._resolve_metadata_global)
+    assert _boxes(root["chunks"]) == _boxes(general["chunks"]) == [((i % 200,), (1,)) for i in range(200)]
