@@ -96,6 +96,8 @@ def test_fast_reader_matches_torch_on_a_single_process_save(odd_save):
 
 @pytest.mark.parametrize("kind", ["fsdp4", "tp2dp2", "hsdp2x2", "special_dtypes"])
 def test_fast_reader_matches_torch_on_multi_process_saves(dcp_checkpoint, kind):
+    """FSDP, TP x DP, HSDP (replicated shards deduplicated), and uneven FSDP shards that leave
+    some ranks an empty chunk (special_dtypes), each saved by real ranks over gloo."""
     _check_against_torch(dcp_checkpoint(kind) / ".metadata")
 
 
