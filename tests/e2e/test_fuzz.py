@@ -3,8 +3,8 @@ correct result, in bounded time and memory.
 
 Bases are real checkpoints: a ``dcp.save`` of a small training state (tensors of several dtypes,
 optimizer state, plain and ``io.BytesIO`` non-tensor entries), the shared 4-rank FSDP2 fixture
-(``fsdp4``), the universal store ``to-universal`` makes of the first and the HF directory
-``export-hf`` makes of it. Case ``(class, seed)`` copies a base and applies one mutation of its
+(``fsdp4``), the universal stores ``to-universal`` makes of the first (zarr and safetensors
+backends: ``universal-st``) and the HF directory ``export-hf`` makes of it. Case ``(class, seed)`` copies a base and applies one mutation of its
 class (:data:`CLASSES`): byte edits and truncations of ``.metadata``, ``.distcp``, ``zarr.json``,
 ``ckptconv.json``, chunk and object files and safetensors headers; structured edits of DCP metadata
 (chunk boxes, sizes, dtypes, storage offsets/lengths/paths, path-like keys ``../x``); non-tensor
@@ -64,7 +64,7 @@ from converter.api import export_hf, to_universal
 REPO = Path(__file__).resolve().parents[2]
 CASE_SECONDS = 30
 MAX_RSS_GROWTH = 1 << 30  # bytes of peak-RSS growth one in-process case may cause
-QUICK_CASES = 52
+QUICK_CASES = 60
 LONG_CASES = int(os.environ.get("CKPTCONV_FUZZ_CASES", "1100"))
 WORKERS = "2"
 
@@ -107,7 +107,7 @@ class Bases:
     pristine: dict[str, dict] = field(default_factory=dict)  # base name -> its content as torch reads it
 
     def fmt(self, base: str) -> str:
-        return {"dcp": "dcp", "fsdp4": "dcp", "universal": "universal", "hf": "hf"}[base]
+        return {"dcp": "dcp", "fsdp4": "dcp", "universal": "universal", "universal-st": "universal", "hf": "hf"}[base]
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +117,10 @@ def bases(tmp_path_factory, dcp_checkpoint) -> Bases:
         warnings.simplefilter("ignore")
         dcp.save(train_state(), checkpoint_id=root / "dcp")
     to_universal(root / "dcp", root / "universal", chunk_bytes=48)
+    to_universal(root / "dcp", root / "universal-st", chunk_bytes=48, backend="safetensors")
     export_hf(root / "dcp", root / "hf", max_shard_size=100)
-    paths = {"dcp": root / "dcp", "universal": root / "universal", "hf": root / "hf",
-             "fsdp4": dcp_checkpoint("fsdp4")}
+    paths = {"dcp": root / "dcp", "universal": root / "universal", "universal-st": root / "universal-st",
+             "hf": root / "hf", "fsdp4": dcp_checkpoint("fsdp4")}
     return make_bases(root, paths)
 
 
@@ -127,7 +128,7 @@ def make_bases(root: Path, paths: dict[str, Path]) -> Bases:
     from oracle import torch_reference
 
     ref = torch_reference(paths["dcp"])
-    pristine = {"dcp": ref, "universal": ref, "fsdp4": torch_reference(paths["fsdp4"]), "hf": _read_hf(paths["hf"])}
+    pristine = {"dcp": ref, "universal": ref, "universal-st": ref, "fsdp4": torch_reference(paths["fsdp4"]), "hf": _read_hf(paths["hf"])}
     return Bases(root, paths, root.parent / "fuzz-marker-objfuzz", pristine)
 
 
@@ -498,6 +499,41 @@ def m_universal_chunks(rng, src, bases):
     return "objects" if "objects/" in p.as_posix() else "chunk"
 
 
+def m_st_chunks(rng, src, bases):
+    """A chunk file of a safetensors-backend store: bytes edited (header or data), cut, or deleted."""
+    p = rng.choice(files_of(src, lambda r: r.startswith("tensors/") and r.endswith(".safetensors")))
+    how = rng.choice(["bytes", "bytes", "header", "cut", "delete"])
+    raw = p.read_bytes()
+    if how == "delete":
+        p.unlink()
+    elif how == "cut":
+        p.write_bytes(raw[:rng.randint(0, max(0, len(raw) - 1))])
+    elif how == "header":
+        p.write_bytes(edit_bytes(rng, raw, 0, 8 + struct.unpack("<Q", raw[:8])[0]))
+    else:
+        p.write_bytes(edit_bytes(rng, raw))
+    return how
+
+
+def m_st_files(rng, src, bases):
+    """ckptconv.json's ``files`` / ``tensor`` fields of a safetensors-backend record edited."""
+    p = src / "ckptconv.json"
+    doc = json.loads(p.read_text())
+    rec = doc["tensors"][rng.choice(sorted(doc["tensors"]))]
+    how = rng.choice(["file", "file", "tensor", "drop", "extra"])
+    cid = rng.choice(sorted(rec["files"]))
+    if how == "file":
+        rec["files"][cid] = rng.choice(BAD_PATHS + [f"{rec['array']}/../{cid}.safetensors", "ckptconv.json"])
+    elif how == "tensor":
+        rec["tensor"] = rng.choice(["__metadata__", "", "x" * 300, None, 3])
+    elif how == "drop":
+        del rec["files"][cid]
+    else:
+        rec["files"]["9.9"] = f"{rec['array']}/9.9.safetensors"
+    p.write_text(json.dumps(doc))
+    return how
+
+
 def m_universal_object_hostile(rng, src, bases):
     """A store object swapped for a hostile pickle, its checksum and size updated to match."""
     import xxhash
@@ -595,6 +631,11 @@ CLASSES: dict[str, FuzzClass] = {c.name: c for c in [
     FuzzClass("universal-zarr-json", ("universal",), m_zarr_json),
     FuzzClass("universal-chunks-objects", ("universal",), m_universal_chunks),
     FuzzClass("universal-object-hostile", ("universal",), m_universal_object_hostile, hostile=True),
+    FuzzClass("universal-st-ckptconv-json", ("universal-st",), m_universal_json),
+    FuzzClass("universal-st-files", ("universal-st",), m_st_files),
+    FuzzClass("universal-st-chunks", ("universal-st",), m_st_chunks),
+    FuzzClass("universal-st-header", ("universal-st",), m_safetensors_header),
+    FuzzClass("symlink-universal-st", ("universal-st",), m_symlink),
     FuzzClass("safetensors-header", ("hf",), m_safetensors_header),
     FuzzClass("hf-index-json", ("hf",), m_hf_index),
     FuzzClass("truncate", ("dcp", "universal", "hf"), m_truncate),
