@@ -87,6 +87,13 @@ def _rebuild_from_type(func: Any, _new_type: Any, args: Any, _state: Any) -> Any
     return func(*args)
 
 
+def _device(kind: Any, index: Any = None) -> str:
+    """Stand-in for ``torch.device(type[, index])``: the device's name, ``"cuda:0"`` (inert data)."""
+    if type(kind) is not str or (index is not None and type(index) is not int):
+        raise TypeError(f"torch.device({kind!r}, {index!r})")
+    return kind if index is None else f"{kind}:{index}"
+
+
 class _TensorType:
     """Stands for ``torch.Tensor`` / ``torch.nn.Parameter`` (never called)."""
 
@@ -100,7 +107,7 @@ _DS_TORCH = {
     ("torch._tensor", "Tensor"): _TensorType,
     ("torch.nn.parameter", "Parameter"): _TensorType,
     ("torch", "Size"): tuple,
-    ("torch", "device"): str,
+    ("torch", "device"): _device,
     ("argparse", "Namespace"): record_class("argparse.Namespace"),
 }
 _RECORDS: dict[str, type[Record]] = {}
