@@ -12,8 +12,10 @@ from converter.config import RunOptions, parse_size
 from converter.plan.selection import Selection
 from converter.run.sources import detect_format, open_checkpoint
 from converter.commands.from_universal import from_universal
-from converter.commands.hf import export_hf, import_hf
-from converter.commands.to_universal import ConversionResult, to_universal
+from converter.commands.export_hf import export_hf
+from converter.commands.import_hf import import_hf
+from converter.commands.to_universal import to_universal
+from converter.run.pipeline import ConversionResult
 from converter.tools.verify import VerifyReport, verify
 from converter.tools.diff import DiffReport, diff
 from converter.commands.export_ds import export_ds

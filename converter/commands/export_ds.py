@@ -34,7 +34,7 @@ from converter.plan.atoms import AtomRef, group_atoms
 from converter.config import RunOptions
 from converter.run.destination import conversion_header, guarded, open_destination, write_output_record
 from converter.run.executor import os_errors_as_storage_errors
-from converter.commands.to_universal import ConversionResult
+from converter.run.pipeline import ConversionResult
 from converter.plan.copy_tasks import Piece, WriteTask, describe, plan_tensor
 from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, full_box

@@ -12,15 +12,11 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from typing import Any
-
-import numpy as np
 
 from converter.plan.atoms import AtomRef, group_atoms
 from converter.plan.dataloader_state import plan_objects
@@ -32,16 +28,17 @@ from converter.run import distributed
 from converter.run.executor import os_errors_as_storage_errors
 from converter.plan.megatron import plan_layout_bound
 from converter.plan.mesh import Mesh, parse_mesh
-from converter.plan.copy_tasks import Piece, WriteTask, plan_tensor
+from converter.plan.copy_tasks import WriteTask, plan_tensor, target_nbytes
 from converter.plan.placement_rules import HeadCounts, TensorPlacement, check_head_split, get_plan, plan_all, replicated
 from converter.plan.selection import Selection, select_entries
 from converter.run.sources import open_checkpoint
-from converter.commands.to_universal import ConversionResult
+from converter.run.pipeline import ConversionResult
+from converter.run.sinks import RankChunkSink
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.metadata import gc_paused
 from formats.dcp.framework_files import read_framework_files, write_framework_files
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
-from formats.dtypes import CASTABLE_FLOATS, by_name, cast_bits, cast_dtype
+from formats.dtypes import CASTABLE_FLOATS, by_name, cast_dtype
 from formats.objects import read_checked_object
 from formats.storage import source_label
 
@@ -68,8 +65,7 @@ def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dic
 
     if isinstance(reader, UniversalReader):  # to-universal recorded them
         return reader.source_layout()
-    from converter.plan.source_layout import detect_layout
-    from converter.commands.to_universal import source_hints
+    from converter.plan.source_layout import detect_layout, source_hints
 
     hints = source_hints(detect_layout(index), index)
     return {k: h.tp_dim for k, h in hints.items()}, {k for k, h in hints.items() if h.replicated}
@@ -144,47 +140,6 @@ def _target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None)
     if override and ref is not None and ref.role == "param" and entry.dtype in CASTABLE_FLOATS:
         return override
     return entry.dtype
-
-
-def target_nbytes(task: WriteTask) -> int:
-    """Bytes ``task`` writes: its box in the TARGET chunk's dtype (``--dtype`` casts parameters;
-    ``task.nbytes`` counts the source dtype, which is what the reads and the memory budget need)."""
-    return task.box.numel * _itemsize(task.target.dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _itemsize(dtype: str) -> int:
-    return by_name(dtype).itemsize
-
-
-class _RankChunkSink:
-    """Execute sink streaming each task's pieces into its rank file's archive; counts the bytes
-    of the chunks it closed (``written``, in the target dtype)."""
-
-    def __init__(self, writer: DCPWriter) -> None:
-        self.writer = writer
-        self.written = 0
-        self._lock = threading.Lock()
-
-    def open(self, task: WriteTask) -> "_RankChunkSink._One":
-        return _RankChunkSink._One(self, self.writer.open_chunk(task.target), task)
-
-    def sync(self) -> None:
-        self.writer.sync()
-
-    class _One:
-        def __init__(self, owner: "_RankChunkSink", sink, task: WriteTask) -> None:
-            self.owner, self.sink, self.task = owner, sink, task
-            self.src_dtype, self.dtype = task.dtype, task.target.dtype
-
-        def write(self, piece: Piece, data: np.ndarray) -> None:
-            self.sink.write(cast_bits(data, self.src_dtype, self.dtype))
-
-        def close(self) -> None:
-            self.sink.close()
-            with self.owner._lock:
-                self.owner.written += target_nbytes(self.task)
-            return None
 
 
 @remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
@@ -270,7 +225,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             if dist.leader:
                 writer.write_objects()
                 write_framework_files(out, framework)  # Megatron's metadata.json / common.pt, as they are
-            sink = _RankChunkSink(writer)
+            sink = RankChunkSink(writer)
             stats, _ = dist.execute(tasks, reader, sink, workers=options.workers,
                                     memory_budget=options.memory_budget, progress=options.progress,
                                     label="from-universal", journal=journal)
@@ -290,7 +245,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
 
 def _head_counts(src: str | os.PathLike, config: Any) -> HeadCounts | None:
     """The model's head counts from ``config``, else from a config.json beside the source."""
-    from converter.commands.hf import load_config_arg, source_config
+    from converter.plan.hf_config import load_config_arg, source_config
     from converter.plan.placement_rules import head_counts
 
     if config is None:

@@ -18,9 +18,10 @@ from converter.plan.atoms import group_atoms
 from converter.config import RunOptions
 from converter.run.destination import conversion_header, guarded, open_destination
 from converter.run.executor import os_errors_as_storage_errors
-from converter.commands.to_universal import ConversionResult, _ChunkSink, plan_universal, universal_chunk_bytes
+from converter.run.pipeline import ConversionResult
+from converter.run.sinks import ChunkSink
 from converter.run.journal import task_id
-from converter.plan.copy_tasks import describe, store_tasks
+from converter.plan.copy_tasks import describe, plan_universal, store_tasks, universal_chunk_bytes
 from converter.run.remote import remote_destination, spool_hook
 from formats.deepspeed import DeepSpeedReader
 from formats.objects import object_label, preview_value
@@ -47,7 +48,7 @@ def import_ds(src: str | os.PathLike, dst: str | os.PathLike, options: RunOption
     try:
         index = reader.index()
         chunk_bytes = chunk_bytes or universal_chunk_bytes(options)
-        store = plan_universal(index, chunk_bytes, backend)
+        store = plan_universal(index.tensors, chunk_bytes, backend)
         tasks = store_tasks(index.tensors, store, chunk_bytes)  # the same plan for the dry run and the run
         if options.dry_run:
             return ConversionResult(str(dst), len(index.tensors), len(index.objects), sum(t.nbytes for t in tasks),
@@ -70,7 +71,7 @@ def import_ds(src: str | os.PathLike, dst: str | os.PathLike, options: RunOption
                 data = objects[key]
                 writer.add_object(key, data, entry.path, refs[key].atom, refs[key].role,
                                   preview_value(data, object_label(index, key)))
-        stats, written = dist.execute(tasks, reader, _ChunkSink(writer), workers=options.workers,
+        stats, written = dist.execute(tasks, reader, ChunkSink(writer), workers=options.workers,
                                       memory_budget=options.memory_budget, progress=options.progress,
                                       label="import-ds", journal=journal, gather_info=dist.active)
         stage = index.info.get("zero_stage")

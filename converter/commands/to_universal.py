@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-from dataclasses import dataclass
-
-import numpy as np
 
 from converter import __version__
 from converter.plan.atoms import group_atoms
@@ -15,75 +12,19 @@ from converter.config import RunOptions
 from converter.run import distributed
 from converter.run.destination import conversion_header, guarded, open_destination
 from converter.run.journal import task_id
-from converter.plan.source_layout import WHOLE, LayoutReport, detect_layout
+from converter.plan.source_layout import LayoutReport, SourceHint, detect_layout, source_hints
 from converter.run.executor import os_errors_as_storage_errors
-from converter.plan.copy_tasks import Piece, WriteTask, describe, store_tasks
+from converter.plan.copy_tasks import describe, plan_universal, store_tasks, universal_chunk_bytes
+from converter.run.pipeline import ConversionResult
+from converter.run.sinks import ChunkSink
 from converter.plan.selection import Selection, select_entries
 from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
 from formats.dcp.framework_files import read_framework_files, write_framework_files
 from formats.objects import object_label, preview_value, read_checked_object
-from formats.universal import DEFAULT_BACKEND, StorePlan, UniversalReader, UniversalWriter, plan_store
+from formats.universal import DEFAULT_BACKEND, UniversalReader, UniversalWriter
 from formats.universal_meta import SourceInfo
 from formats.storage import source_label
-
-
-@dataclass(frozen=True)
-class ConversionResult:
-    """What a conversion wrote."""
-
-    dst: str
-    tensors: int
-    objects: int
-    bytes: int
-    seconds: float
-    plan: str | None = None
-    warnings: tuple[str, ...] = ()
-    preview: dict | None = None  # from-universal --dry-run: the target plan (schemas/target-plan.schema.json)
-    mesh: str | None = None  # from-universal: the target mesh
-    world_size: int | None = None  # from-universal: ranks of the target job
-
-
-class _ChunkSink:
-    """Execute sink writing each task (one zarr chunk, one piece) whole."""
-
-    def __init__(self, writer: UniversalWriter) -> None:
-        self.writer = writer
-
-    def open(self, task: WriteTask) -> "_ChunkSink._One":
-        return _ChunkSink._One(self.writer, task)
-
-    def sync(self) -> None:
-        self.writer.sync()
-
-    class _One:
-        def __init__(self, writer: UniversalWriter, task: WriteTask) -> None:
-            self.writer, self.task = writer, task
-
-        def write(self, piece: Piece, data: np.ndarray) -> None:
-            self.checksum = self.writer.write_chunk(self.task.key, self.task.target, data)
-
-        def close(self) -> str:
-            return self.checksum
-
-
-@dataclass(frozen=True)
-class SourceHint:
-    """How the source laid one tensor out, kept in the store for plans that follow the source."""
-
-    split: dict[str, int]
-    replicated: bool
-    tp_dim: int | None
-
-
-def source_hints(layout: LayoutReport, index: CheckpointIndex) -> dict[str, SourceHint]:
-    """Per tensor key: split dims, whether every rank held it whole, and its TP split dim."""
-    sharded_source = (layout.world_size or 1) > 1
-    hints = {}
-    for key, lay in layout.tensors.items():
-        whole = lay.kind == WHOLE and bool(index.tensors[key].shape)
-        hints[key] = SourceHint({str(d): n for d, n in lay.split_dims.items()}, whole and sharded_source, lay.tp_dim)
-    return hints
 
 
 def _source_info(index: CheckpointIndex, layout: LayoutReport, src: str) -> SourceInfo:
@@ -122,14 +63,6 @@ def _copy_objects(index: CheckpointIndex, objects: dict[str, bytes], writer: Uni
         writer.add_object(key, data, entry.path, ref.atom, ref.role, preview_value(data, object_label(index, key)))
 
 
-def universal_chunk_bytes(options: RunOptions) -> int:
-    """The default zarr chunk size: ``knobs.UNIVERSAL_CHUNK_BYTES``, less when the memory budget
-    gives each worker less than two chunks (a chunk is filled whole in one buffer)."""
-    from converter import knobs
-
-    return max(1 << 16, min(knobs.UNIVERSAL_CHUNK_BYTES, options.memory_budget // (2 * options.workers)))
-
-
 @remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
 @guarded  # the destination's lock is held for the call; an interrupt says how to resume
 @os_errors_as_storage_errors("to-universal")
@@ -153,7 +86,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         refs, atoms = group_atoms(paths)  # of the whole checkpoint: a selection keeps atoms' names
         selected = select_entries(index, selection or Selection(), refs)
         index, atoms = selected.restrict(index), selected.restrict_atoms(atoms)
-        store = plan_universal(index, chunk_bytes, backend)
+        store = plan_universal(index.tensors, chunk_bytes, backend)
         tasks = store_tasks(index.tensors, store, chunk_bytes)  # the same plan for the dry run and the run
         if options.dry_run:
             total = sum(t.nbytes for t in tasks)
@@ -179,7 +112,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
         if dist.leader:
             _copy_objects(index, objects, writer, refs)
             write_framework_files(out, framework)  # Megatron's metadata.json / common.pt, as they are
-        stats, written = dist.execute(tasks, reader, _ChunkSink(writer), workers=options.workers,
+        stats, written = dist.execute(tasks, reader, ChunkSink(writer), workers=options.workers,
                                       memory_budget=options.memory_budget, progress=options.progress,
                                       label="to-universal", journal=journal, gather_info=dist.active)
 
@@ -197,7 +130,3 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
     finally:
         reader.close()
 
-
-def plan_universal(index: CheckpointIndex, chunk_bytes: int, backend: str = DEFAULT_BACKEND) -> StorePlan:
-    """The universal store's layout for ``index``'s tensors (pure: no I/O)."""
-    return plan_store(((k, e.dtype, tuple(e.shape)) for k, e in index.tensors.items()), chunk_bytes, backend)

@@ -9,14 +9,16 @@ bounded buffer; each piece lists the :class:`CopyItem` regions to read from sour
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from formats.base import Box, ChunkRef, TensorEntry
 from formats.dtypes import by_name
 from formats.errors import CorruptCheckpointError
-from formats.universal.plan import StorePlan
+from formats.universal.plan import DEFAULT_BACKEND, StorePlan, plan_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +265,20 @@ def plan_tensor(
     return tasks
 
 
+def universal_chunk_bytes(options: Any) -> int:
+    """The default zarr chunk size for ``options`` (a :class:`converter.config.RunOptions`):
+    ``knobs.UNIVERSAL_CHUNK_BYTES``, less when the memory budget gives each worker less than two
+    chunks (a chunk is filled whole in one buffer)."""
+    from converter import knobs
+
+    return max(1 << 16, min(knobs.UNIVERSAL_CHUNK_BYTES, options.memory_budget // (2 * options.workers)))
+
+
+def plan_universal(tensors: Mapping[str, TensorEntry], chunk_bytes: int, backend: str = DEFAULT_BACKEND) -> StorePlan:
+    """The universal store's layout for these tensors (an index's ``tensors``; pure: no I/O)."""
+    return plan_store(((k, e.dtype, tuple(e.shape)) for k, e in tensors.items()), chunk_bytes, backend)
+
+
 def store_tasks(tensors: Mapping[str, TensorEntry], store: StorePlan, piece_bytes: int) -> list[WriteTask]:
     """One write task per chunk of every tensor's array in the universal store ``store`` (the
     layout :func:`formats.universal.plan_store` planned); the dry run and the run alike."""
@@ -270,6 +286,17 @@ def store_tasks(tensors: Mapping[str, TensorEntry], store: StorePlan, piece_byte
     for key, entry in tensors.items():
         tasks += plan_tensor(entry, store.arrays[key].grid(), piece_bytes=piece_bytes)
     return tasks
+
+
+def target_nbytes(task: WriteTask) -> int:
+    """Bytes ``task`` writes: its box in the dtype of its target (a DCP chunk; ``--dtype`` casts parameters;
+    ``task.nbytes`` counts the source dtype, which is what the reads and the memory budget need)."""
+    return task.box.numel * _itemsize(task.target.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _itemsize(dtype: str) -> int:
+    return by_name(dtype).itemsize
 
 
 def describe(tasks: Sequence[WriteTask]) -> str:

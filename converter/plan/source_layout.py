@@ -606,3 +606,22 @@ def _whole_summary(index: CheckpointIndex, ws: int | None) -> str:
         f"replicated: every tensor whole; {ws} ranks wrote files (DDP-style dedup or pure PP - "
         "not distinguishable from metadata)"
     )
+
+
+@dataclass(frozen=True)
+class SourceHint:
+    """How the source laid one tensor out, kept in the store for plans that follow the source."""
+
+    split: dict[str, int]
+    replicated: bool
+    tp_dim: int | None
+
+
+def source_hints(layout: LayoutReport, index: CheckpointIndex) -> dict[str, SourceHint]:
+    """Per tensor key: split dims, whether every rank held it whole, and its TP split dim."""
+    sharded_source = (layout.world_size or 1) > 1
+    hints = {}
+    for key, lay in layout.tensors.items():
+        whole = lay.kind == WHOLE and bool(index.tensors[key].shape)
+        hints[key] = SourceHint({str(d): n for d, n in lay.split_dims.items()}, whole and sharded_source, lay.tp_dim)
+    return hints

@@ -344,7 +344,7 @@ def _selected(index: CheckpointIndex, key_pattern: str | None, model_only: bool)
     from converter.plan.keys import key_matcher
 
     if model_only:
-        from converter.commands.hf import model_weights
+        from converter.plan.hf_export import model_weights
 
         tensors = {fqn: key for key, fqn in model_weights(index).items()}
         objects: dict[str, str] = {}
@@ -361,7 +361,9 @@ def _selected(index: CheckpointIndex, key_pattern: str | None, model_only: bool)
 def _as_exported(ra: CheckpointReader, rb: CheckpointReader, a: str | os.PathLike, b: str | os.PathLike,
                  key_map: str, config: Any) -> tuple[CheckpointReader, CheckpointReader]:
     """Each non-HF side seen through ``key_map`` exactly as export-hf would write it."""
-    from converter.commands.hf import MappedReader, load_config_arg, plan_export, source_config
+    from converter.plan.hf_config import load_config_arg, source_config
+    from converter.plan.hf_export import plan_export
+    from converter.run.mapped_reader import MappedReader
     from converter.plan.key_maps import get_key_map
 
     kmap = get_key_map(key_map)

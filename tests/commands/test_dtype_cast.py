@@ -118,7 +118,7 @@ def test_cast_needs_no_torch():
     ("float64", "float64"), ("double", "float64"),
 ])
 def test_every_spelling_for_every_command(text, name):
-    from converter.commands.hf import normalize_dtype
+    from converter.commands.export_hf import normalize_dtype
 
     assert cast_dtype(text) == name == normalize_dtype(text)
     assert CAST_ALIASES[text.lower().removeprefix("torch.")] == name

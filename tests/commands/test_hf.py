@@ -26,7 +26,8 @@ from safetensors.torch import save_file
 from converter import api
 from converter.cli import cli
 from converter.config import RunOptions
-from converter.commands.hf import MappedReader, Source, permuted_chunks
+from converter.plan.mapped_view import Source, permuted_chunks
+from converter.run.mapped_reader import MappedReader
 from converter.plan.key_maps import (TORCHTITAN_LLAMA, Renamer, get_key_map, key_map_from_doc, rename_all,
                                 rope_permutation)
 from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry, TensorReader

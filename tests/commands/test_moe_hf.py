@@ -126,7 +126,8 @@ def test_expert_is_a_region_read(tmp_path):
     whole tensor; importing reads each HF expert once into its slot of the stack."""
     import torch.distributed.checkpoint as dcp
 
-    from converter.commands.hf import MappedReader, plan_export
+    from converter.plan.hf_export import plan_export
+    from converter.run.mapped_reader import MappedReader
     from converter.plan.key_maps import get_key_map
     from converter.run.sources import open_checkpoint
 

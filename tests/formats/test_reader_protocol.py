@@ -46,7 +46,8 @@ def roots(tmp_path_factory):
 
 
 def _readers(roots):
-    from converter.commands.hf import MappedReader, Source
+    from converter.plan.mapped_view import Source
+    from converter.run.mapped_reader import MappedReader
 
     dcp_reader = DCPReader(roots / "dcp")
     perm = np.arange(13)[::-1].copy()  # the mapped view reverses w's rows

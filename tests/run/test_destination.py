@@ -384,11 +384,11 @@ def test_a_dead_process_lock_is_taken_over(work, tmp_path):
 
 
 def test_lock_is_released_after_a_failure(work, tmp_path, monkeypatch):
-    import converter.commands.from_universal as reshard
+    import converter.run.sinks as sinks
 
     dst = tmp_path / "out"
     with monkeypatch.context() as m:
-        m.setattr(reshard._RankChunkSink._One, "write", lambda *a: (_ for _ in ()).throw(OSError(5, "disk on fire")))
+        m.setattr(sinks.RankChunkSink._One, "write", lambda *a: (_ for _ in ()).throw(OSError(5, "disk on fire")))
         with pytest.raises(CkptConvError, match="disk on fire"):
             convert("from-universal", work, dst, RunOptions())
     assert not (dst / ".ckptconv-lock").exists()

@@ -169,11 +169,11 @@ def _to_uni(ref: dict, dst: Path, *extra: str) -> list[str]:
 
 def _single_process_failure(ref: dict, dst: Path, monkeypatch) -> None:
     """A one-process to-universal that fails midway (a journal for world size 1 is left)."""
-    import converter.commands.to_universal as ingest
+    import converter.run.sinks as sinks
     from formats.errors import StorageError
 
     calls = []
-    real = ingest._ChunkSink._One.close
+    real = sinks.ChunkSink._One.close
 
     def close(self):
         calls.append(1)
@@ -181,7 +181,7 @@ def _single_process_failure(ref: dict, dst: Path, monkeypatch) -> None:
             raise StorageError("injected (test)")
         return real(self)
 
-    monkeypatch.setattr(ingest._ChunkSink._One, "close", close)
+    monkeypatch.setattr(sinks.ChunkSink._One, "close", close)
     with pytest.raises(StorageError):
         _run_cli(_to_uni(ref, dst, "--workers", "1"))
     monkeypatch.undo()

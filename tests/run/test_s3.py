@@ -319,7 +319,8 @@ def test_torchrun_to_s3_bit_identical_and_no_marker_on_failure(s3_bucket, tmp_pa
     marker after every rank uploaded: the stores equal the single-process local runs bit for bit.
     One rank's failure fails every rank and no marker goes up; DCP/HF outputs are refused."""
     from converter.config import RunOptions
-    from converter.commands.hf import export_hf, import_hf
+    from converter.commands.export_hf import export_hf
+    from converter.commands.import_hf import import_hf
     from converter.commands.to_universal import to_universal
 
     src = _big_source(tmp_path / "src")
@@ -372,7 +373,7 @@ def test_import_hf_from_s3_reads_the_remote_config_json(s3_bucket, tmp_path):
     from safetensors.torch import save_file
 
     from converter.config import RunOptions
-    from converter.commands.hf import import_hf
+    from converter.commands.import_hf import import_hf
     from converter.commands.from_universal import from_universal
 
     g = torch.Generator().manual_seed(3)

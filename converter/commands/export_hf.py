@@ -1,0 +1,124 @@
+"""export-hf: a universal store or DCP checkpoint -> Hugging Face ``model.safetensors`` (or shards
+and an index).
+
+The plan (:mod:`converter.plan.hf_export`) names every HF tensor, its source tensor, dtype and row
+permutation; the source is read through a :class:`~converter.run.mapped_reader.MappedReader` (a
+view whose index names the HF tensors), so every HF tensor is one write task whose pieces are
+streamed into the file at their offsets (:class:`formats.hf.HFWriter`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from converter.config import RunOptions, parse_size
+from converter.plan.copy_tasks import describe, plan_tensor
+from converter.plan.hf_config import CONFIG_FILE, config_bytes, load_config_arg
+from converter.plan.hf_export import plan_export, shard_summary
+from converter.plan.key_maps import KeyMap, get_key_map, megatron_args_config
+from converter.run import distributed
+from converter.run.destination import conversion_header, guarded, open_destination, option_value
+from converter.run.executor import os_errors_as_storage_errors
+from converter.run.mapped_reader import MappedReader
+from converter.run.pipeline import ConversionResult
+from converter.run.remote import remote_destination
+from converter.run.sinks import HFSink
+from converter.run.sources import open_checkpoint
+from formats.base import CheckpointIndex, CheckpointReader, full_box
+from formats.dtypes import by_name, cast_dtype
+from formats.errors import CkptConvError, ConfigError
+from formats.fsutil import atomic_write_bytes
+from formats.hf import DEFAULT_MAX_SHARD_BYTES, HFWriter, plan_files
+
+
+def normalize_dtype(dtype: str | None) -> str | None:
+    """``bf16`` / ``bfloat16`` / ``torch.bfloat16`` -> ``bfloat16`` (:func:`formats.dtypes.cast_dtype`)."""
+    return None if dtype is None else cast_dtype(dtype)
+
+
+@remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
+@guarded  # the destination's lock is held for the call; an interrupt says how to resume
+@os_errors_as_storage_errors("export-hf")
+def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
+              config: str | os.PathLike | Mapping[str, Any] | None = None,
+              options: RunOptions | None = None) -> ConversionResult:
+    """Write the model weights of ``src`` (universal store or DCP) as HF safetensors in ``dst``.
+
+    ``key_map``: ``identity``, ``torchtitan-llama`` or a map file; ``max_shard_size``: bytes or
+    text like ``5GB`` (huggingface_hub's default); ``dtype``: cast floating-point weights (e.g.
+    ``bf16``); ``config``: a config.json path or inline JSON, written to ``dst/config.json``
+    (completed from the weights' shapes for the built-in Llama map) and used for head counts.
+    """
+    options = options or RunOptions()
+    kmap = get_key_map(key_map)
+    max_bytes = parse_size(max_shard_size)
+    if max_bytes < 1:
+        raise ConfigError(f"--max-shard-size must be positive (got {max_shard_size!r})")
+    dtype = normalize_dtype(dtype)
+    cfg, cfg_raw = load_config_arg(config)
+    dist = distributed.current()
+    reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
+    try:
+        index = reader.index()
+        if kmap.name.startswith("megatron") and not (cfg or {}).get("num_attention_heads"):
+            cfg = {**megatron_args_config(megatron_args(reader, index)), **(cfg or {})} or None
+        plan = plan_export(index, kmap, dtype, cfg)
+        view = MappedReader(reader, plan.sources)
+        file_plans = plan_files(plan.specs, max_bytes)
+        tasks = [t for hf, e in view.index().tensors.items()
+                 for t in plan_tensor(e, [(hf, full_box(e.shape))], options.effective_piece_bytes)]
+        total = sum(s.nbytes for s in plan.specs)
+        if options.dry_run:
+            return ConversionResult(str(dst), len(plan.specs), 0, total, 0.0,
+                                    plan=shard_summary(file_plans) + "\n" + describe(tasks))
+        header = conversion_header("export-hf", src, index, {
+            "--map": option_value(key_map), "--dtype": dtype, "--max-shard-size": max_bytes,
+            "--config": option_value(cfg)})
+        out, journal = open_destination(src, dst, header, options)
+        writer = HFWriter(out, plan.specs, max_bytes)
+        dtypes = {s.name: by_name(s.dtype).name for s in plan.specs}
+        try:
+            # rank 0 creates and sizes every file; the other ranks then open them without truncating
+            dist.leader_first(lambda: writer.start(resume=options.resume), lambda: writer.start(resume=True))
+            for task in tasks:
+                if journal.is_done(task):
+                    writer.adopt(task.key)
+            stats, _ = dist.execute(tasks, view, HFSink(writer, dtypes), workers=options.workers,
+                                    memory_budget=options.memory_budget, progress=options.progress,
+                                    label="export-hf", journal=journal)
+
+            def write_config() -> None:
+                if plan.config is not None:
+                    same = cfg_raw is not None and plan.config == cfg
+                    atomic_write_bytes(out / CONFIG_FILE, cfg_raw if same else config_bytes(plan.config))
+
+            dist.publish(writer, journal, out, lambda: [writer.adopt(t.key) for t in tasks], write_config)
+        except BaseException:
+            writer.close()
+            raise
+        journal.remove()
+        return ConversionResult(str(out), len(plan.specs), 0, total, stats.seconds)
+    finally:
+        reader.close()
+
+
+def megatron_args(reader: CheckpointReader, index: CheckpointIndex) -> dict[str, Any]:
+    """``vars(args)`` of a Megatron checkpoint's training arguments (its ``common_state`` entry,
+    loaded through the allowlist: an ``argparse.Namespace`` is plain data), or ``{}``."""
+    import argparse
+
+    for key in index.objects:
+        if key.split("/", 1)[0] != "common_state":
+            continue
+        try:
+            value = reader.load_object(key, trust_pickle=False)
+        except CkptConvError:
+            return {}
+        if isinstance(value, list) and len(value) == 1:  # torch_dist stores a ShardedObject's data in a list
+            value = value[0]
+        args = value.get("args") if isinstance(value, dict) else None
+        return dict(vars(args)) if isinstance(args, argparse.Namespace) else {}
+    return {}

@@ -1,0 +1,81 @@
+"""A reader view whose tensors are renamed (and row-permuted) from a source reader: what export-hf
+and import-hf read through (the plan side, :mod:`converter.plan.mapped_view`, says which source
+tensor and rows each target tensor is)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from converter.plan.mapped_view import Source, ViewLocator, mapped_index, normalized_sources, source_region
+from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, copy_bits_into
+from formats.dtypes import by_name, from_storage_array
+from formats.errors import PlanError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class MappedReader:
+    """A :class:`CheckpointReader` view: target tensors renamed (and row-permuted) from a source.
+
+    ``sources`` maps each target key to its :class:`Source`; ``paths`` gives target object paths.
+    """
+
+    def __init__(self, reader: CheckpointReader, sources: Mapping[str, Source],
+                 paths: Mapping[str, tuple] | None = None) -> None:
+        self.reader = reader
+        self.sources = normalized_sources(sources)
+        self._index = mapped_index(reader.index(), self.sources, paths)
+
+    def index(self) -> CheckpointIndex:
+        return self._index
+
+    def _source_region(self, key: str, region: Box) -> Box:
+        """The source box behind ``region`` of target ``key`` (:func:`source_region`)."""
+        return source_region(self.sources[key], region)
+
+    def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
+        """A new tensor holding ``region`` of the target tensor ``key``."""
+        loc: ViewLocator = chunk.locator
+        if self.sources[key].perm is None:
+            data = self.reader.read_region(loc.key, loc.chunk, self._source_region(key, region))
+            return data.reshape(region.sizes)
+        return from_storage_array(self._permuted_bits(key, chunk, region), self._index.tensors[key].dtype)
+
+    def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
+        """Fill ``out`` (exactly the region's bytes) with ``region`` of the target tensor, C order."""
+        loc: ViewLocator = chunk.locator
+        if self.sources[key].perm is None:
+            self.reader.read_region_into(loc.key, loc.chunk, self._source_region(key, region), out)
+            return
+        copy_bits_into(self._permuted_bits(key, chunk, region), out)
+
+    def _source_bits(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
+        """``region`` of the source chunk behind target ``key`` as a new bit array."""
+        loc: ViewLocator = chunk.locator
+        bits = np.empty(region.sizes, dtype=by_name(self._index.tensors[key].dtype).numpy_dtype)
+        self.reader.read_region_into(loc.key, loc.chunk, self._source_region(key, region),
+                                     memoryview(bits.reshape(-1).view(np.uint8)))
+        return bits
+
+    def _permuted_bits(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
+        """The region of a row-permuted target as a bit array: one read of the source rows it
+        spans, then the rows taken in target order."""
+        rows = self.sources[key].perm[region.offsets[0]: region.ends[0]]
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        data = self._source_bits(key, chunk, Box((lo, *region.offsets[1:]), (hi - lo, *region.sizes[1:])))
+        if hi - lo == len(rows) and bool((rows == np.arange(lo, hi)).all()):
+            return data
+        return np.ascontiguousarray(data[rows - lo])
+
+    def read_object_bytes(self, key: str) -> bytes:
+        raise PlanError(f"no non-tensor entry {key!r} in a mapped view")
+
+    def load_object(self, key: str, trust_pickle: bool = False) -> Any:
+        return self.read_object_bytes(key)
+
+    def close(self) -> None:
+        self.reader.close()
