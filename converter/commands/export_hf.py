@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from converter.config import RunOptions, parse_size
@@ -18,13 +19,10 @@ from converter.plan.copy_tasks import describe, plan_tensor
 from converter.plan.hf_config import CONFIG_FILE, config_bytes, load_config_arg
 from converter.plan.hf_export import plan_export, shard_summary
 from converter.plan.key_maps import KeyMap, get_key_map, megatron_args_config
-from converter.run import distributed
-from converter.run.destination import conversion_header, guarded, open_destination, option_value
-from converter.run.executor import os_errors_as_storage_errors
+from converter.run.destination import option_value
 from converter.run.mapped_reader import MappedReader
-from converter.run.pipeline import ConversionResult
-from converter.run.remote import remote_destination
-from converter.run.sinks import HFSink
+from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
+from converter.run.sinks import hf_output
 from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader, full_box
 from formats.dtypes import by_name, cast_dtype
@@ -38,9 +36,7 @@ def normalize_dtype(dtype: str | None) -> str | None:
     return None if dtype is None else cast_dtype(dtype)
 
 
-@remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
-@guarded  # the destination's lock is held for the call; an interrupt says how to resume
-@os_errors_as_storage_errors("export-hf")
+@conversion_command("export-hf")
 def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
               config: str | os.PathLike | Mapping[str, Any] | None = None,
@@ -59,7 +55,6 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         raise ConfigError(f"--max-shard-size must be positive (got {max_shard_size!r})")
     dtype = normalize_dtype(dtype)
     cfg, cfg_raw = load_config_arg(config)
-    dist = distributed.current()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
         index = reader.index()
@@ -71,36 +66,22 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         tasks = [t for hf, e in view.index().tensors.items()
                  for t in plan_tensor(e, [(hf, full_box(e.shape))], options.effective_piece_bytes)]
         total = sum(s.nbytes for s in plan.specs)
-        if options.dry_run:
-            return ConversionResult(str(dst), len(plan.specs), 0, total, 0.0,
-                                    plan=shard_summary(file_plans) + "\n" + describe(tasks))
-        header = conversion_header("export-hf", src, index, {
-            "--map": option_value(key_map), "--dtype": dtype, "--max-shard-size": max_bytes,
-            "--config": option_value(cfg)})
-        out, journal = open_destination(src, dst, header, options)
-        writer = HFWriter(out, plan.specs, max_bytes)
         dtypes = {s.name: by_name(s.dtype).name for s in plan.specs}
-        try:
-            # rank 0 creates and sizes every file; the other ranks then open them without truncating
-            dist.leader_first(lambda: writer.start(resume=options.resume), lambda: writer.start(resume=True))
-            for task in tasks:
-                if journal.is_done(task):
-                    writer.adopt(task.key)
-            stats, _ = dist.execute(tasks, view, HFSink(writer, dtypes), workers=options.workers,
-                                    memory_budget=options.memory_budget, progress=options.progress,
-                                    label="export-hf", journal=journal)
 
+        def open_output(out: Path) -> Output:
             def write_config() -> None:
                 if plan.config is not None:
                     same = cfg_raw is not None and plan.config == cfg
                     atomic_write_bytes(out / CONFIG_FILE, cfg_raw if same else config_bytes(plan.config))
 
-            dist.publish(writer, journal, out, lambda: [writer.adopt(t.key) for t in tasks], write_config)
-        except BaseException:
-            writer.close()
-            raise
-        journal.remove()
-        return ConversionResult(str(out), len(plan.specs), 0, total, stats.seconds)
+            return hf_output(HFWriter(out, plan.specs, max_bytes), dtypes, total, write_config)
+
+        header = {"--map": option_value(key_map), "--dtype": dtype, "--max-shard-size": max_bytes,
+                  "--config": option_value(cfg)}
+        planned = ConversionResult(str(dst), len(plan.specs), 0, total, 0.0)
+        return run_conversion(Conversion(
+            "export-hf", src, dst, index, view, tasks, header, open_output, planned,
+            describe=lambda: (shard_summary(file_plans) + "\n" + describe(tasks), None)), options)
     finally:
         reader.close()
 

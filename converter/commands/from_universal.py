@@ -6,7 +6,8 @@
    deduplicated: a box held by several ranks is written once, in the least-loaded holder's file
    (as DCP's own dedup does);
 3. plan + execute: pieces of every rank chunk are filled from the source chunks and streamed
-   into that rank's ``__<rank>_0.distcp``; ``.metadata`` is written last, atomically.
+   into that rank's ``__<rank>_0.distcp`` (:func:`converter.run.pipeline.run_conversion`);
+   ``.metadata`` is written last, atomically.
 """
 
 from __future__ import annotations
@@ -15,28 +16,25 @@ import contextlib
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
-
+from pathlib import Path
 from typing import Any
 
-from converter.plan.atoms import AtomRef, group_atoms
-from converter.plan.dataloader_state import plan_objects
-from converter.run.remote import remote_destination
+from converter import __version__
 from converter.config import RunOptions
-from converter.run.destination import (conversion_header, guarded, open_destination, option_value,
-                                   write_output_record)
-from converter.run import distributed
-from converter.run.executor import os_errors_as_storage_errors
+from converter.plan.atoms import AtomRef, group_atoms
+from converter.plan.copy_tasks import WriteTask, plan_tensor, target_nbytes
+from converter.plan.dataloader_state import plan_objects
 from converter.plan.megatron import plan_layout_bound
 from converter.plan.mesh import Mesh, parse_mesh
-from converter.plan.copy_tasks import WriteTask, plan_tensor, target_nbytes
 from converter.plan.placement_rules import HeadCounts, TensorPlacement, check_head_split, get_plan, plan_all, replicated
 from converter.plan.selection import Selection, select_entries
+from converter.run.destination import option_value, write_output_record
+from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
+from converter.run.sinks import dcp_output
 from converter.run.sources import open_checkpoint
-from converter.run.pipeline import ConversionResult
-from converter.run.sinks import RankChunkSink
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
-from formats.dcp.metadata import gc_paused
 from formats.dcp.framework_files import read_framework_files, write_framework_files
+from formats.dcp.metadata import gc_paused
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_dtype
 from formats.objects import read_checked_object
@@ -142,9 +140,7 @@ def _target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None)
     return entry.dtype
 
 
-@remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
-@guarded  # the destination's lock is held for the call; an interrupt says how to resume
-@os_errors_as_storage_errors("from-universal")
+@conversion_command("from-universal")
 def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "fsdp",
                    mesh_order: str | None = None, dtype: str | None = None,
                    options: RunOptions | None = None, selection: Selection | None = None,
@@ -170,7 +166,6 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     target_mesh = parse_mesh(mesh, mesh_order)
     if dtype is not None:
         dtype = cast_dtype(dtype)
-    dist = distributed.current()
     planning = contextlib.ExitStack()  # opening and planning build millions of small acyclic objects:
     planning.enter_context(gc_paused())  # no cyclic GC passes over them until the plan is done
     try:
@@ -200,47 +195,46 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             layout = replace(layout, chunks=tuple(c for c in layout.chunks if c.key in index.tensors),
                              warnings=layout.warnings + tuple(notes))
             tasks = _plan(index, layout, options)
-            if options.dry_run:
-                from converter.plan.dry_run import build_preview, render_preview
-
-                doc = build_preview(source_label(src), str(dst), plan, layout, tasks, index,
-                                    [(k, r) for k, _, _, r in object_specs], chunk_lines=preview_chunks)
-                return ConversionResult(str(dst), len(index.tensors), len(object_specs), doc["totals"]["bytes"], 0.0,
-                                        plan=render_preview(doc), preview=doc)
-        header = conversion_header("from-universal", src, index, {
-            "--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan), "--dtype": dtype,
-            "--keys": None if selection is None or selection.everything else selection.to_json(),
-            "--drop-dataloader-state": bool(drop_dataloader), "--config": option_value(config),
-            **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {})})
-        out, journal = open_destination(src, dst, header, options)
-        objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
-        planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
-        writer = DCPWriter(out, layout.chunks, objects, planner_data, target_mesh.world_size)
-        try:
-            # rank 0 creates and sizes every file; the other ranks then open them without truncating
-            dist.leader_first(lambda: writer.prepare(resume=options.resume), lambda: writer.prepare(resume=True))
-            for task in tasks:
-                if journal.is_done(task):
-                    writer.adopt_chunk(task.target)
-            if dist.leader:
-                writer.write_objects()
-                write_framework_files(out, framework)  # Megatron's metadata.json / common.pt, as they are
-            sink = RankChunkSink(writer)
-            stats, _ = dist.execute(tasks, reader, sink, workers=options.workers,
-                                    memory_budget=options.memory_budget, progress=options.progress,
-                                    label="from-universal", journal=journal)
-            written = sum(dist.gather(sink.written))  # target-dtype bytes, every rank's share
-
-            dist.publish(writer, journal, out, lambda: [writer.adopt_chunk(t.target) for t in tasks],
-                         lambda: write_output_record(out, journal.header))
-        except BaseException:
-            writer.close()
-            raise
-        journal.remove()
-        return ConversionResult(str(out), len(index.tensors), len(object_specs), written, stats.seconds,
-                                warnings=layout.warnings, mesh=str(target_mesh), world_size=target_mesh.world_size)
+            header = {"--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan),
+                      "--dtype": dtype,
+                      "--keys": None if selection is None or selection.everything else selection.to_json(),
+                      "--drop-dataloader-state": bool(drop_dataloader), "--config": option_value(config),
+                      **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {})}
+            conversion = _conversion(src, dst, index, reader, layout, tasks, object_specs, header, plan,
+                                     preview_chunks, framework)
+        return run_conversion(conversion, options)
     finally:
         reader.close()
+
+
+def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: CheckpointIndex, reader: CheckpointReader,
+                layout: TargetLayout, tasks: list[WriteTask], object_specs: list, header: dict[str, Any],
+                plan_name: str, preview_chunks: int | None = None, framework: Mapping[str, bytes] | None = None,
+                ) -> Conversion:
+    """The planned conversion: a DCP writer for the layout's chunks and the objects' specs (and the
+    ``framework`` files copied beside them); its dry run is the target plan (``preview_chunks``
+    chunks listed per key; None: all)."""
+    mesh = layout.mesh
+
+    def describe() -> tuple[str, dict]:
+        from converter.plan.dry_run import build_preview, render_preview
+
+        with gc_paused():  # the plan document is millions of small acyclic objects at scale
+            doc = build_preview(source_label(src), str(dst), plan_name, layout, tasks, index,
+                                [(k, r) for k, _, _, r in object_specs], chunk_lines=preview_chunks)
+            return render_preview(doc), doc
+
+    def open_output(out: Path) -> Output:
+        objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
+        planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
+        writer = DCPWriter(out, layout.chunks, objects, planner_data, mesh.world_size)
+        return dcp_output(writer, lambda: write_output_record(out, {"op": "from-universal", "tool": __version__}),
+                          # Megatron's metadata.json / common.pt, as they are
+                          extra_files=lambda: write_framework_files(out, framework or {}))
+
+    planned = ConversionResult(str(dst), len(index.tensors), len(object_specs), sum(target_nbytes(t) for t in tasks),
+                               0.0, warnings=layout.warnings, mesh=str(mesh), world_size=mesh.world_size)
+    return Conversion("from-universal", src, dst, index, reader, tasks, header, open_output, planned, describe)
 
 
 def _head_counts(src: str | os.PathLike, config: Any) -> HeadCounts | None:

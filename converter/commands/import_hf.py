@@ -8,30 +8,23 @@ whose index names the universal keys, and the store is laid out and written as t
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from converter import __version__
 from converter.config import RunOptions
 from converter.plan.atoms import group_atoms
 from converter.plan.copy_tasks import describe, plan_universal, store_tasks, universal_chunk_bytes
 from converter.plan.hf_config import load_config_arg, source_config
 from converter.plan.hf_import import plan_import, tied_notes
 from converter.plan.key_maps import KeyMap, get_key_map
-from converter.run import distributed
-from converter.run.destination import conversion_header, guarded, open_destination, option_value
-from converter.run.executor import os_errors_as_storage_errors
-from converter.run.journal import task_id
+from converter.run.destination import option_value
 from converter.run.mapped_reader import MappedReader
-from converter.run.pipeline import ConversionResult
-from converter.run.remote import remote_destination, spool_hook
-from converter.run.sinks import ChunkSink
+from converter.run.pipeline import Conversion, ConversionResult, conversion_command, run_conversion
+from converter.run.sinks import universal_output
 from converter.run.sources import detect_format, open_checkpoint
 from formats.errors import ConfigError
 from formats.storage import source_label
-from formats.universal import UniversalWriter
 from formats.universal_meta import SourceInfo
 
 
@@ -49,9 +42,7 @@ def _import_config(src: str | os.PathLike, kmap: KeyMap,
     return load_config_arg(config)[0]
 
 
-@remote_destination  # URL destinations: spool, upload, marker last (converter/remote.py)
-@guarded  # the destination's lock is held for the call; an interrupt says how to resume
-@os_errors_as_storage_errors("import-hf")
+@conversion_command("import-hf")
 def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               config: str | os.PathLike | Mapping[str, Any] | None = None, prefix: str | None = None,
               options: RunOptions | None = None, chunk_bytes: int | None = None,
@@ -72,48 +63,26 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     if detect_format(src) != "hf":
         raise ConfigError(f"{src}: import-hf reads a Hugging Face directory (*.safetensors); use to-universal for other checkpoints")
     cfg = _import_config(src, kmap, config)
-    dist = distributed.current()
     reader = open_checkpoint(src, verify=options.verify_source)
     try:
         index = reader.index()
         sources, paths = plan_import(index, kmap, cfg, prefix)
-        notes = tied_notes(index, cfg)
         view = MappedReader(reader, sources, paths)
         vindex = view.index()
         chunk_bytes = chunk_bytes or universal_chunk_bytes(options)
         store = plan_universal(vindex.tensors, chunk_bytes, backend)
         tasks = store_tasks(vindex.tensors, store, chunk_bytes)  # the same plan for the dry run and the run
-        if options.dry_run:
-            return ConversionResult(str(dst), len(sources), 0, sum(t.nbytes for t in tasks), 0.0, plan=describe(tasks))
-        header = conversion_header("import-hf", src, index, {
-            "--map": option_value(key_map), "--config": option_value(cfg), "--prefix": prefix,
-            "--chunk-size": chunk_bytes, **({"--backend": backend} if backend != "zarr" else {})})
-        out, journal = open_destination(src, dst, header, options)
         refs, atoms = group_atoms(paths)
-        writer = UniversalWriter(out, chunk_bytes, on_file_final=spool_hook(out), backend=backend)  # URL dst: upload as final
-        for key, entry in vindex.tensors.items():
-            writer.add_tensor(entry, refs[key].atom, refs[key].role, plan=store.arrays[key])
-        writer.prepare()
-        for task in tasks:
-            if journal.is_done(task):
-                writer.restore_chunk(task.key, task.target, journal.info(task))
-        stats, written = dist.execute(tasks, view, ChunkSink(writer), workers=options.workers,
-                                      memory_budget=options.memory_budget, progress=options.progress,
-                                      label="import-hf", journal=journal, gather_info=dist.active)
         files = [f for f in index.info.get("files", {}) if f.endswith(".safetensors")]
-        layout = f"hf {len(files)} file{'s' if len(files) != 1 else ''}"
-        source = SourceInfo(format="hf", path=source_label(src), world_size=None, layout=layout)
-
-        def publish() -> None:
-            if dist.active:  # adopt the chunks the other ranks wrote
-                for task in tasks:
-                    writer.restore_chunk(task.key, task.target, written[task_id(task)])
-            created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-            writer.commit(source, __version__, atoms, created)
-            dist.remove_journals(journal, out)
-
-        dist.on_leader(publish)
-        journal.remove()
-        return ConversionResult(str(out), len(sources), 0, stats.bytes_written, stats.seconds, warnings=notes)
+        source = SourceInfo(format="hf", path=source_label(src), world_size=None,
+                            layout=f"hf {len(files)} file{'s' if len(files) != 1 else ''}")
+        header = {"--map": option_value(key_map), "--config": option_value(cfg), "--prefix": prefix,
+                  "--chunk-size": chunk_bytes, **({"--backend": backend} if backend != "zarr" else {})}
+        planned = ConversionResult(str(dst), len(sources), 0, sum(t.nbytes for t in tasks), 0.0,
+                                   warnings=tied_notes(index, cfg))
+        return run_conversion(Conversion(
+            "import-hf", src, dst, index, view, tasks, header,
+            lambda out: universal_output(out, vindex.tensors, refs, store, source, atoms), planned,
+            describe=lambda: (describe(tasks), None)), options)
     finally:
         reader.close()

@@ -136,23 +136,6 @@ class Dist:
         self.on_leader(leader)
         self.collective(lambda: None if self.leader else others())
 
-    def publish(self, writer: Any, journal: Journal | None, out: Path, adopt_all: Callable[[], None],
-                before_commit: Callable[[], None] | None = None) -> None:
-        """Rank 0 commits ``writer`` (first counting the other ranks' shares as written with
-        ``adopt_all``, then ``before_commit``) and removes the journals; the other ranks close
-        their writers. The outcome is agreed: a failure fails every rank."""
-        def commit() -> None:
-            if self.active:  # every rank wrote its share
-                adopt_all()
-            if before_commit is not None:
-                before_commit()
-            writer.commit()
-            self.remove_journals(journal, out)
-
-        self.on_leader(commit)
-        if not self.leader:
-            writer.close()
-
     # -- journals ----------------------------------------------------------------------------
 
     def journal(self, out: Path, header: dict[str, Any], resume: bool) -> Journal:

@@ -1,8 +1,45 @@
-"""The one conversion pipeline every command runs, and its result."""
+"""The one conversion pipeline every command runs.
+
+A command (``converter/commands/*``) opens its source, plans (pure: the write tasks and what the
+output will hold) and hands the plan to :func:`run_conversion` as a :class:`Conversion` value.
+The pipeline then does, identically for every conversion::
+
+    dry run? ── yes ──► the plan's description (nothing touched)
+       │ no
+    journal header (operation, source identity, output options)
+    check (e.g. every non-tensor entry read and checked: a refused one leaves nothing behind)
+    destination: lock, refuse / overwrite / resume            (run.destination, rank 0)
+    open the output (a writer for ``out``)                     Conversion.open_output
+    prepare it (rank 0 first: create and size files)           Output.prepare
+    adopt the tasks the journal says are done (--resume)       Output.adopt
+    write the non-tensor entries (rank 0)                      Output.write_objects
+    execute this rank's share of the tasks (journaled)         run.distributed / run.executor
+    publish (rank 0, after every rank succeeded): adopt every rank's tasks, commit the output
+        (its completion marker last), drop the journals        Output.commit
+    the result
+
+Under torchrun every rank plans identically and runs the same pipeline (:mod:`converter.run.distributed`);
+URL destinations are spooled and uploaded around it (:func:`conversion_command`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from converter.plan.copy_tasks import WriteTask
+from converter.run import distributed
+from converter.run.destination import KIND_OF_OP, UNIVERSAL, conversion_header, guarded, open_destination
+from converter.run.executor import ExecStats, TaskSink, os_errors_as_storage_errors
+from converter.run.journal import task_id
+from converter.run.remote import remote_destination
+from formats.base import CheckpointIndex
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -19,3 +56,123 @@ class ConversionResult:
     preview: dict | None = None  # from-universal --dry-run: the target plan (schemas/target-plan.schema.json)
     mesh: str | None = None  # from-universal: the target mesh
     world_size: int | None = None  # from-universal: ranks of the target job
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Output:
+    """An output writer as the pipeline drives it (built by ``Conversion.open_output`` once the
+    destination is ready; :mod:`converter.run.sinks` builds one per output format).
+
+    ``sink`` takes the executor's tasks; ``prepare(resume)`` creates (or, resuming, reopens) the
+    files: rank 0 first, then the other ranks with ``resume=True``; ``adopt(task, info)`` counts a
+    task as written (one a journal or another rank finished; ``info`` is what its writer's
+    ``close`` returned when ``needs_info``, else None); ``write_objects`` writes the non-tensor
+    entries (rank 0); ``commit`` publishes the output, its completion marker last (rank 0);
+    ``close`` releases the writer (after a failure, and on the other ranks after the commit);
+    ``bytes_written(stats)`` is the result's byte count (every rank calls it; default: the bytes
+    the executor wrote).
+    """
+
+    sink: TaskSink
+    commit: Callable[[], None]
+    prepare: Callable[[bool], None] = lambda resume: None
+    adopt: Callable[[WriteTask, Any], None] = lambda task, info: None
+    write_objects: Callable[[], None] | None = None
+    close: Callable[[], None] = _nothing
+    needs_info: bool = False
+    bytes_written: Callable[[ExecStats], int] | None = None
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One planned conversion, as a command hands it to :func:`run_conversion`.
+
+    ``op`` names the operation (the CLI command: journal header, progress label); ``index`` is the
+    source's index (its identity goes into the journal header); ``reader`` is what the executor
+    reads (the source, or a view of it); ``tasks`` the whole plan (every rank's); ``header_options``
+    the options that shape the output, as the user writes them (``{"--mesh": "tp2,dp3"}``: a
+    ``--resume`` must repeat them); ``open_output(out)`` builds the writer once ``out`` is ready;
+    ``planned`` is the result as planned (entry counts, planned bytes, warnings, target mesh; the
+    pipeline fills in where, how many bytes and how long); ``describe()`` is the dry run's text
+    and, optionally, its JSON document (pure: it runs instead of everything else); ``check`` runs
+    before the destination is touched (reading and checking what must be sound first).
+    """
+
+    op: str
+    src: str | os.PathLike
+    dst: str | os.PathLike
+    index: CheckpointIndex
+    reader: Any
+    tasks: Sequence[WriteTask]
+    header_options: Mapping[str, Any]
+    open_output: Callable[[Path], Output]
+    planned: ConversionResult
+    describe: Callable[[], tuple[str, dict | None]]
+    check: Callable[[], None] | None = None
+
+
+def dry_run_result(conv: Conversion) -> ConversionResult:
+    """What ``--dry-run`` returns: the plan described, its counts and bytes; nothing written."""
+    text, doc = conv.describe()
+    p = conv.planned
+    return ConversionResult(str(conv.dst), p.tensors, p.objects, p.bytes, 0.0, plan=text, preview=doc)
+
+
+def run_conversion(conv: Conversion, options: Any) -> ConversionResult:
+    """Run ``conv`` with ``options`` (a :class:`converter.config.RunOptions`): the dry run, or
+    destination, journal, resume, execute (this rank's share), publish; its result."""
+    if options.dry_run:
+        return dry_run_result(conv)
+    dist = distributed.current()
+    header = conversion_header(conv.op, conv.src, conv.index, conv.header_options)
+    if conv.check is not None:
+        conv.check()
+    out, journal = open_destination(conv.src, conv.dst, header, options)
+    output = conv.open_output(out)
+    try:
+        # rank 0 creates and sizes every file; the other ranks then open them without truncating
+        dist.leader_first(lambda: output.prepare(options.resume), lambda: output.prepare(True))
+        for task in conv.tasks:
+            if journal.is_done(task):
+                output.adopt(task, journal.info(task))
+        if output.write_objects is not None:
+            dist.on_leader(output.write_objects)
+        gather = output.needs_info and dist.active
+        stats, info = dist.execute(conv.tasks, conv.reader, output.sink, workers=options.workers,
+                                   memory_budget=options.memory_budget, progress=options.progress,
+                                   label=conv.op, journal=journal, gather_info=gather)
+        written = output.bytes_written(stats) if output.bytes_written is not None else stats.bytes_written
+
+        def publish() -> None:
+            if dist.active:  # every rank wrote its share: count the others' as written
+                for task in conv.tasks:
+                    output.adopt(task, info[task_id(task)] if gather else None)
+            output.commit()
+            dist.remove_journals(journal, out)
+
+        dist.on_leader(publish)
+        if not dist.leader:
+            output.close()
+    except BaseException:
+        output.close()
+        raise
+    journal.remove()
+    return dataclasses.replace(conv.planned, dst=str(out), bytes=written, seconds=stats.seconds)
+
+
+def conversion_command(op: str) -> Callable[[F], F]:
+    """The wrapping of every conversion's API function ``fn(src, dst, ..., options=...)``: URL
+    destinations spooled and uploaded, marker last (:func:`converter.run.remote.remote_destination`;
+    streamed file by file when ``op`` writes a universal store, :data:`KIND_OF_OP`);
+    the destination's lock held for the call and an interrupt saying how to resume
+    (:func:`converter.run.destination.guarded`); OS errors as one-line StorageErrors naming ``op``."""
+
+    def wrap(fn: F) -> F:
+        streamed = KIND_OF_OP.get(op) == UNIVERSAL
+        return remote_destination(guarded(os_errors_as_storage_errors(op)(fn)), streamed=streamed)
+
+    return wrap

@@ -226,11 +226,11 @@ def upload(out: Path, st: RemoteStorage, workers: int, *, data: bool = True, mar
     return total
 
 
-def _check_supported(name: str, options: Any, dst: str, dist: Any) -> None:
+def _check_supported(streamed: bool, options: Any, dst: str, dist: Any) -> None:
     if getattr(options, "resume", False):
         raise ConfigError(f"{dst}: --resume needs a local destination; rerun with --overwrite (the conversion "
                           "starts over), or convert to a local directory and copy it up")
-    if dist.active and name not in STREAMED:
+    if dist.active and not streamed:
         raise ConfigError(f"{dst}: a URL destination for a DCP or HF output is not supported under torchrun (every "
                           "rank writes into the same files); write to a shared filesystem path and copy it up, "
                           "or run on one process")
@@ -256,10 +256,12 @@ def _finish(out: Path, st: RemoteStorage, uploader: Uploader, workers: int, dist
     dist.on_leader(lambda: upload(out, st, workers, data=False))
 
 
-def remote_destination(fn: F) -> F:
+def remote_destination(fn: F, streamed: bool | None = None) -> F:
     """Decorate ``fn(src, dst, ..., options=...)``: a URL ``dst`` is spooled locally and uploaded
-    (marker last); ``file://`` URLs become local paths; local paths pass through untouched."""
-    streamed = fn.__name__ in STREAMED
+    (marker last); ``file://`` URLs become local paths; local paths pass through untouched.
+    ``streamed``: the output (a universal store) is uploaded file by file while ``fn`` runs
+    (default: ``fn`` is one of :data:`STREAMED`)."""
+    streamed = fn.__name__ in STREAMED if streamed is None else streamed
 
     @functools.wraps(fn)
     def wrapper(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
@@ -271,7 +273,7 @@ def remote_destination(fn: F) -> F:
         if options.dry_run:
             return fn(src, dst, *args, **kwargs)
         dist = distributed.current()
-        _check_supported(fn.__name__, options, str(dst), dist)
+        _check_supported(streamed, options, str(dst), dist)
         st = dist.on_leader(lambda: prepare_remote(src, str(dst), options.overwrite))
         st = st if st is not None else RemoteStorage(str(dst))
         spool = spool_root(options)

@@ -1,18 +1,30 @@
-"""The executor's sinks, one per output format: each turns a write task's pieces into bytes in
-the output (:class:`converter.run.executor.TaskSink`: ``open(task)`` -> a piece writer whose
-``close`` may return what the journal keeps for the task, e.g. a chunk's checksum)."""
+"""The outputs the pipeline drives, one per output format (:func:`universal_output`,
+:func:`dcp_output`, :func:`hf_output`), and their executor sinks: each sink turns a write task's
+pieces into bytes in the output (:class:`converter.run.executor.TaskSink`: ``open(task)`` -> a
+piece writer whose ``close`` may return what the journal keeps for the task, e.g. a chunk's
+checksum)."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import math
 import threading
-from collections.abc import Mapping
+from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from converter.plan.copy_tasks import Piece, WriteTask, target_nbytes
+from converter.run import distributed
+from converter.plan.atoms import AtomRef
+from converter.plan.source_layout import SourceHint
+from converter.run.pipeline import Output
+from converter.run.remote import spool_hook
+from formats.base import TensorEntry
 from formats.dtypes import cast_bits
+from formats.universal import StorePlan, UniversalWriter
+from formats.universal_meta import SourceInfo
 
 
 class ChunkSink:
@@ -94,3 +106,70 @@ class HFSink:
 
         def close(self) -> None:
             pass
+
+
+def universal_output(out: Path, tensors: Mapping[str, TensorEntry], refs: Mapping[str, AtomRef], store: StorePlan,
+                     source: SourceInfo, atoms: Mapping[str, Any], *,
+                     hints: Mapping[str, SourceHint] | None = None,
+                     write_objects: Callable[[UniversalWriter], None] | None = None) -> Output:
+    """A universal store in ``out`` holding ``tensors`` as ``store`` lays them out (backend, chunk
+    size, arrays; each tensor's
+    atom and role from ``refs``; how the source laid it out from ``hints``): chunks adopted by
+    checksum; ``write_objects(writer)`` adds the non-tensor entries (rank 0); the commit writes
+    ``ckptconv.json`` (recording ``source`` and ``atoms``) last. A URL destination's spool
+    uploads each file as it becomes final."""
+    writer = UniversalWriter(out, store.chunk_bytes, on_file_final=spool_hook(out), backend=store.backend)
+    for key, entry in tensors.items():
+        h = hints.get(key) if hints is not None else None
+        placed = {} if h is None else {"source_split": h.split, "source_replicated": h.replicated,
+                                       "tp_split_dim": h.tp_dim}
+        writer.add_tensor(entry, refs[key].atom, refs[key].role, plan=store.arrays[key], **placed)
+
+    def commit() -> None:
+        from converter import __version__
+
+        created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        writer.commit(source, __version__, dict(atoms), created)
+
+    return Output(sink=ChunkSink(writer), commit=commit, prepare=lambda resume: writer.prepare(),
+                  adopt=lambda task, info: writer.restore_chunk(task.key, task.target, info),
+                  write_objects=None if write_objects is None else lambda: write_objects(writer), needs_info=True)
+
+
+def dcp_output(writer: Any, before_commit: Callable[[], None] | None = None,
+               extra_files: Callable[[], None] | None = None) -> Output:
+    """A DCP checkpoint (:class:`formats.dcp.writer.DCPWriter`): rank files sized by rank 0, chunks
+    cast to the target dtype; ``extra_files`` runs after the non-tensor entries are written (rank
+    0); ``before_commit`` runs just before ``.metadata`` is written. The result counts every rank's
+    bytes in the target dtype."""
+    sink = RankChunkSink(writer)
+
+    def write_objects() -> None:
+        writer.write_objects()
+        if extra_files is not None:
+            extra_files()
+
+    def commit() -> None:
+        if before_commit is not None:
+            before_commit()
+        writer.commit()
+
+    return Output(sink=sink, commit=commit, prepare=lambda resume: writer.prepare(resume=resume),
+                  adopt=lambda task, info: writer.adopt_chunk(task.target), write_objects=write_objects,
+                  close=writer.close, bytes_written=lambda stats: sum(distributed.current().gather(sink.written)))
+
+
+def hf_output(writer: Any, dtypes: Mapping[str, str], planned_bytes: int,
+              before_commit: Callable[[], None] | None = None) -> Output:
+    """Hugging Face safetensors (:class:`formats.hf.HFWriter`): files sized by rank 0, each tensor
+    cast to ``dtypes[name]``; ``before_commit`` runs just before the index (or single file) is
+    published. The result counts the planned bytes (resumed or not)."""
+
+    def commit() -> None:
+        if before_commit is not None:
+            before_commit()
+        writer.commit()
+
+    return Output(sink=HFSink(writer, dtypes), commit=commit, prepare=lambda resume: writer.start(resume=resume),
+                  adopt=lambda task, info: writer.adopt(task.key), close=writer.close,
+                  bytes_written=lambda stats: planned_bytes)
