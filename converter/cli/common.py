@@ -11,7 +11,7 @@ from converter.config import RunOptions, parse_size
 from formats.errors import CkptConvError
 
 if TYPE_CHECKING:
-    from converter.commands.to_universal import ConversionResult
+    from converter.run.pipeline import ConversionResult
 
 EXIT_ERROR = 2
 _IMPORTED = __import__("time").time()
