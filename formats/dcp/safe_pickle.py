@@ -7,6 +7,7 @@ tuples), not to torch classes, so unpickling runs no torch code at all and does 
 
 from __future__ import annotations
 
+import _compat_pickle
 import contextlib
 import os
 import pickle
@@ -194,6 +195,15 @@ class _Source:
         return self.read(-1 if nl < 0 else nl + 1 - self._pos)
 
 
+def _python3_name(module: str, name: str) -> tuple[str, str]:
+    """Python 3's ``(module, name)`` for a Python 2 global (``__builtin__.set`` -> ``builtins.set``),
+    the mapping ``pickle.Unpickler.find_class`` applies (fix_imports) to protocol < 3 pickles such
+    as ``torch.save``'s; an overriding ``find_class`` loses it. The result is still allowlisted."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
 class AllowlistUnpickler(pickle.Unpickler):
     """Unpickler resolving globals through ``resolve``; anything it does not know is refused.
 
@@ -215,6 +225,8 @@ class AllowlistUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         found = self._resolve(module, name)
+        if found is None:
+            found = self._resolve(*_python3_name(module, name))
         if found is None:
             raise UnsafePickleError(
                 f"{self._source}: pickle references {clip(f'{module}.{name}', 160)}, which is not on the "
