@@ -14,13 +14,15 @@ from converter.cli.common import SIZE, make_options, report_result, run_options
 @click.argument("ds_dir", type=click.Path())
 @click.argument("uni", type=click.Path())
 @click.option("--chunk-size", type=SIZE, default=None, help="Target bytes per zarr chunk (default 64MiB).")
+@click.option("--backend", type=click.Choice(["zarr", "safetensors"]), default="zarr", show_default=True,
+              help="Array format of the store: zarr arrays or safetensors files (README: which to pick).")
 @run_options
-def import_ds_cmd(ds_dir: str, uni: str, chunk_size: int | None, **kw: Any) -> None:
+def import_ds_cmd(ds_dir: str, uni: str, chunk_size: int | None, backend: str, **kw: Any) -> None:
     """Convert the DeepSpeed universal checkpoint DS_DIR (ds_to_universal.py's output folder, or the
     folder whose latest_universal names it) into a universal store UNI."""
     from converter.api import import_ds
 
-    report_result(import_ds(ds_dir, uni, options=make_options(**kw), chunk_bytes=chunk_size))
+    report_result(import_ds(ds_dir, uni, options=make_options(**kw), chunk_bytes=chunk_size, backend=backend))
 
 
 @click.command("export-ds")

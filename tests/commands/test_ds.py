@@ -273,3 +273,20 @@ def test_export_ds_output_is_an_import_ds_source(stage: int, tmp_path: Path) -> 
     import_ds(tmp_path / "ds", tmp_path / "uni2")
     from_universal(tmp_path / "uni2", tmp_path / "dcp", mesh="dp2")
     assert_matches_live(torch_reference(tmp_path / "dcp"), live_of(stage))
+
+
+def test_import_ds_backend_safetensors_from_the_cli(tmp_path: Path) -> None:
+    """``ckptconv import-ds --backend safetensors``: a safetensors-backed store whose DCP (via
+    from-universal) is what torch reads from the zarr-backed one, byte for byte."""
+    from cli_runner import run_cli
+
+    for backend in ("zarr", "safetensors"):
+        code, out, err = run_cli("import-ds", str(universal_of(3)), str(tmp_path / backend), "--backend", backend)
+        assert code == 0, err
+        code, out, err = run_cli("from-universal", str(tmp_path / backend), str(tmp_path / f"dcp-{backend}"),
+                                  "--mesh", "dp2")
+        assert code == 0, err
+    assert list((tmp_path / "safetensors").rglob("*.safetensors")) and not list((tmp_path / "zarr").rglob("*.safetensors"))
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        assert (tmp_path / "dcp-zarr" / name).read_bytes() == (tmp_path / "dcp-safetensors" / name).read_bytes()
+    assert_matches_live(torch_reference(tmp_path / "dcp-safetensors"), live_of(3))
