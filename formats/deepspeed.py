@@ -441,7 +441,11 @@ class DeepSpeedReader:
                 raise CorruptCheckpointError(f"{archive.path}: key 'step' has {data.size} elements, not 1")
             return data.reshape(()), raw.dtype
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return np.asarray(raw, dtype=np.float32), "float32"
+            try:
+                return np.asarray(float(raw), dtype=np.float32), "float32"
+            except OverflowError:  # an int past any float (a damaged file)
+                raise CorruptCheckpointError(f"{archive.path}: key 'step' holds an integer too large for a "
+                                             "float; the file is damaged: rerun ds_to_universal.py") from None
         raise CorruptCheckpointError(f"{archive.path}: key 'step' holds {type(raw).__name__}, not a number")
 
     def _add(self, tensors: dict[str, TensorEntry], key: str, path: tuple, ref: AtomRef) -> None:
