@@ -70,6 +70,9 @@ WRITTEN_DS_VERSION = "0.19.8"
 #: Largest model-states / optimizer_state ``data.pkl`` parsed (bytes).
 MAX_PICKLE_BYTES = 64 << 20
 
+#: Longest tag ``latest_universal`` may name (a file name's limit, NAME_MAX, on common file systems).
+MAX_TAG_BYTES = 255
+
 _ATOM_FILE = re.compile(r"(?P<state>[^/]+)\.pt")
 
 
@@ -204,8 +207,10 @@ def find_universal_dir(path: str | os.PathLike) -> Path:
         return root
     latest = root / LATEST_UNIVERSAL
     if latest.is_file():
-        tag = latest.read_text().strip()
-        if not tag or "/" in tag or tag in (".", ".."):
+        with open(latest, "rb") as f:
+            tag = f.read(MAX_TAG_BYTES + 1).decode("utf-8", "replace").strip()
+        if (not tag or "/" in tag or "\0" in tag or tag in (".", "..")
+                or len(tag.encode("utf-8", "surrogateescape")) > MAX_TAG_BYTES):
             raise CorruptCheckpointError(f"{latest}: names {short(repr(tag))}, not a tag folder; fix or remove the file")
         if (root / tag / ZERO_DIR).is_dir():
             return root / tag

@@ -290,3 +290,16 @@ def test_import_ds_backend_safetensors_from_the_cli(tmp_path: Path) -> None:
     for name in ("__0_0.distcp", "__1_0.distcp"):
         assert (tmp_path / "dcp-zarr" / name).read_bytes() == (tmp_path / "dcp-safetensors" / name).read_bytes()
     assert_matches_live(torch_reference(tmp_path / "dcp-safetensors"), live_of(3))
+
+
+@pytest.mark.parametrize("tag", ["x" * 5000, "a\0b"])
+def test_import_ds_refuses_an_impossible_latest_universal_tag(tag: str, tmp_path: Path) -> None:
+    """A ``latest_universal`` naming no possible folder (longer than a file name may be, a NUL) is
+    refused as damaged in one short line naming the file, not reported as an I/O error to resume."""
+    from formats.errors import CorruptCheckpointError
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "latest_universal").write_text(tag)
+    with pytest.raises(CorruptCheckpointError, match="latest_universal: names .*not a tag folder") as err:
+        import_ds(tmp_path / "run", tmp_path / "uni")
+    assert len(str(err.value)) < 400
