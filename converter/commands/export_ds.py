@@ -29,12 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from converter.run import distributed
 from converter.plan.atoms import AtomRef, group_atoms
 from converter.config import RunOptions
-from converter.run.destination import conversion_header, guarded, open_destination, write_output_record
+from converter.run.destination import conversion_header, guarded, write_output_record
 from converter.run.executor import os_errors_as_storage_errors
-from converter.run.pipeline import ConversionResult
+from converter.run.pipeline import Conversion, ConversionResult, Output, run_conversion
 from converter.plan.copy_tasks import Piece, WriteTask, describe, plan_tensor
 from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, full_box
@@ -210,50 +209,52 @@ def export_ds(src: str | os.PathLike, dst: str | os.PathLike, *, tag: str | None
     """Write the store (or DCP checkpoint) ``src`` as a DeepSpeed universal checkpoint in ``dst``:
     load it with ``"checkpoint": {"load_universal": true}`` and ``engine.load_checkpoint(dst)``.
 
-    ``tag``: the checkpoint folder's name (default ``global_step<step>``).
+    ``tag``: the checkpoint folder's name (default ``global_step<step>``). Local destinations only.
     """
     options = options or RunOptions()
-    dist = distributed.current()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
-        index = reader.index()
-        paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
-        refs, atoms = group_atoms(paths)
-        group_values = {k: reader.load_object(k, options.trust_pickle) for k, o in index.objects.items()
-                        if "param_groups" in o.path or refs[k].role.startswith("hparam.")}
-        first = _first_step(reader, index, atoms)
-        plan = plan_export_ds(index, refs, atoms, group_values, tag, first)
-        steps = _steps(reader, index, plan)
-        by_rel = {f.rel: f for f in plan.files}
-        tasks = [t for f in plan.files
-                 for t in plan_tensor(index.tensors[f.key], [(f.rel, full_box(index.tensors[f.key].shape))],
-                                      options.effective_piece_bytes)]
-        total = sum(t.nbytes for t in tasks)
-        if options.dry_run:
-            return ConversionResult(str(dst), len(plan.files), 0, total, 0.0, plan=describe(tasks),
-                                    warnings=plan.warnings)
-        header = conversion_header("export-ds", src, index, {"--tag": plan.tag})
-        out, journal = open_destination(src, dst, header, options)
-        stats, _ = dist.execute(tasks, reader, _AtomSink(out, by_rel), workers=options.workers,
-                                memory_budget=options.memory_budget, progress=options.progress,
-                                label="export-ds", journal=journal)
+        return run_conversion(_plan(reader, src, dst, tag, options), options)
+    finally:
+        reader.close()
 
-        def publish() -> None:
+
+def _plan(reader: Any, src: str | os.PathLike, dst: str | os.PathLike, tag: str | None,
+          options: RunOptions) -> Conversion:
+    """The conversion: one write task per atom file (the same plan for the dry run and the run);
+    the commit writes the optimizer state, both model-states files, the output record and, last,
+    ``latest_universal``."""
+    index = reader.index()
+    paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
+    refs, atoms = group_atoms(paths)
+    group_values = {k: reader.load_object(k, options.trust_pickle) for k, o in index.objects.items()
+                    if "param_groups" in o.path or refs[k].role.startswith("hparam.")}
+    first = _first_step(reader, index, atoms)
+    plan = plan_export_ds(index, refs, atoms, group_values, tag, first)
+    steps = _steps(reader, index, plan)
+    by_rel = {f.rel: f for f in plan.files}
+    tasks = [t for f in plan.files
+             for t in plan_tensor(index.tensors[f.key], [(f.rel, full_box(index.tensors[f.key].shape))],
+                                  options.effective_piece_bytes)]
+    header_options = {"--tag": plan.tag}
+
+    def open_output(out: Path) -> Output:
+        def commit() -> None:
             folder = out / plan.tag
             atomic_write_bytes(folder / ZERO_DIR / OPTIMIZER_STATE, optimizer_state_bytes(plan.groups, steps))
             shapes = [{f: plan.shapes[f] for f in g} for g in plan.group_params]
             states = model_states_bytes(shapes, int(first) if first is not None else 0)
             for name in MODEL_STATES_FILES:
                 atomic_write_bytes(folder / name, states)
-            write_output_record(out, header)
+            write_output_record(out, conversion_header("export-ds", src, index, header_options))
             atomic_write_bytes(out / LATEST_UNIVERSAL, plan.tag.encode())  # the completion marker
-            dist.remove_journals(journal, out)
 
-        dist.on_leader(publish)
-        journal.remove()
-        return ConversionResult(str(out), len(plan.files), 0, total, stats.seconds, warnings=plan.warnings)
-    finally:
-        reader.close()
+        return Output(sink=_AtomSink(out, by_rel), commit=commit, bytes_written=lambda stats: total)
+
+    total = sum(t.nbytes for t in tasks)
+    planned = ConversionResult(str(dst), len(plan.files), 0, total, 0.0, warnings=plan.warnings)
+    return Conversion("export-ds", src, dst, index, reader, tasks, header_options, open_output, planned,
+                      describe=lambda: (describe(tasks), None), dry_run_warnings=plan.warnings)
 
 
 def _first_step(reader: Any, index: CheckpointIndex, atoms: Mapping[str, Mapping[str, str]]) -> float | None:

@@ -99,7 +99,8 @@ class Conversion:
     ``planned`` is the result as planned (entry counts, planned bytes, warnings, target mesh; the
     pipeline fills in where, how many bytes and how long); ``describe()`` is the dry run's text
     and, optionally, its JSON document (pure: it runs instead of everything else); ``check`` runs
-    before the destination is touched (reading and checking what must be sound first).
+    before the destination is touched (reading and checking what must be sound first);
+    ``dry_run_warnings`` are printed beside the dry run's text (for warnings the text does not show).
     """
 
     op: str
@@ -113,13 +114,15 @@ class Conversion:
     planned: ConversionResult
     describe: Callable[[], tuple[str, dict | None]]
     check: Callable[[], None] | None = None
+    dry_run_warnings: tuple[str, ...] = ()
 
 
 def dry_run_result(conv: Conversion) -> ConversionResult:
     """What ``--dry-run`` returns: the plan described, its counts and bytes; nothing written."""
     text, doc = conv.describe()
     p = conv.planned
-    return ConversionResult(str(conv.dst), p.tensors, p.objects, p.bytes, 0.0, plan=text, preview=doc)
+    return ConversionResult(str(conv.dst), p.tensors, p.objects, p.bytes, 0.0, plan=text, preview=doc,
+                            warnings=conv.dry_run_warnings)
 
 
 def run_conversion(conv: Conversion, options: Any) -> ConversionResult:

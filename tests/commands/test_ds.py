@@ -303,3 +303,17 @@ def test_import_ds_refuses_an_impossible_latest_universal_tag(tag: str, tmp_path
     with pytest.raises(CorruptCheckpointError, match="latest_universal: names .*not a tag folder") as err:
         import_ds(tmp_path / "run", tmp_path / "uni")
     assert len(str(err.value)) < 400
+
+
+def test_export_ds_dry_run_reports_the_runs_warnings(dcp_checkpoint, tmp_path: Path) -> None:
+    """export-ds --dry-run (on the one pipeline) returns the warnings the run gives, e.g. a source
+    without Adam states (DeepSpeed's ZeRO-3 loader needs them), and writes nothing."""
+    from converter.api import to_universal
+    from converter.config import RunOptions
+    from converter.plan.selection import Selection
+
+    to_universal(dcp_checkpoint("fsdp4"), tmp_path / "uni", selection=Selection(model_only=True))
+    dry = export_ds(tmp_path / "uni", tmp_path / "dry", options=RunOptions(dry_run=True))
+    assert dry.warnings and not (tmp_path / "dry").exists()
+    run = export_ds(tmp_path / "uni", tmp_path / "out")
+    assert run.warnings == dry.warnings and run.bytes == dry.bytes and run.tensors == dry.tensors
