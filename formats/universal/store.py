@@ -434,9 +434,25 @@ class UniversalReader:
         if checks is None or checks.done(chunk.locator):
             return False
         if region == chunk.box:
-            return checks.once(chunk.locator, read_checked)
-        checks.once(chunk.locator, lambda: self._compare(key, record, chunk, self._stream_checksum(record, chunk)))
+            return checks.once(chunk.locator, lambda: (self._check_prefix(key, record, chunk), read_checked()))
+        checks.once(chunk.locator, lambda: (self._check_prefix(key, record, chunk),
+                                            self._compare(key, record, chunk, self._stream_checksum(record, chunk))))
         return False
+
+    def _check_prefix(self, key: str, record: TensorRecord, chunk: ChunkRef) -> None:
+        """The bytes before the chunk's data (a safetensors file's header; none in zarr) are what
+        the record says: the data offsets come from the record, so a damaged header would convert
+        fine yet mislead any other reader of the file."""
+        prefix = self._layout.file_prefix(record, chunk.box)
+        if not prefix:
+            return
+        got = bytearray(len(prefix))
+        self._pread(record, chunk, memoryview(got), -self._stored(record, chunk)[0])  # from the file's start
+        if got != prefix:
+            raise CorruptCheckpointError(
+                f"{self.root / chunk.file}: key {key!r} chunk {chunk_name(chunk)}: the file's header differs from "
+                "what ckptconv.json records (other safetensors readers would misread it); the file is damaged: "
+                "reconvert the store (--no-verify-source copies the data anyway)")
 
     def _compare(self, key: str, record: TensorRecord, chunk: ChunkRef, actual: str) -> None:
         cid = chunk_name(chunk)

@@ -217,3 +217,24 @@ def test_interrupted_safetensors_store_resumes_to_the_same_bytes(dcp_checkpoint,
     assert tree(tmp_path / "out", skip) == tree(tmp_path / "ref", skip)
     meta = UniversalReader(tmp_path / "out").meta
     assert meta.backend == "safetensors"
+
+
+@pytest.mark.parametrize("whole_chunks", [True, False])
+def test_a_damaged_chunk_header_is_refused_while_copying(dcp_checkpoint, tmp_path, whole_chunks):
+    """Conversions check each safetensors chunk file's header against ckptconv.json as they read
+    it (whole-chunk reads and partial reads alike): a header edited to another dtype (data bytes
+    intact, so every checksum still matches) is refused in one line naming the file; with
+    --no-verify-source the data is copied anyway, bit-exact (offsets come from the record)."""
+    uni = tmp_path / "uni"
+    api.to_universal(dcp_checkpoint("fsdp4"), uni, chunk_bytes=4096, backend="safetensors")
+    victim = next(p for p in sorted(uni.rglob("*.safetensors")) if b'"F32"' in p.read_bytes()[:400])
+    victim.chmod(0o644)
+    raw = victim.read_bytes()
+    victim.write_bytes(raw.replace(b'"F32"', b'"I32"', 1))
+    mesh = "dp1" if whole_chunks else "dp3"
+    code, out, err = run_cli("from-universal", str(uni), str(tmp_path / "out"), "--mesh", mesh)
+    assert code == 2 and victim.relative_to(uni).as_posix() in err and "header" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out" / ".metadata").exists()
+    code, out, err = run_cli("from-universal", str(uni), str(tmp_path / "anyway"), "--mesh", mesh, "--no-verify-source")
+    assert code == 0, err
+    assert_same_value(torch_reference(tmp_path / "anyway"), torch_reference(dcp_checkpoint("fsdp4")))
