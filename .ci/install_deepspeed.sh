@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install DeepSpeed 0.19.8 for the tests on its own code (tests/e2e/ds_support.py), never replacing torch.
+# Install DeepSpeed 0.19.8 for the tests on its own code (tests/support/ds_support.py), never replacing torch.
 # DeepSpeed's declared deps would pull another torch, so it goes in with --no-deps and DS_BUILD_OPS=0
 # (no compiled ops; it runs on CPU with gloo), plus the few deps its imports need.
 # Never fails the CI run: when the install is impossible (no network), those tests skip with a reason.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install megatron-core 0.19.2 for the tests on its own code (tests/e2e/megatron_support.py), never replacing torch.
+# Install megatron-core 0.19.2 for the tests on its own code (tests/support/megatron_support.py), never replacing torch.
 # Only a cp312 wheel exists, but its Python code runs under 3.11: the wheel is downloaded for 3.12 with
 # --no-deps and unzipped into site-packages (package + dist-info, so importlib.metadata sees the version;
 # the one compiled module, datasets/helpers_cpp, is never imported by dist_checkpointing).
