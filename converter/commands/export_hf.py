@@ -18,7 +18,7 @@ from converter.config import RunOptions, parse_size
 from converter.plan.copy_tasks import describe, plan_tensor
 from converter.plan.hf_config import CONFIG_FILE, config_bytes, load_config_arg
 from converter.plan.hf_export import plan_export, shard_summary
-from converter.plan.key_maps import KeyMap, get_key_map, megatron_args_config
+from converter.plan.key_maps import MEGATRON_ARGS_CONFIG, KeyMap, get_key_map
 from converter.run.destination import option_value
 from converter.run.mapped_reader import MappedReader
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
@@ -58,8 +58,9 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
         index = reader.index()
-        if kmap.name.startswith("megatron") and not (cfg or {}).get("num_attention_heads"):
-            cfg = {**megatron_args_config(megatron_args(reader, index)), **(cfg or {})} or None
+        from_args, heads_field = MEGATRON_ARGS_CONFIG.get(kmap.name, (None, ""))
+        if from_args is not None and not (cfg or {}).get(heads_field):
+            cfg = {**from_args(megatron_args(reader, index)), **(cfg or {})} or None
         plan = plan_export(index, kmap, dtype, cfg)
         view = MappedReader(reader, plan.sources)
         file_plans = plan_files(plan.specs, max_bytes)

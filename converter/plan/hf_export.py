@@ -94,10 +94,32 @@ def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
         perm = row_permutation(kmap, fqn, shape, config, to_hf=True)
         if rows is not None:
             perm = rows if perm is None else rows[perm]
-        sources[hf] = Source(key, perm, index=layer)
+        if kmap.regroups_qkv(fqn):
+            grouped_rows = _qkv_regrouped_rows(shape, config, kmap.name, fqn)
+            perm = grouped_rows if perm is None else perm[grouped_rows]
+        transpose = kmap.is_transposed(fqn)
+        if transpose and len(shape) != 2:
+            raise InvalidCheckpointError(f"{key}: key map {kmap.name!r} transposes {fqn!r} but it is "
+                                         f"{len(shape)}-d {list(shape)}, not 2-d")
+        sources[hf] = Source(key, perm, index=layer, transpose=transpose)
         target = dtype if dtype is not None and entry.dtype in CASTABLE else entry.dtype
-        specs.append(TensorSpec(hf, target, tuple(shape)))
+        specs.append(TensorSpec(hf, target, tuple(reversed(shape)) if transpose else tuple(shape)))
     return ExportPlan(sources, tuple(specs), None if config is None else dict(config))
+
+
+def _qkv_regrouped_rows(shape: tuple, config: Mapping[str, Any] | None, map_name: str, key: str) -> np.ndarray:
+    """The source rows of a fused ``linear_qkv`` (weight or bias) in ``[all q; all k; all v]``
+    order (HF GPT-2's ``c_attn``), from Megatron's per-query-group rows; the head count is
+    ``n_head`` (GPT-2) or ``num_attention_heads``, the query groups ``num_key_value_heads`` (default:
+    as many as heads)."""
+    cfg = dict(config or {})
+    if cfg.get("num_attention_heads") is None:
+        cfg["num_attention_heads"] = cfg.get("n_head")
+    n_heads = heads_for("num_attention_heads", cfg, map_name, key)
+    n_kv = heads_for("num_key_value_heads", cfg, map_name, key)
+    if not shape:
+        raise InvalidCheckpointError(f"{key}: a fused qkv cannot be 0-d")
+    return np.concatenate(fused_qkv_rows(int(shape[0]), n_heads, n_kv, key))
 
 
 def _fused_parts(kmap: KeyMap, shapes: Mapping[str, tuple]) -> dict[str, tuple[str, int]]:

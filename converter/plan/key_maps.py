@@ -151,6 +151,11 @@ class KeyMap:
     export_only: bool = False
     #: grouped experts: HF template (layer, expert) -> native template (layer) of ``[E, ...]``
     experts: Mapping[str, str] = field(default_factory=dict)
+    #: native templates exported transposed (2-D ``Linear`` ``[out, in]`` -> HF ``Conv1D`` ``[in, out]``)
+    transposed: tuple[str, ...] = ()
+    #: native templates of a fused qkv (weight or bias) kept whole on export, its rows regrouped
+    #: from per query group (``[q heads of the group, k, v]``) to ``[all q; all k; all v]``
+    regroup_qkv: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for hf, native in self.experts.items():
@@ -208,6 +213,14 @@ class KeyMap:
         if self.identity:
             return _DropOnly(self.drop) if self.drop else None
         return Renamer(self.export_table())
+
+    def is_transposed(self, native_key: str) -> bool:
+        """Whether the map exports ``native_key`` transposed."""
+        return any(Template(p).regex().fullmatch(native_key) for p in self.transposed)
+
+    def regroups_qkv(self, native_key: str) -> bool:
+        """Whether ``native_key`` is a fused qkv whose rows the map regroups to ``[q; k; v]``."""
+        return any(Template(p).regex().fullmatch(native_key) for p in self.regroup_qkv)
 
     def transform_of(self, native_key: str) -> str | None:
         """The row transform of a native key (``"rope:<field>"``) or None."""
@@ -384,9 +397,50 @@ MEGATRON_LLAMA = KeyMap(
     },
     export_only=True,
 )
+_MPROJ = _ML + "self_attention.linear_proj."
+_MFC2 = _ML + "mlp.linear_fc2."
+_GH = "transformer.h.{}."
+#: Megatron-core GPT built GPT-2 style (learned absolute position embeddings, LayerNorm with bias,
+#: GELU MLP without gating, biases in the linear layers) -> HF GPT-2 (``GPT2LMHeadModel``). HF's
+#: ``Conv1D`` weights are ``[in, out]``: the four linear weights are exported transposed; the fused
+#: ``linear_qkv`` (weight and bias) stays whole as ``c_attn``, its rows regrouped from per head
+#: (``[q_h, k_h, v_h]``, :func:`fused_qkv_rows`) to ``[all q; all k; all v]``. An untied
+#: ``output_layer`` becomes ``lm_head.weight`` (``tie_word_embeddings`` false in the config).
+MEGATRON_GPT2 = KeyMap(
+    "megatron-gpt2",
+    from_hf={
+        "transformer.wte.weight": "embedding.word_embeddings.weight",
+        "transformer.wpe.weight": "embedding.position_embeddings.weight",
+        _GH + "ln_1.weight": _MQKV + "layer_norm_weight",
+        _GH + "ln_1.bias": _MQKV + "layer_norm_bias",
+        _GH + "attn.c_attn.weight": _MQKV + "weight",
+        _GH + "attn.c_attn.bias": _MQKV + "bias",
+        _GH + "attn.c_proj.weight": _MPROJ + "weight",
+        _GH + "attn.c_proj.bias": _MPROJ + "bias",
+        _GH + "ln_2.weight": _MFC1 + "layer_norm_weight",
+        _GH + "ln_2.bias": _MFC1 + "layer_norm_bias",
+        _GH + "mlp.c_fc.weight": _MFC1 + "weight",
+        _GH + "mlp.c_fc.bias": _MFC1 + "bias",
+        _GH + "mlp.c_proj.weight": _MFC2 + "weight",
+        _GH + "mlp.c_proj.bias": _MFC2 + "bias",
+        "transformer.ln_f.weight": "decoder.final_layernorm.weight",
+        "transformer.ln_f.bias": "decoder.final_layernorm.bias",
+        "lm_head.weight": "output_layer.weight",
+    },
+    export_aliases={
+        _ML + "input_layernorm.weight": _GH + "ln_1.weight",
+        _ML + "input_layernorm.bias": _GH + "ln_1.bias",
+        _ML + "pre_mlp_layernorm.weight": _GH + "ln_2.weight",
+        _ML + "pre_mlp_layernorm.bias": _GH + "ln_2.bias",
+    },
+    transposed=(_MQKV + "weight", _MPROJ + "weight", _MFC1 + "weight", _MFC2 + "weight"),
+    regroup_qkv=(_MQKV + "weight", _MQKV + "bias"),
+    export_only=True,
+)
 IDENTITY = KeyMap("identity", identity=True)
 BUILTIN_MAPS: dict[str, KeyMap] = {m.name: m for m in (IDENTITY, TORCHTITAN_LLAMA, TORCHTITAN_LLAMA3,
-                                                        TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_QWEN3, MEGATRON_LLAMA)}
+                                                        TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_QWEN3, MEGATRON_LLAMA,
+                                                        MEGATRON_GPT2)}
 
 
 def get_key_map(name_or_path: str | KeyMap | None) -> KeyMap:
@@ -569,6 +623,59 @@ def megatron_args_config(args: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def megatron_gpt2_args_config(args: Mapping[str, Any]) -> dict[str, Any]:
+    """HF GPT2Config fields from Megatron's training arguments (``vars(args)``): ``n_head``,
+    ``n_positions``, ``layer_norm_epsilon``, ``activation_function`` (Megatron's ``openai_gelu`` is
+    HF's ``gelu_new``, else exact ``gelu``). HF GPT-2 has no grouped-query attention: a GQA
+    checkpoint is refused."""
+    out: dict[str, Any] = {}
+    heads, groups = args.get("num_attention_heads"), args.get("num_query_groups")
+    if isinstance(heads, int) and not isinstance(heads, bool):
+        out["n_head"] = heads
+        if args.get("group_query_attention") and isinstance(groups, int) and groups != heads:
+            raise ConfigError(f"the checkpoint uses grouped-query attention ({heads} heads, {groups} query groups); "
+                              "HF GPT-2 has none: use --map megatron-llama or a map file")
+    if isinstance(args.get("max_position_embeddings"), int):
+        out["n_positions"] = args["max_position_embeddings"]
+    if isinstance(args.get("norm_epsilon"), float):
+        out["layer_norm_epsilon"] = args["norm_epsilon"]
+    if "openai_gelu" in args or "swiglu" in args:
+        out["activation_function"] = "gelu_new" if args.get("openai_gelu") else "gelu"
+    return out
+
+
+def megatron_gpt2_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` completed with what the megatron-gpt2 weights' shapes say (HF GPT2Config names:
+    ``vocab_size``, ``n_embd``, ``n_positions``, ``n_layer``, ``n_inner``, ``tie_word_embeddings``);
+    a given value that contradicts the shapes is an error. ``activation_function`` defaults to
+    ``gelu`` (megatron-core's default, exact erf GELU; HF GPT-2's own default is ``gelu_new``)."""
+    derived: dict[str, Any] = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
+    emb = shapes.get("embedding.word_embeddings.weight")
+    if emb is not None:
+        derived["vocab_size"], derived["n_embd"] = int(emb[0]), int(emb[1])
+    pos = shapes.get("embedding.position_embeddings.weight")
+    if pos is not None:
+        derived["n_positions"] = int(pos[0])
+    layers = {k.split(".")[2] for k in shapes if k.startswith("decoder.layers.") and k.split(".")[2].isdigit()}
+    if layers:
+        derived["n_layer"] = len(layers)
+    fc1 = shapes.get(_MFC1.format(min(layers, key=int) if layers else 0) + "weight")
+    if fc1 is not None:
+        derived["n_inner"] = int(fc1[0])
+    derived["tie_word_embeddings"] = "output_layer.weight" not in shapes
+    cfg = _merge_derived(given, derived)
+    cfg.setdefault("activation_function", "gelu")
+    heads = cfg.get("n_head")
+    if isinstance(heads, int) and isinstance(cfg.get("n_embd"), int) and (heads <= 0 or cfg["n_embd"] % heads):
+        raise ConfigError(f"n_head={heads} does not divide n_embd={cfg['n_embd']}; fix the config")
+    return cfg
+
+
+#: Megatron maps: (the HF config from the checkpoint's ``args``, the config field naming the heads)
+MEGATRON_ARGS_CONFIG = {"megatron-llama": (megatron_args_config, "num_attention_heads"),
+                        "megatron-gpt2": (megatron_gpt2_args_config, "n_head")}
+
+
 def _merge_derived(given: Mapping[str, Any], derived: Mapping[str, Any]) -> dict[str, Any]:
     """``given`` completed with ``derived``; a given value the weights contradict is an error."""
     cfg = dict(given)
@@ -659,7 +766,8 @@ def deepseek_v3_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, 
 
 
 CONFIG_FILLERS = {"torchtitan-llama": llama_config, "torchtitan-llama3": llama_config,
-                  "megatron-llama": megatron_llama_config, "torchtitan-qwen3": qwen3_config,
+                  "megatron-llama": megatron_llama_config, "megatron-gpt2": megatron_gpt2_config,
+                  "torchtitan-qwen3": qwen3_config,
                   "torchtitan-deepseek-v3": deepseek_v3_config}
 
 

@@ -27,12 +27,15 @@ class Source(NamedTuple):
     expert ``index`` of a grouped-experts source ``[E, ...]`` (the slice ``[index]``, dim 0
     dropped), or one layer of a Megatron layer-stacked source ``[L, ...]`` (the same slice, its rows
     then permuted when ``perm`` is given); or the ``stack`` of source keys (one per expert, a new
-    dim 0; ``key`` unused)."""
+    dim 0; ``key`` unused). ``transpose``: the target is the 2-D transpose of that (an HF
+    ``Conv1D`` weight, ``[in, out]``, from a ``Linear`` one, ``[out, in]``): its chunks are the
+    source's transposed and a region reads the transposed source box, transposed in memory."""
 
     key: str
     perm: np.ndarray | None = None  # int64 row indices
     index: int | None = None
     stack: tuple[str, ...] = ()
+    transpose: bool = False
 
 
 class ViewLocator(NamedTuple):
@@ -85,6 +88,21 @@ def stacked_entry(target: str, parts: Sequence[TensorEntry], path: tuple) -> Ten
     return TensorEntry(target, first.dtype, (len(parts), *first.shape), chunks, path)
 
 
+def transposed_box(box: Box) -> Box:
+    """The 2-D ``box`` with its two dims swapped (pure)."""
+    return Box(tuple(reversed(box.offsets)), tuple(reversed(box.sizes)))
+
+
+def transposed_entry(entry: TensorEntry) -> TensorEntry:
+    """The entry of the transpose of 2-D ``entry``: shape and every chunk box swapped (pure);
+    InvalidCheckpointError for another rank."""
+    if len(entry.shape) != 2:
+        raise InvalidCheckpointError(f"{entry.key}: the key map transposes it but it is {len(entry.shape)}-d "
+                                     f"{list(entry.shape)}, not 2-d")
+    chunks = tuple(replace(c, box=transposed_box(c.box)) for c in entry.chunks)
+    return replace(entry, shape=tuple(reversed(entry.shape)), chunks=chunks)
+
+
 def source_region(src: Source, region: Box) -> Box:
     """The source box behind ``region`` of a target read from ``src`` (same elements, same C
     order): an expert slice reads ``[index]`` of its source, one expert of a stack drops the new
@@ -107,26 +125,29 @@ def mapped_index(src_index: CheckpointIndex, sources: Mapping[str, Source],
     else the key), its chunks in target coordinates; no objects (pure)."""
     tensors = {}
     for target, src in normalized_sources(sources).items():
-        path = (paths or {}).get(target, (target,))
-        if src.stack:
-            tensors[target] = stacked_entry(target, [src_index.tensors[k] for k in src.stack], path)
-            continue
-        e = src_index.tensors[src.key]
-        if src.index is not None and src.perm is None:
-            tensors[target] = TensorEntry(target, e.dtype, tuple(e.shape[1:]), expert_chunks(e, src.index), path)
-            continue
-        if src.index is not None:  # rows of one slice: permute the slice's chunks, locate the source's
-            chunks = permuted_chunks(expert_chunks(e, src.index), src.perm, src.key)
-            chunks = tuple(replace(c, locator=ViewLocator(src.key, c.locator.chunk.locator.chunk)) for c in chunks)
-            tensors[target] = TensorEntry(target, e.dtype, (len(src.perm), *e.shape[2:]), chunks, path)
-            continue
-        if src.perm is None:
-            chunks = tuple(ChunkRef(c.box, c.file, ViewLocator(src.key, c), c.rank) for c in e.chunks)
-        else:
-            chunks = permuted_chunks(e.chunks, src.perm, src.key)
-        shape = e.shape if src.perm is None else (len(src.perm), *e.shape[1:])
-        tensors[target] = TensorEntry(target, e.dtype, tuple(shape), chunks, path)
+        tensors[target] = _view_entry(src_index, target, src, (paths or {}).get(target, (target,)))
+        if src.transpose:
+            tensors[target] = transposed_entry(tensors[target])
     return CheckpointIndex(src_index.format, src_index.root, tensors, {}, src_index.info)
+
+
+def _view_entry(src_index: CheckpointIndex, target: str, src: Source, path: tuple) -> TensorEntry:
+    """The (untransposed) view entry of one target tensor (pure)."""
+    if src.stack:
+        return stacked_entry(target, [src_index.tensors[k] for k in src.stack], path)
+    e = src_index.tensors[src.key]
+    if src.index is not None and src.perm is None:
+        return TensorEntry(target, e.dtype, tuple(e.shape[1:]), expert_chunks(e, src.index), path)
+    if src.index is not None:  # rows of one slice: permute the slice's chunks, locate the source's
+        chunks = permuted_chunks(expert_chunks(e, src.index), src.perm, src.key)
+        chunks = tuple(replace(c, locator=ViewLocator(src.key, c.locator.chunk.locator.chunk)) for c in chunks)
+        return TensorEntry(target, e.dtype, (len(src.perm), *e.shape[2:]), chunks, path)
+    if src.perm is None:
+        chunks = tuple(ChunkRef(c.box, c.file, ViewLocator(src.key, c), c.rank) for c in e.chunks)
+    else:
+        chunks = permuted_chunks(e.chunks, src.perm, src.key)
+    shape = e.shape if src.perm is None else (len(src.perm), *e.shape[1:])
+    return TensorEntry(target, e.dtype, tuple(shape), chunks, path)
 
 
 def row_permutation(kmap: KeyMap, native_key: str, shape: Sequence[int], config: Mapping[str, Any] | None,

@@ -1,4 +1,4 @@
-"""A reader view whose tensors are renamed (and row-permuted) from a source reader: what export-hf
+"""A reader view whose tensors are renamed (and row-permuted or transposed) from a source reader: what export-hf
 and import-hf read through (the plan side, :mod:`converter.plan.mapped_view`, says which source
 tensor and rows each target tensor is)."""
 
@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from converter.plan.mapped_view import Source, ViewLocator, mapped_index, normalized_sources, source_region
+from converter.plan.mapped_view import (Source, ViewLocator, mapped_index, normalized_sources, source_region,
+                                        transposed_box)
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, copy_bits_into
 from formats.dtypes import by_name, from_storage_array
 from formats.errors import PlanError
@@ -40,6 +41,8 @@ class MappedReader:
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
         """A new tensor holding ``region`` of the target tensor ``key``."""
         loc: ViewLocator = chunk.locator
+        if self.sources[key].transpose:
+            return from_storage_array(self._transposed_bits(key, chunk, region), self._index.tensors[key].dtype)
         if self.sources[key].perm is None:
             data = self.reader.read_region(loc.key, loc.chunk, self._source_region(key, region))
             return data.reshape(region.sizes)
@@ -48,6 +51,9 @@ class MappedReader:
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` (exactly the region's bytes) with ``region`` of the target tensor, C order."""
         loc: ViewLocator = chunk.locator
+        if self.sources[key].transpose:
+            copy_bits_into(self._transposed_bits(key, chunk, region), out)
+            return
         if self.sources[key].perm is None:
             self.reader.read_region_into(loc.key, loc.chunk, self._source_region(key, region), out)
             return
@@ -60,6 +66,17 @@ class MappedReader:
         self.reader.read_region_into(loc.key, loc.chunk, self._source_region(key, region),
                                      memoryview(bits.reshape(-1).view(np.uint8)))
         return bits
+
+    def _transposed_bits(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
+        """The region of a transposed target as a bit array: the transposed region of the
+        untransposed view (rows permuted where the source says), transposed in memory (one extra
+        copy of the region: bounded by the piece size, as the region is)."""
+        flipped = transposed_box(region)
+        bits = self._source_bits(key, chunk, flipped) if self.sources[key].perm is None \
+            else self._permuted_bits(key, chunk, flipped)
+        out = np.empty(bits.shape[::-1], dtype=bits.dtype)  # plain C strides even for size-1 dims
+        out[...] = bits.T
+        return out
 
     def _permuted_bits(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
         """The region of a row-permuted target as a bit array: one read of the source rows it
