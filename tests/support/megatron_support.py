@@ -59,6 +59,9 @@ class GPTSpec:
     sharding: str = SHARDING_TYPE
     #: False: megatron's plain (non-distributed) mixed-precision optimizer
     distributed_optimizer: bool = True
+    #: "llama" (above) or "gpt2": learned absolute position embeddings, LayerNorm with bias, GELU MLP
+    #: without gating, biases in the linear layers, embeddings tied to the output layer
+    style: str = "llama"
 
 
 def skip_reason() -> str | None:
@@ -173,19 +176,21 @@ def build(spec: GPTSpec, seed: int) -> tuple[Any, Any, Any]:
 
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if spec.bf16 else torch.float32
+    gpt2 = spec.style == "gpt2"
+    norm = "LayerNorm" if gpt2 else "RMSNorm"
     config = TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size, gated_linear_unit=True,
-        activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
+        num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size, gated_linear_unit=not gpt2,
+        activation_func=F.gelu if gpt2 else F.silu, normalization=norm, add_bias_linear=gpt2, hidden_dropout=0.0,
         attention_dropout=0.0, use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=spec.bf16, tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
     )
     model = GPTModel(
-        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec.vocab_size,
-        max_sequence_length=spec.seq_len, position_embedding_type="rope",
+        config, get_gpt_layer_local_spec(normalization=norm), vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_len, position_embedding_type="learned_absolute" if gpt2 else "rope",
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=gpt2,
     )
     wrapped = Float16Module(config, model) if spec.bf16 else model
     ddp = DistributedDataParallel(
