@@ -73,6 +73,7 @@ class Case:
     via_store: bool = True  # False: convert the source DCP directly (from_universal accepts DCP)
     exempt: tuple[str, ...] = ()  # keys (substrings) whose boxes are known not to be the job's
     order: str | None = None  # --mesh-order of the last step (and of the world)
+    warned: tuple[str, ...] = ()  # warnings (substrings) the conversion must give, besides unruled ones
 
     @property
     def mesh(self) -> str:
@@ -131,7 +132,8 @@ SLOW_CASES = [
         _c("special_dtypes", "dp3"),
         _c("special_dtypes", "tp2,dp2", "llama", unruled=("out_scale",)),
         _c("special_dtypes", "dp1"),
-        _c("titan_flat", "dp3"),
+        # DP 2 -> 3: torchtitan's per-rank dataloader state cannot follow (converter/plan/dataloader_state.py)
+        _c("titan_flat", "dp3", warned=("per-rank dataloader state at DP degree 2",)),
         _c("titan_flat", "tp2,dp2", "llama"),
         _c("titan_flat", "dp2", loss="exact"),
         _c("hsdp2x2", "dp3"),
@@ -343,8 +345,10 @@ def check_case(ws: Workspace, case: Case, cases: list[Case]) -> None:
     warnings = ws.warnings.get(case, ())
     for name in case.unruled:
         assert any("matched no rule" in w and name in w for w in warnings), (name, warnings)
+    for text in case.warned:
+        assert any(text in w for w in warnings), (text, warnings)
     if not case.unruled:
-        assert warnings == (), warnings
+        assert tuple(w for w in warnings if not any(t in w for t in case.warned)) == (), warnings
     if case.reader == "dcp":
         stats = check_reads(per_rank, case.unruled + case.exempt)
         for rank, s in stats.items():
