@@ -21,16 +21,7 @@ R, S0, S1 = Replicate(), Shard(0), Shard(1)
 needs_titan = pytest.mark.skipif(titan_support.skip_reason() is not None, reason=str(titan_support.skip_reason()))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _private_plan_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("CKPTCONV_PLAN_CACHE", str(tmp_path_factory.mktemp("plans")))
-    from converter.plan import from_code as code_plans
-
-    code_plans._load.cache_clear()
-    yield
-    mp.undo()
-    code_plans._load.cache_clear()
+from plan_cache import private_plan_cache  # noqa: E402,F401 - autouse: this module's own plan cache
 
 
 def test_is_code_plan():

@@ -28,16 +28,7 @@ W1 = "layers.1.moe.routed_experts.inner_experts.w1_EFD"
 W2 = "layers.1.moe.routed_experts.inner_experts.w2_EDF"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _private_plan_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("CKPTCONV_PLAN_CACHE", str(tmp_path_factory.mktemp("plans")))
-    from converter.plan import from_code as code_plans
-
-    code_plans._load.cache_clear()
-    yield
-    mp.undo()
-    code_plans._load.cache_clear()
+from plan_cache import private_plan_cache  # noqa: E402,F401 - autouse: this module's own plan cache
 
 
 # ----------------------------------------------------------------------------- --mesh with ep
