@@ -185,15 +185,16 @@ def _load(st: Storage, name: str) -> DCPMetadata:
 # Validation
 
 
-def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> None:
-    """Chunks (``boxes``, one per chunk of ``meta``) in bounds, pairwise disjoint, covering the
-    tensor exactly (empty chunks allowed)."""
+def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> list[int]:
+    """Chunks (``boxes``, one per chunk of ``meta``, sorted by offsets) in bounds, pairwise
+    disjoint, covering the tensor exactly (empty chunks allowed); the chunks' element counts."""
     shape = meta.size
     ndim = len(shape)
     offsets, sizes = list(map(_OFFSETS, boxes)), list(map(_SIZES, boxes))
+    off_cols, size_cols = list(zip(*offsets)), list(zip(*sizes))  # per dim, over every chunk
     if set(map(len, offsets)) - {ndim} or set(map(len, sizes)) - {ndim} or (ndim and boxes and any(
-        max(map(operator.add, offs, lens)) > d  # per dim, over every chunk (C-level iteration)
-        for offs, lens, d in zip(zip(*offsets), zip(*sizes), shape)
+        max(map(operator.add, offs, lens)) > d  # C-level iteration
+        for offs, lens, d in zip(off_cols, size_cols, shape)
     )):
         bad = next(b for b in boxes if len(b.offsets) != ndim or len(b.sizes) != ndim
                    or any(o + n > d for o, n, d in zip(b.offsets, b.sizes, shape)))
@@ -201,13 +202,34 @@ def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> No
             f"{where}: key {key!r} has chunk {list(bad.offsets)}+{list(bad.sizes)} outside its "
             f"shape {list(shape)}"
         )
-    covered = sum(map(math.prod, sizes))
-    _check_disjoint(key, boxes, where)
+    numels = list(map(math.prod, sizes))
+    covered = sum(numels)
+    if not _sorted_disjoint_row(off_cols, size_cols, numels):
+        _check_disjoint(key, boxes, where)
     if covered != math.prod(shape):
         raise CorruptCheckpointError(
             f"{where}: key {key!r} chunks cover {covered} of {math.prod(shape)} elements; some "
             "chunks are missing from the metadata"
         )
+    return numels
+
+
+def _sorted_disjoint_row(off_cols: list[tuple[int, ...]], size_cols: list[tuple[int, ...]],
+                         numels: list[int]) -> bool:
+    """True when the chunks (as per-dim columns, sorted by offsets) are non-empty, equal in every
+    dim but one, and follow each other along that one without overlap: the layout FSDP and TP
+    write, checked in C-level loops. False means "not shown disjoint": run the general sweep."""
+    if len(numels) < 2:
+        return True
+    if not off_cols or not min(numels):
+        return False
+    varying = [d for d, (offs, lens) in enumerate(zip(off_cols, size_cols))
+               if offs.count(offs[0]) != len(offs) or lens.count(lens[0]) != len(lens)]
+    if len(varying) != 1:
+        return False
+    starts = off_cols[varying[0]]
+    ends = list(map(operator.add, starts, size_cols[varying[0]]))
+    return all(map(operator.ge, starts[1:], ends))  # (ends[:-1]: zip stops at the shorter)
 
 
 def _check_disjoint(key: str, boxes: list[Box], where: str) -> None:
@@ -375,14 +397,16 @@ class DCPReader:
                 objects[key] = ObjectEntry(key, path, info.relative_path, _locator(info),
                                            info.length)
                 continue
-            boxes = sorted(meta.chunks, key=_box_order)  # ChunkMeta is Box
-            _check_cover(key, meta, boxes, where)
+            boxes = list(meta.chunks)  # ChunkMeta is Box; dcp.save writes them in order
+            if not all(map(operator.le, map(_OFFSETS, boxes), map(_OFFSETS, boxes[1:]))):
+                boxes.sort(key=_OFFSETS)
+            numels = _check_cover(key, meta, boxes, where)
             itemsize = _itemsize(meta.dtype, key, where)
             infos = list(map(storage_get, zip(repeat(key), map(_OFFSETS, boxes))))  # C-level loops
             if None in infos:
                 _storage_of(md, key, boxes[infos.index(None)].offsets, where)  # raises
             rels = list(map(_REL, infos))
-            if any(map(operator.gt, map(operator.mul, map(prod, map(_SIZES, boxes)), repeat(itemsize)),
+            if any(map(operator.gt, map(operator.mul, numels, repeat(itemsize)),
                        map(_LENGTH, infos))):  # rare: compressed, or damaged
                 sized += [(key, b.offsets, prod(b.sizes) * itemsize, i) for b, i in zip(boxes, infos)
                           if prod(b.sizes) * itemsize > i.length]
@@ -597,10 +621,6 @@ def _itemsize(dtype: str, key: str, where: str) -> int:
             f"{where}: key {key!r} has dtype {dtype!r}, which this ckptconv cannot copy; supported: "
             f"{', '.join(BY_NAME)}; upgrade ckptconv (and torch) or leave the key out of the save"
         ) from None
-
-
-def _box_order(box: Box) -> tuple:
-    return box.offsets
 
 
 def _locator(info: StorageInfo) -> Locator:

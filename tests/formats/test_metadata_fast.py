@@ -193,6 +193,24 @@ def test_first_overlap_finds_what_the_pairwise_check_finds(boxes):
         assert pair[0].intersect(pair[1]) is not None or not pair[0].ndim
 
 
+@settings(max_examples=300, deadline=None)
+@given(_rows())
+def test_the_readers_row_check_never_calls_overlapping_chunks_disjoint(boxes):
+    """formats.dcp.reader's C-level check for sorted rows says "disjoint" only when they are (it
+    may say "not shown" for disjoint ones: the general sweep decides those)."""
+    from formats.dcp.reader import _sorted_disjoint_row
+
+    boxes = sorted(boxes, key=lambda b: b.offsets)
+    ndim = len(boxes[0].offsets) if boxes else 0
+    off_cols = list(zip(*(b.offsets for b in boxes))) if ndim else []
+    size_cols = list(zip(*(b.sizes for b in boxes))) if ndim else []
+    if _sorted_disjoint_row(off_cols, size_cols, [b.numel for b in boxes]):
+        assert not _overlapping(boxes)
+    if len(boxes) >= 2 and all(b.numel for b in boxes) and not _overlapping(boxes) and \
+            sum(len(set(col)) > 1 for col in off_cols + size_cols) == 1:
+        assert _sorted_disjoint_row(off_cols, size_cols, [b.numel for b in boxes])  # FSDP's rows: fast
+
+
 # ---------------------------------------------------------------------------------------------
 # crafted pickles: what dcp.save never writes, opcode by opcode
 
