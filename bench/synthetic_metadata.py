@@ -23,6 +23,7 @@ The pickle is torch's own: real ``torch.distributed.checkpoint`` objects dumped 
 gathered plans are on the coordinator (no sharing that would shrink the memo).
 
     python bench/synthetic_metadata.py OUT --model 70b --world 128
+    python bench/synthetic_metadata.py OUT --model 405b --world 1024 --tp 8   # FSDP128 x TP8
     python bench/synthetic_metadata.py OUT --dim 32 --layers 2 --heads 4 --kv-heads 2 --vocab 50 \\
         --hidden 96 --world 4 --extra step,kind      # the shapes of tests' fsdp4 fixture
 
@@ -32,6 +33,7 @@ gathered plans are on the coordinator (no sharing that would shrink the memo).
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import math
 import os
@@ -94,6 +96,41 @@ def parameters(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+#: torchtitan's Llama TP plan per parameter name: the dim TP shards (None: replicated). Colwise
+#: wq/wk/wv/w1/w3 and ``output`` shard dim 0, rowwise wo/w2 dim 1, the embedding (RowwiseParallel
+#: on nn.Embedding) dim 0, norms are replicated (SequenceParallel).
+TP_DIMS = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "tok_embeddings": 0, "wo": 1, "w2": 1}
+
+
+def tp_dim(fqn: str) -> int | None:
+    """The dim torchtitan's TP plan shards parameter ``fqn`` on (None: replicated)."""
+    parts = fqn.split(".")
+    return TP_DIMS.get(parts[-2] if len(parts) >= 2 else parts[0])
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def fsdp_tp_box(shape: tuple[int, ...], dim: int | None, dp_rank: int, dp: int, tp_rank: int,
+                tp: int) -> tuple[tuple, tuple]:
+    """A rank's shard under FSDP2 over a TP-sharded DTensor (mesh ``(dp_shard, tp)``), as torch's
+    own ``compute_local_shape_and_global_offset`` gives it: FSDP's ``_StridedShard(0, tp)`` over
+    TP's ``Shard(0)``, ``Shard(0)`` x ``Shard(1)``, or ``Shard(0)`` x ``Replicate()``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if dim is None:
+        placements = (Shard(0), Replicate())
+    elif dim == 0:
+        placements = (_StridedShard(0, split_factor=tp), Shard(0))
+    else:
+        placements = (Shard(0), Shard(dim))
+    sizes, offsets = _compute_local_shape_and_global_offset(shape, (dp, tp), [dp_rank, tp_rank], placements)
+    sizes, offsets = tuple(sizes), tuple(offsets)
+    if math.prod(sizes) == 0:  # empty shards: DCP records them at offset = dim size on dim 0
+        offsets = (shape[0],) + offsets[1:]
+    return offsets, sizes
+
+
 def fsdp_box(shape: tuple[int, ...], rank: int, world: int) -> tuple[tuple, tuple]:
     """This rank's FSDP2 shard (``torch.chunk`` along dim 0) as (offsets, sizes)."""
     n = shape[0]
@@ -115,8 +152,9 @@ class Item:
     nbytes: int  # storage size for dedup (tensor bytes, or 1 for bytes)
 
 
-def local_plans(s: Shape, world: int, extra: list[str]) -> tuple[list[list[Item]], dict[str, tuple]]:
-    """Every rank's save-plan items (flatten order) and the planner_data mapping."""
+def local_plans(s: Shape, world: int, extra: list[str], tp: int = 1) -> tuple[list[list[Item]], dict[str, tuple]]:
+    """Every rank's save-plan items (flatten order) and the planner_data mapping (``tp`` > 1: FSDP2
+    over torchtitan's TP plan on the mesh ``(dp_shard = world / tp, tp)``, rank = dp * tp + tp_rank)."""
     params = parameters(s)
     keys: list[tuple[str, str, tuple, tuple]] = []  # (key, kind, shape, path)
     for fqn, shape in params:
@@ -135,9 +173,13 @@ def local_plans(s: Shape, world: int, extra: list[str]) -> tuple[list[list[Item]
     plans = []
     for rank in range(world):
         items = []
-        for key, kind, shape, _ in keys:
+        for key, kind, shape, path in keys:
             if kind == "shard":
-                off, size = fsdp_box(shape, rank, world)
+                if tp == 1:
+                    off, size = fsdp_box(shape, rank, world)
+                else:
+                    fqn = path[1] if path[0] == "model" else path[2]
+                    off, size = fsdp_tp_box(shape, tp_dim(fqn), rank // tp, world // tp, rank % tp, tp)
                 items.append(Item(key, kind, shape, off, size, 4 * math.prod(size)))
             elif kind == "step":
                 items.append(Item(key, kind, (), (), (), 4))
@@ -180,7 +222,7 @@ def object_bytes(key: str, planner: dict, fqns: list[str], extra_values: dict) -
     return buf.getvalue()
 
 
-def build(out: Path, s: Shape, world: int, extra: list[str], quiet: bool = False) -> dict:
+def build(out: Path, s: Shape, world: int, extra: list[str], quiet: bool = False, tp: int = 1) -> dict:
     """Write ``out/.metadata`` and sparse ``__<rank>_0.distcp`` files; returns a summary."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -189,7 +231,9 @@ def build(out: Path, s: Shape, world: int, extra: list[str], quiet: bool = False
         TensorProperties, TensorStorageMetadata)
 
     t0 = time.perf_counter()
-    plans, planner = local_plans(s, world, extra)
+    if tp < 1 or world % tp:
+        raise SystemExit(f"--tp {tp} must divide --world {world}")
+    plans, planner = local_plans(s, world, extra, tp)
     plans = dedup(plans)
     fqns = [f for f, _ in parameters(s)]
     extra_values = {"step": 3, "kind": "fsdp4"}
@@ -248,7 +292,7 @@ def build(out: Path, s: Shape, world: int, extra: list[str], quiet: bool = False
                 f.seek(info.offset)
                 f.write(blobs[index.fqn])
     n_chunks = sum(len(m.chunks) for m in sd_md.values() if hasattr(m, "chunks"))
-    summary = {"world": world, "shape": s.__dict__, "keys": len(sd_md), "chunks": n_chunks,
+    summary = {"world": world, "tp": tp, "shape": s.__dict__, "keys": len(sd_md), "chunks": n_chunks,
                "metadata_bytes": (out / ".metadata").stat().st_size, "data_bytes": sum(sizes),
                "seconds": round(time.perf_counter() - t0, 1)}
     if not quiet:
@@ -300,13 +344,14 @@ def main() -> None:
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--tp", type=int, default=1, help="TP degree under FSDP (torchtitan's Llama TP plan; 1: FSDP only)")
     ap.add_argument("--extra", default="", help="comma-separated extra.<name> objects (the fixtures' step,kind)")
     ap.add_argument("--check", type=Path, help="a real checkpoint of the same shapes to compare with")
     a = ap.parse_args()
     base = PRESETS[a.model].__dict__ if a.model else {}
     given = {k: getattr(a, k.replace("-", "_")) for k in ("dim", "layers", "heads", "kv_heads", "hidden", "vocab")}
     shape = Shape(**{**base, **{k: v for k, v in given.items() if v is not None}})
-    build(a.out, shape, a.world, [e for e in a.extra.split(",") if e])
+    build(a.out, shape, a.world, [e for e in a.extra.split(",") if e], tp=a.tp)
     if a.check:
         check(a.out, a.check)
 

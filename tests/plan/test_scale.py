@@ -42,6 +42,16 @@ def test_synthetic_metadata_matches_a_real_fsdp2_save(dcp_checkpoint, tmp_path):
     syn.check(tmp_path / "syn", real)
 
 
+def test_synthetic_fsdp_tp_metadata_matches_a_real_fsdp2_tp_save(dcp_checkpoint, tmp_path):
+    """``--tp``: the same for FSDP2 over torchtitan's TP plan (the tp2dp2 fixture: a real 4-rank
+    save on the mesh (dp 2, tp 2); strided FSDP over colwise shards, 2-D grids for rowwise ones)."""
+    real = dcp_checkpoint("tp2dp2")
+    args = json.loads((real.parent / "_fixture.json").read_text())["model_args"]
+    assert (args["dim"], args["n_layers"], args["vocab_size"]) == (TINY.dim, TINY.layers, TINY.vocab)
+    syn.build(tmp_path / "syn", TINY, 4, ["step", "kind"], quiet=True, tp=2)
+    syn.check(tmp_path / "syn", real)
+
+
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "converter", *args], capture_output=True, text=True,
