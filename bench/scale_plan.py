@@ -13,6 +13,7 @@ times, each in a fresh process under ``/usr/bin/time`` (CPU seconds, wall second
 
     python bench/scale_plan.py                       # 70B DP128 -> tp2,dp32; 405B DP128/512/1024 -> tp8,dp*
     python bench/scale_plan.py --cases 70b:128:tp2,dp32 8b:512:tp8,dp64
+    python bench/scale_plan.py --cases 405b:1024/tp8:tp4,dp256   # source FSDP128 x TP8 (1,024 ranks)
 
 Results: ``bench/results/scale_plan.json`` (with the load average before and after each case: the
 machine is shared, so CPU seconds are the comparable column).
@@ -33,7 +34,8 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 OUT = BENCH / "out" / "scale"
 RESULTS = BENCH / "results" / "scale_plan.json"
-DEFAULT_CASES = ["70b:128:tp2,dp32", "405b:128:tp8,dp16", "405b:512:tp8,dp64", "405b:1024:tp8,dp128"]
+DEFAULT_CASES = ["70b:128:tp2,dp32", "405b:128:tp8,dp16", "405b:512:tp8,dp64", "405b:1024:tp8,dp128",
+                 "405b:1024/tp8:tp4,dp256"]
 
 _PICKLE_LOAD = r"""
 import pickle, sys, time
@@ -45,12 +47,12 @@ print(f"LOAD {time.perf_counter() - t:.2f} {time.process_time() - c:.2f}")
 """
 
 
-def checkpoint(model: str, world: int) -> Path:
-    """The cached synthetic checkpoint of ``model`` FSDP'd over ``world`` ranks."""
-    root = OUT / f"{model}_dp{world}"
+def checkpoint(model: str, world: int, tp: int = 1) -> Path:
+    """The cached synthetic checkpoint of ``model`` FSDP'd over ``world`` ranks (over TP ``tp``)."""
+    root = OUT / (f"{model}_dp{world}" if tp == 1 else f"{model}_dp{world // tp}tp{tp}")
     if not (root / ".metadata").is_file():
         subprocess.run([sys.executable, str(BENCH / "synthetic_metadata.py"), str(root), "--model", model,
-                        "--world", str(world)], check=True)
+                        "--world", str(world), "--tp", str(tp)], check=True)
     return root
 
 
@@ -68,8 +70,9 @@ def timed(cmd: list[str]) -> dict:
 
 
 def run_case(spec: str) -> dict:
-    model, world, mesh = spec.split(":")
-    ck = checkpoint(model, int(world))
+    model, source, mesh = spec.split(":")
+    world, _, tp = source.partition("/tp")
+    ck = checkpoint(model, int(world), int(tp or 1))
     md = (ck / ".metadata").stat().st_size
     load_before = os.getloadavg()[0]
     torch_load = timed([sys.executable, "-c", _PICKLE_LOAD, str(ck / ".metadata")])
@@ -80,9 +83,14 @@ def run_case(spec: str) -> dict:
     dry = timed([sys.executable, "-m", "converter", "from-universal", str(ck), str(OUT / "never-written"),
                  "--mesh", mesh, "--plan", "llama", "--dry-run"])
     dry.pop("stdout")
-    return {"case": spec, "model": model, "world": int(world), "target": mesh, "metadata_bytes": md,
+    return {"case": spec, "model": model, "world": int(world), "source_tp": int(tp or 1), "target": mesh, "metadata_bytes": md,
             "torch_pickle_load": torch_load, "inspect": inspect, "dry_run": dry,
             "load_avg_before": round(load_before, 2), "load_avg_after": round(os.getloadavg()[0], 2)}
+
+
+def _source(row: dict) -> str:
+    tp = row.get("source_tp", 1)
+    return f"DP{row['world']}" if tp == 1 else f"DP{row['world'] // tp} x TP{tp} ({row['world']} ranks)"
 
 
 def table(rows: list[dict]) -> str:
@@ -93,7 +101,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         t, i, d = r["torch_pickle_load"], r["inspect"], r["dry_run"]
         out.append(
-            f"| {r['model'].upper()} DP{r['world']} | `{r['target']} --plan llama` | {r['metadata_bytes'] / 1e6:.0f} | "
+            f"| {r['model'].upper()} {_source(r)} | `{r['target']} --plan llama` | {r['metadata_bytes'] / 1e6:.0f} | "
             f"{t['in_process_cpu_s']:.1f} / {t['cpu_s']:.1f} / {t['wall_s']:.1f} / {t['peak_rss_gib']:.2f} | "
             f"{i['cpu_s']:.1f} / {i['wall_s']:.1f} / {i['peak_rss_gib']:.2f} "
             f"({i['cpu_s'] / t['cpu_s']:.2f}x, {i['wall_s'] / t['wall_s']:.2f}x) | "
@@ -104,7 +112,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="MODEL:WORLD:TARGET_MESH")
+    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="MODEL:WORLD[/tpN]:TARGET_MESH (/tpN: the source is FSDP over TP N)")
     a = ap.parse_args()
     rows = []
     for spec in a.cases:
