@@ -20,7 +20,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry, first_overlap
+from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, Shape, TensorEntry, first_overlap
 from formats.dcp import archive, checks
 from formats.dcp.metadata import (
     MAX_METADATA_BYTES,
@@ -69,6 +69,7 @@ ARCHIVE_SLACK = 16 << 20
 _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
 _REL, _LENGTH = operator.attrgetter("relative_path"), operator.attrgetter("length")
 _OFFSET = operator.attrgetter("offset")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _TRANSFORMS = operator.attrgetter("transforms")
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -204,7 +205,7 @@ def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> li
         )
     numels = list(map(math.prod, sizes))
     covered = sum(numels)
-    if not _sorted_disjoint_row(off_cols, size_cols, numels):
+    if not _disjoint_grid(off_cols, size_cols, numels, zip(offsets, sizes)):
         _check_disjoint(key, boxes, where)
     if covered != math.prod(shape):
         raise CorruptCheckpointError(
@@ -214,22 +215,34 @@ def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> li
     return numels
 
 
-def _sorted_disjoint_row(off_cols: list[tuple[int, ...]], size_cols: list[tuple[int, ...]],
-                         numels: list[int]) -> bool:
-    """True when the chunks (as per-dim columns, sorted by offsets) are non-empty, equal in every
-    dim but one, and follow each other along that one without overlap: the layout FSDP and TP
-    write, checked in C-level loops. False means "not shown disjoint": run the general sweep."""
+def _disjoint_grid(off_cols: list[tuple[int, ...]], size_cols: list[tuple[int, ...]],
+                   numels: list[int], boxes: Iterable[tuple[Shape, Shape]] | None = None) -> bool:
+    """True when the non-empty chunks (per-dim columns of their offsets and sizes, sorted by
+    offsets) are shown disjoint in C-level loops; False means "not shown": run the general sweep.
+
+    A row (equal in every dim but one, as FSDP writes) is disjoint when it does not overlap along
+    that dim. A grid (TP x FSDP, strided or not) is disjoint when in every dim the distinct
+    intervals the chunks span are pairwise disjoint and no two chunks span the same interval in
+    every dim (two chunks that meet in every dim would be one chunk). ``boxes``: the chunks as
+    ``(offsets, sizes)`` pairs, when the caller has them.
+    """
     if len(numels) < 2:
         return True
     if not off_cols or not min(numels):
         return False
     varying = [d for d, (offs, lens) in enumerate(zip(off_cols, size_cols))
                if offs.count(offs[0]) != len(offs) or lens.count(lens[0]) != len(lens)]
-    if len(varying) != 1:
-        return False
-    starts = off_cols[varying[0]]
-    ends = list(map(operator.add, starts, size_cols[varying[0]]))
-    return all(map(operator.ge, starts[1:], ends))  # (ends[:-1]: zip stops at the shorter)
+    if len(varying) == 1:  # a row, sorted along its dim
+        starts = off_cols[varying[0]]
+        return all(map(operator.ge, starts[1:], map(operator.add, starts, size_cols[varying[0]])))
+    for d in varying:
+        offs = off_cols[d]
+        spans = sorted(set(zip(offs, map(operator.add, offs, size_cols[d]))))  # (start, end), distinct
+        if not all(map(operator.ge, map(_FIRST, spans[1:]), map(_SECOND, spans))):
+            return False  # two different intervals overlap along this dim
+    if boxes is None:
+        boxes = zip(zip(*off_cols), zip(*size_cols))
+    return len(set(boxes)) == len(numels)
 
 
 def _check_disjoint(key: str, boxes: list[Box], where: str) -> None:
