@@ -95,20 +95,18 @@ def _rank_of(relative_path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _last_items(rels: list[str], ends: list[int], keys: list[str]) -> dict[str, tuple[int, str]]:
-    """``{file: (end of its last item, the key of the first chunk ending there)}`` over chunks given
-    as parallel lists (sorted in numpy: millions of chunks)."""
+def _max_ends(rels: list[str], ends: list[int]) -> dict[str, int]:
+    """``{file: end of its last item}`` over chunks given as parallel lists (in numpy: millions
+    of chunks)."""
     import numpy as np
 
     if not rels:
         return {}
     ids: dict[str, int] = {}
     fid = np.fromiter(map(ids.setdefault, rels, map(len, repeat(ids))), dtype=np.int64, count=len(rels))
-    end = np.fromiter(ends, dtype=np.int64, count=len(ends))
-    order = np.lexsort((-np.arange(len(rels)), end, fid))  # by file, then end, the first chunk last
-    last = order[np.r_[fid[order][1:] != fid[order][:-1], True]]
-    names = list(ids)
-    return {names[fid[i]]: (ends[i], keys[i]) for i in last.tolist()}
+    top = np.full(len(ids), -1, dtype=np.int64)
+    np.maximum.at(top, fid, np.fromiter(ends, dtype=np.int64, count=len(ends)))
+    return dict(zip(ids, top.tolist()))
 
 
 class _RankOf(dict):
@@ -271,13 +269,18 @@ def _need(need: dict[str, tuple[int, str]], key: str, info: StorageInfo) -> None
         need[info.relative_path] = (end, key)
 
 
-def _check_sizes(st: Storage, need: dict[str, tuple[int, str]]) -> dict[str, int]:
-    """``{relative_path: size}``; every file of ``need`` exists and reaches its item's end."""
+def _check_sizes(st: Storage, need: dict[str, tuple[int, str | None]],
+                 key_of: Callable[[str, int], str] | None = None) -> dict[str, int]:
+    """``{relative_path: size}``; every file of ``need`` exists and reaches its item's end.
+    ``need`` gives each file's end and the key whose item ends there, or None: then ``key_of(file,
+    end)`` names it, only for a message."""
     sizes = {}
     root = st.root
     for rel, (end, key) in sorted(need.items()):
+        if key is None:
+            key = _LazyKey(key_of, rel, end)
         if st.is_local:  # the one rule of every reader: inside the checkpoint, no loops
-            source_path(root, rel, f"key {key!r}")
+            source_path(root, rel, _Text(lambda: f"key {key!r}"))  # formatted only in an error
         try:
             sizes[rel] = st.size(rel)
         except DestinationError:
@@ -296,6 +299,29 @@ def _check_sizes(st: Storage, need: dict[str, tuple[int, str]]) -> dict[str, int
                 "re-copy it"
             )
     return sizes
+
+
+class _LazyKey:
+    """The key a message names, looked up when the message is formatted (``!r``)."""
+
+    def __init__(self, key_of: Callable[[str, int], str] | None, rel: str, end: int) -> None:
+        self._key_of, self._rel, self._end = key_of, rel, end
+
+    def __repr__(self) -> str:
+        return repr(self._key_of(self._rel, self._end)) if self._key_of else "?"
+
+
+class _Text:
+    """Text made when it is formatted (a message part that costs a lookup)."""
+
+    def __init__(self, make: Callable[[], str]) -> None:
+        self._make = make
+
+    def __str__(self) -> str:
+        return self._make()
+
+    def __format__(self, spec: str) -> str:
+        return format(self._make(), spec)
 
 
 def _check_item_size(key: str, offsets: Any, nbytes: int, info: StorageInfo, where: str) -> None:
@@ -398,9 +424,8 @@ class DCPReader:
         new_ref = ChunkRef.__new__
         set_box, set_file = ChunkRef.box.__set__, ChunkRef.file.__set__
         set_locator, set_rank = ChunkRef.locator.__set__, ChunkRef.rank.__set__
-        chunk_rels: list[str] = []  # every chunk's file, item end and key (for need, at the end)
+        chunk_rels: list[str] = []  # every chunk's file and item end (for need, at the end)
         chunk_ends: list[int] = []
-        chunk_keys: list[str] = []
         for key, meta in md.entries.items():
             path = md.planner_data.get(key) or guess_path(key)
             if isinstance(meta, BytesMeta):
@@ -427,17 +452,21 @@ class DCPReader:
                 transforms.update(filter(None, map(_TRANSFORMS, infos)))
             chunk_rels += rels
             chunk_ends += map(operator.add, map(_OFFSET, infos), map(_LENGTH, infos))
-            chunk_keys += repeat(key, len(rels))
             # ChunkRef(box, rel, info, rank) for every chunk in C-level loops (no Python call each)
             chunks = list(map(new_ref, repeat(ChunkRef, len(boxes))))
             for setter, values in ((set_box, boxes), (set_file, rels), (set_locator, infos),
                                    (set_rank, map(ranks.__getitem__, rels))):
                 deque(map(setter, chunks, values), 0)
             tensors[key] = TensorEntry(key, meta.dtype, meta.size, tuple(chunks), path)
-        for rel, (end, key) in _last_items(chunk_rels, chunk_ends, chunk_keys).items():
+        for rel, end in _max_ends(chunk_rels, chunk_ends).items():
             if end > need.get(rel, (-1, ""))[0]:
-                need[rel] = (end, key)
-        files = _check_sizes(self._storage, need)
+                need[rel] = (end, None)  # its key is looked up only for a message (key_of)
+
+        def key_of(rel: str, end: int) -> str:  # the first chunk (index order) whose item ends there
+            return next(k for k, t in tensors.items() for c in t.chunks
+                        if c.file == rel and c.locator.offset + c.locator.length == end)
+
+        files = _check_sizes(self._storage, need, key_of)
         for key, offsets, nbytes, info in sized:
             _check_item_size(key, offsets, nbytes, info, where)
         return CheckpointIndex("dcp", str(self.root), tensors, objects, self._info(files, transforms))

@@ -426,19 +426,32 @@ def test_malicious_chunk_archive_is_never_executed(single, tmp_path):
     assert not marker.exists()
 
 
+def _last_item(ckpt, name):
+    """(key, end) of the item that ends last in file ``name`` (the first such chunk in index order)."""
+    index = DCPReader(ckpt).index()
+    ends = [(c.locator.offset + c.locator.length, k) for k, t in index.tensors.items() for c in t.chunks
+            if c.file == name]
+    end = max(e for e, _ in ends)
+    return next(k for e, k in ends if e == end), end
+
+
 def test_truncated_distcp(single, tmp_path):
     ckpt = copy_ckpt(single[0], tmp_path / "t")
+    key, end = _last_item(ckpt, "__0_0.distcp")
     f = ckpt / "__0_0.distcp"
     os.truncate(f, f.stat().st_size - 100)
-    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp.*truncated"):
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp.*truncated") as e:
         DCPReader(ckpt)
+    assert f"key {key!r} needs {end}" in str(e.value)  # the key of the file's last item
 
 
 def test_missing_distcp(world2, tmp_path):
     ckpt = copy_ckpt(world2[0] / "collective", tmp_path / "m")
+    key, _ = _last_item(ckpt, "__1_0.distcp")
     (ckpt / "__1_0.distcp").unlink()
-    with pytest.raises(CheckpointNotFoundError, match=r"__1_0\.distcp"):
+    with pytest.raises(CheckpointNotFoundError, match=r"__1_0\.distcp") as e:
         DCPReader(ckpt)
+    assert f"needed by key {key!r}" in str(e.value)
 
 
 @pytest.mark.parametrize("damage", ["random", "truncated", "empty"])
