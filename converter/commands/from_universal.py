@@ -13,16 +13,21 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
+from itertools import groupby
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from converter import __version__
 from converter.config import RunOptions
 from converter.plan.atoms import AtomRef, group_atoms
-from converter.plan.copy_tasks import WriteTask, plan_tensor, target_nbytes
+from converter.plan.copy_tasks import WriteTask, plan_boxes, target_nbytes, total_target_nbytes
 from converter.plan.dataloader_state import plan_objects
 from converter.plan.megatron import plan_layout_bound
 from converter.plan.mesh import Mesh, parse_mesh
@@ -32,7 +37,7 @@ from converter.run.destination import option_value, write_output_record
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
 from converter.run.sinks import dcp_output
 from converter.run.sources import open_checkpoint
-from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
+from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.framework_files import read_framework_files, write_framework_files
 from formats.dcp.metadata import gc_paused
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
@@ -87,7 +92,7 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
     plan = get_plan(plan_name, source_splits=param_splits, mesh=mesh)
     placements, warnings = plan_all(params, plan, mesh)
     check_head_split(placements, mesh, heads)
-    loads: dict[int, int] = {r: 0 for r in range(mesh.world_size)}
+    owners = OwnerPicker(mesh.world_size, exact=_huge(index))
     chunks: list[ChunkSpec] = []
     by_key: dict[str, TensorPlacement] = {}
     for key, entry in index.tensors.items():
@@ -96,11 +101,86 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
         placement = by_key[key] = _placement_for(entry, refs.get(key), params, placements, mesh)
         dtype = by_name(_target_dtype(entry, refs.get(key), dtype_override)).name
         itemsize, shape = by_name(dtype).itemsize, tuple(int(n) for n in entry.shape)
-        for box, holders in placement.unique_boxes(shape, mesh):
+        groups = owners.groups(placement, shape, mesh)
+        # layout boxes: Python ints
+        chunks += ChunkSpec.many(key, dtype, shape, groups.boxes, owners.pick(groups, itemsize))
+    return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key)
+
+
+def _huge(index: CheckpointIndex) -> bool:
+    """Whether per-rank byte counts could leave int64 (then loads are Python ints)."""
+    return sum(math.prod(e.shape) for e in index.tensors.values()) * 16 >= 1 << 62
+
+
+@dataclass(frozen=True)
+class BoxGroups:
+    """A placement's distinct boxes on one shape (:meth:`TensorPlacement.unique_boxes`), with
+    their holders as a table for picking owners of all boxes at once."""
+
+    boxes: tuple[Box, ...]
+    holders: tuple[tuple[int, ...], ...]
+    numels: np.ndarray | None  # int64, per box (None: loads are Python ints)
+    table: np.ndarray | None  # (box, holder) -> rank, short rows padded with the sentinel rank;
+    # None when a rank holds two boxes (then owners are picked one box after the other)
+
+
+class OwnerPicker:
+    """The least-loaded rule of DCP's dedup over a whole layout: each box goes to the holder that
+    owns the fewest bytes so far (ties: the first holder, the lowest rank), boxes in layout order.
+
+    A rank holds one box of a tensor, so within a tensor no two boxes share a holder and every
+    box's choice depends only on the loads before the tensor: a tensor's owners are one argmin
+    over its holder table (rows padded with a sentinel rank whose load never wins)."""
+
+    def __init__(self, world_size: int, exact: bool = False) -> None:
+        self.world_size, self.exact = world_size, exact
+        self.loads = np.zeros(world_size + 1, dtype=np.int64)
+        self.loads[world_size] = np.iinfo(np.int64).max  # the padding rank
+        self.py_loads: dict[int, int] = {r: 0 for r in range(world_size)}
+        self._groups: dict[tuple, BoxGroups] = {}
+
+    def groups(self, placement: TensorPlacement, shape: tuple[int, ...], mesh: Mesh) -> BoxGroups:
+        """The placement's boxes on ``shape`` (cached: layouts repeat a few shapes)."""
+        key = (placement.placements, placement.dims, placement.pp_stage, shape)
+        found = self._groups.get(key)
+        if found is None:
+            found = self._groups[key] = self._make(placement.unique_boxes(shape, mesh))
+        return found
+
+    def _make(self, unique: list[tuple[Box, tuple[int, ...]]]) -> BoxGroups:
+        boxes = tuple(b for b, _ in unique)
+        holders = tuple(h for _, h in unique)
+        numels = None if self.exact else np.array([b.numel for b in boxes], dtype=np.int64)
+        flat = [r for h in holders for r in h]
+        table = None
+        if boxes and len(set(flat)) == len(flat) and min(map(len, holders)) > 0:
+            width = max(map(len, holders))
+            table = np.full((len(boxes), width), self.world_size, dtype=np.int64)
+            for i, h in enumerate(holders):
+                table[i, :len(h)] = h
+        return BoxGroups(boxes, holders, numels, table)
+
+    def pick(self, groups: BoxGroups, itemsize: int) -> list[int]:
+        """The owner rank of each of ``groups.boxes``, and their bytes added to the loads."""
+        table = groups.table
+        if self.exact or table is None:
+            return self._pick_each(groups, itemsize)
+        if table.shape[1] == 1:
+            owners = table[:, 0]
+        else:
+            owners = table[np.arange(len(table)), self.loads[table].argmin(axis=1)]
+        self.loads[owners] += groups.numels * itemsize  # owners are distinct: no lost updates
+        return owners.tolist()
+
+    def _pick_each(self, groups: BoxGroups, itemsize: int) -> list[int]:
+        """:meth:`pick` box by box (Python ints; a rank holding two boxes, or loads beyond int64)."""
+        loads = self.py_loads if self.exact else self.loads
+        out = []
+        for box, holders in zip(groups.boxes, groups.holders):
             owner = min(holders, key=loads.__getitem__)  # least loaded; ties: lowest rank (holders ascend)
             loads[owner] += box.numel * itemsize
-            chunks.append(ChunkSpec.of(key, dtype, shape, box, owner))  # layout boxes: Python ints
-    return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key)
+            out.append(int(owner))
+        return out
 
 
 def stateful_atoms(index: CheckpointIndex, refs: Mapping[str, AtomRef], params: Mapping[str, tuple],
@@ -232,7 +312,7 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
                           # Megatron's metadata.json / common.pt, as they are
                           extra_files=lambda: write_framework_files(out, framework or {}))
 
-    planned = ConversionResult(str(dst), len(index.tensors), len(object_specs), sum(target_nbytes(t) for t in tasks),
+    planned = ConversionResult(str(dst), len(index.tensors), len(object_specs), total_target_nbytes(tasks),
                                0.0, warnings=layout.warnings, mesh=str(mesh), world_size=mesh.world_size)
     return Conversion("from-universal", src, dst, index, reader, tasks, header, open_output, planned, describe)
 
@@ -253,12 +333,15 @@ def _head_counts(src: str | os.PathLike, config: Any) -> HeadCounts | None:
 
 def _plan(index: CheckpointIndex, layout: TargetLayout, options: RunOptions) -> list[WriteTask]:
     by_key: dict[str, list[ChunkSpec]] = {}
-    for spec in layout.chunks:
-        by_key.setdefault(spec.key, []).append(spec)
+    for key, group in groupby(layout.chunks, _KEY):  # a key's chunks are contiguous: C-level grouping
+        by_key.setdefault(key, []).extend(group)
     tasks: list[WriteTask] = []
     for key, specs in by_key.items():
-        tasks += plan_tensor(index.tensors[key], [(s, s.box) for s in specs], options.effective_piece_bytes)
+        tasks += plan_boxes(index.tensors[key], specs, list(map(_BOX, specs)), options.effective_piece_bytes)
     return tasks
+
+
+_KEY, _BOX = attrgetter("key"), attrgetter("box")
 
 
 def describe_ranks(layout: TargetLayout, tasks: list[WriteTask]) -> str:

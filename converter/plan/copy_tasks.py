@@ -11,8 +11,11 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from collections import deque
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress, groupby, repeat
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from formats.base import Box, ChunkRef, TensorEntry
@@ -120,26 +123,25 @@ class ChunkIndex:
     chunks are kept (and the single chunk of a 0-d tensor). Sources must be disjoint.
     """
 
-    __slots__ = ("chunks", "_dim", "_starts", "_reach")
+    __slots__ = ("chunks", "_dim", "_starts", "_reach", "_numel")
 
     def __init__(self, chunks: Iterable[ChunkRef]) -> None:
-        live = [c for c in chunks if 0 not in c.box.sizes]  # non-empty (and 0-d: sizes ())
-        self._dim: int | None = None
-        self._starts: list[int] = []
-        self._reach = 0
-        if len(live) > _SCAN_CHUNKS and live[0].box.ndim:
-            ndim = live[0].box.ndim
-            self._dim = max(range(ndim), key=lambda d: (len({c.box.offsets[d] for c in live}), -d))
-            d = self._dim
-            live.sort(key=lambda c: c.box.offsets[d])
-            self._starts = [c.box.offsets[d] for c in live]
-            self._reach = max(c.box.sizes[d] for c in live)
-        self.chunks: list[ChunkRef] = live
+        chunks = chunks if isinstance(chunks, (list, tuple)) else list(chunks)
+        key = (tuple(map(_CHUNK_OFFSETS, chunks)), tuple(map(_CHUNK_SIZES, chunks)))  # C-level loops
+        layout = _INDEX_LAYOUTS.get(key)
+        if layout is None:
+            layout = _index_layout(*key)
+            if len(chunks) <= _INDEX_LAYOUT_CHUNKS:
+                if len(_INDEX_LAYOUTS) >= _INDEX_LAYOUT_ENTRIES:
+                    _INDEX_LAYOUTS.clear()
+                _INDEX_LAYOUTS[key] = layout
+        order, self._dim, self._starts, self._reach, self._numel = layout
+        self.chunks: list[ChunkRef] = list(map(chunks.__getitem__, order))
 
     @property
     def numel(self) -> int:
         """Elements the chunks hold (the tensor's when they cover it exactly)."""
-        return sum(map(math.prod, (c.box.sizes for c in self.chunks)))
+        return self._numel
 
     def candidates(self, target: Box) -> Sequence[ChunkRef]:
         """Chunks that may meet ``target`` (a superset of those that do, in index order)."""
@@ -165,21 +167,73 @@ class ChunkIndex:
         return tuple(items)
 
 
+#: :func:`_index_layout` by source boxes (every chunk's offsets, every chunk's sizes): a model's
+#: tensors repeat a few layouts (every layer's, and a parameter's optimizer states). Bounded: only
+#: layouts of up to ``_INDEX_LAYOUT_CHUNKS`` chunks, cleared when it holds ``_INDEX_LAYOUT_ENTRIES``.
+_INDEX_LAYOUTS: dict[tuple[tuple, tuple], tuple] = {}
+_INDEX_LAYOUT_CHUNKS = 1 << 16
+_INDEX_LAYOUT_ENTRIES = 256
+
+
+def _index_layout(offsets: tuple[tuple[int, ...], ...], sizes: tuple[tuple[int, ...], ...]
+                  ) -> tuple[list[int], int | None, list[int], int, int]:
+    """What a :class:`ChunkIndex` keeps of chunks with these boxes: (the positions of the chunks it
+    keeps, in its order; the split dim; the chunks' starts along it; the longest extent; the
+    elements they hold). Only non-empty chunks are kept (and the single chunk of a 0-d tensor),
+    sorted (stably) by their offset along the dim with the most distinct offsets."""
+    live = list(compress(range(len(sizes)), map(all, sizes)))  # all() of int sizes: none is 0
+    numel = sum(map(math.prod, sizes))
+    if not (len(live) > _SCAN_CHUNKS and len(sizes[live[0]])):
+        return live, None, [], 0, numel
+    ndim = len(sizes[live[0]])
+    live_offsets = list(map(offsets.__getitem__, live))
+    dim = max(range(ndim), key=lambda d: (len(set(map(itemgetter(d), live_offsets))), -d))
+    starts = list(map(itemgetter(dim), live_offsets))
+    order = sorted(range(len(live)), key=starts.__getitem__)  # stable, as sorting the chunks
+    reach = max(map(itemgetter(dim), map(sizes.__getitem__, live)))
+    return list(map(live.__getitem__, order)), dim, list(map(starts.__getitem__, order)), reach, numel
+
+
 def plan_copies(src_chunks: Sequence[ChunkRef] | ChunkIndex, target: Box) -> tuple[CopyItem, ...]:
     """The regions of ``src_chunks`` that fill ``target`` (sources are disjoint)."""
     index = src_chunks if isinstance(src_chunks, ChunkIndex) else ChunkIndex(src_chunks)
     return index.copies(target)
 
 
+class _PieceSource:
+    """What the pieces of every target box of one tensor are computed from (shared by its
+    :class:`PlannedPieces`)."""
+
+    __slots__ = ("index", "itemsize", "piece_bytes", "key")
+
+    def __init__(self, index: ChunkIndex, itemsize: int, piece_bytes: int, key: str) -> None:
+        self.index, self.itemsize, self.piece_bytes, self.key = index, itemsize, piece_bytes, key
+
+
 class PlannedPieces(Sequence[Piece]):
     """The pieces of one target box, computed from a :class:`ChunkIndex` each time they are
     iterated (a plan holds one of these per task instead of every piece and copy)."""
 
-    __slots__ = ("_index", "_box", "_itemsize", "_piece_bytes", "_key")
+    __slots__ = ("_src", "_box")
 
     def __init__(self, index: ChunkIndex, box: Box, itemsize: int, piece_bytes: int, key: str) -> None:
-        self._index, self._box, self._itemsize = index, box, itemsize
-        self._piece_bytes, self._key = piece_bytes, key
+        self._src, self._box = _PieceSource(index, itemsize, piece_bytes, key), box
+
+    @property
+    def _index(self) -> ChunkIndex:
+        return self._src.index
+
+    @property
+    def _itemsize(self) -> int:
+        return self._src.itemsize
+
+    @property
+    def _piece_bytes(self) -> int:
+        return self._src.piece_bytes
+
+    @property
+    def _key(self) -> str:
+        return self._src.key
 
     def _boxes(self) -> list[Box]:
         return split_pieces(self._box, self._itemsize, self._piece_bytes)
@@ -223,8 +277,9 @@ class PlannedPieces(Sequence[Piece]):
         return f"PlannedPieces({self._key!r}, {self._box.to_json()}, piece_bytes={self._piece_bytes})"
 
 
-#: Target boxes already checked to lie inside a shape (layouts repeat a few boxes many times).
-_IN_BOUNDS: dict[tuple[int, ...], set[Box]] = {}
+#: Target boxes already checked to lie inside a shape (layouts repeat a few boxes many times),
+#: by identity: ``id(box) -> box`` (the value keeps the box alive, so its id is not reused).
+_IN_BOUNDS: dict[tuple[int, ...], dict[int, Box]] = {}
 
 
 def _check_cover(entry: TensorEntry, index: ChunkIndex) -> None:
@@ -243,26 +298,56 @@ def plan_tensor(
 ) -> list[WriteTask]:
     """One write task per target box of ``entry``; its pieces are computed when iterated, from an
     index of the source chunks built once per tensor."""
+    targets = targets if isinstance(targets, (list, tuple)) else list(targets)
+    return plan_boxes(entry, list(map(_FIRST, targets)), list(map(_SECOND, targets)), piece_bytes)
+
+
+def plan_boxes(entry: TensorEntry, ids: Sequence[Hashable], boxes: Sequence[Box], piece_bytes: int) -> list[WriteTask]:
+    """:func:`plan_tensor` with the targets as two columns: target ``ids[i]`` fills ``boxes[i]``
+    (no pair per target: layouts have millions)."""
+    if len(ids) != len(boxes):
+        raise ValueError(f"{len(ids)} target ids but {len(boxes)} boxes")
     itemsize = by_name(entry.dtype).itemsize
     index = ChunkIndex(entry.chunks)
     _check_cover(entry, index)
     shape = tuple(entry.shape)
-    tasks = []
-    checked = _IN_BOUNDS.setdefault(shape, set()) if len(_IN_BOUNDS) < 4096 else set()
-    for target_id, box in targets:
-        if box in checked:
-            pass
-        elif len(box.offsets) != len(shape) or any(
+    checked = _IN_BOUNDS.setdefault(shape, {}) if len(_IN_BOUNDS) < 4096 else {}
+    if not all(map(checked.__contains__, map(id, boxes))):  # C-level: most boxes were seen before
+        _check_in_bounds(entry.key, shape, boxes, checked)
+    # one PlannedPieces and one WriteTask per box, built by C-level iteration (millions at scale)
+    n = len(boxes)
+    key = entry.key
+    pieces = list(map(_new, repeat(PlannedPieces, n)))
+    deque(map(_PP_SRC, pieces, repeat(_PieceSource(index, itemsize, piece_bytes, key), n)), 0)
+    deque(map(_PP_BOX, pieces, boxes), 0)
+    tasks = list(map(_new, repeat(WriteTask, n)))
+    for setter, values in ((_WT_KEY, repeat(key, n)), (_WT_DTYPE, repeat(entry.dtype, n)), (_WT_TARGET, ids),
+                           (_WT_BOX, boxes), (_WT_PIECES, pieces)):
+        deque(map(setter, tasks, values), 0)
+    return tasks
+
+
+def _check_in_bounds(key: str, shape: tuple[int, ...], boxes: Iterable[Box], checked: dict[int, Box]) -> None:
+    """Raise for the first of ``boxes`` outside ``shape``; remember the boxes inside in ``checked``."""
+    for box in boxes:
+        if id(box) in checked:
+            continue
+        if len(box.offsets) != len(shape) or any(
             o < 0 or n < 0 or o + n > d for o, n, d in zip(box.offsets, box.sizes, shape)
         ):
             raise CorruptCheckpointError(
-                f"key {entry.key!r}: target {box.to_json()} lies outside the tensor's shape {list(shape)}"
+                f"key {key!r}: target {box.to_json()} lies outside the tensor's shape {list(shape)}"
             )
-        elif len(checked) < 1 << 16:
-            checked.add(box)
-        pieces = PlannedPieces(index, box, itemsize, piece_bytes, entry.key)
-        tasks.append(WriteTask(entry.key, entry.dtype, target_id, box, pieces))
-    return tasks
+        if len(checked) < 1 << 16:
+            checked[id(box)] = box
+
+
+_new = object.__new__
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_CHUNK_OFFSETS, _CHUNK_SIZES = attrgetter("box.offsets"), attrgetter("box.sizes")
+_PP_SRC, _PP_BOX = PlannedPieces._src.__set__, PlannedPieces._box.__set__
+_WT_KEY, _WT_DTYPE, _WT_TARGET = WriteTask.key.__set__, WriteTask.dtype.__set__, WriteTask.target.__set__
+_WT_BOX, _WT_PIECES = WriteTask.box.__set__, WriteTask.pieces.__set__
 
 
 def universal_chunk_bytes(options: Any) -> int:
@@ -292,6 +377,17 @@ def target_nbytes(task: WriteTask) -> int:
     """Bytes ``task`` writes: its box in the dtype of its target (a DCP chunk; ``--dtype`` casts parameters;
     ``task.nbytes`` counts the source dtype, which is what the reads and the memory budget need)."""
     return task.box.numel * _itemsize(task.target.dtype)
+
+
+def total_target_nbytes(tasks: Iterable[WriteTask]) -> int:
+    """``sum(target_nbytes(t) for t in tasks)``, in C-level loops (a plan has millions of tasks)."""
+    total = 0
+    for dtype, group in groupby(tasks, _TARGET_DTYPE):  # runs of one target dtype (a key's tasks)
+        total += _itemsize(dtype) * sum(map(math.prod, map(_BOX_SIZES, group)))
+    return total
+
+
+_BOX_SIZES, _TARGET_DTYPE = attrgetter("box.sizes"), attrgetter("target.dtype")
 
 
 @functools.lru_cache(maxsize=64)

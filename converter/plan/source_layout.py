@@ -85,6 +85,11 @@ class LayoutReport:
 
 
 _BOX_KEY = operator.attrgetter("box.offsets", "box.sizes")
+_BOX, _RANK = operator.attrgetter("box"), operator.attrgetter("rank")
+_CHUNK_OFFSETS, _CHUNK_SIZES = operator.attrgetter("box.offsets"), operator.attrgetter("box.sizes")
+
+#: What :func:`_facts` depends on: (shape, every chunk's offsets, every chunk's sizes).
+FactsKey = tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
 
 
 def _order(chunks: Sequence[ChunkRef]) -> list[ChunkRef]:
@@ -119,6 +124,24 @@ def _facts(entry: TensorEntry) -> tuple[dict[int, int], bool]:
         if parts > 1:
             dims[d] = parts
     return dims, _tiles(entry, shape, boxes)
+
+
+def _facts_cached(entry: TensorEntry, cache: dict[FactsKey, tuple[dict[int, int], bool, list[int] | None]]
+                  ) -> tuple[tuple[dict[int, int], bool], Sequence[ChunkRef]]:
+    """(:func:`_facts`, the chunks in :func:`_order`), computed once per distinct (shape, boxes):
+    a model repeats a few layouts over thousands of tensors (every layer's, and a parameter's
+    optimizer states), and the order of the chunks depends on their boxes alone. The key is built
+    by C-level iteration; the dims dict is a copy (callers may keep it)."""
+    chunks = entry.chunks
+    offsets, sizes = tuple(map(_CHUNK_OFFSETS, chunks)), tuple(map(_CHUNK_SIZES, chunks))
+    key = (tuple(entry.shape), offsets, sizes)
+    found = cache.get(key)
+    if found is None:
+        boxes = list(zip(offsets, sizes))
+        perm = sorted(range(len(boxes)), key=boxes.__getitem__)  # stable, as sorting the chunks
+        found = cache[key] = (*_facts(entry), None if perm == list(range(len(boxes))) else perm)
+    dims, tiled, perm = found
+    return (dict(dims), tiled), (chunks if perm is None else list(map(chunks.__getitem__, perm)))
 
 
 def _tiles(entry: TensorEntry, shape: tuple[int, ...], boxes: list[Box]) -> bool:
@@ -185,7 +208,7 @@ def _tp_major_factor(ranks: tuple[int, ...]) -> int | None:
 def _sharded(index: CheckpointIndex) -> list[TensorEntry]:
     return [
         t for t in index.tensors.values()
-        if len(t.chunks) > 1 and all(c.rank is not None for c in t.chunks)
+        if len(t.chunks) > 1 and None not in map(_RANK, t.chunks)
     ]
 
 
@@ -203,7 +226,7 @@ def rank_groups(index: CheckpointIndex) -> tuple[tuple[int, ...], ...]:
 
     seen: set[tuple[int, ...]] = set()
     for t in _sharded(index):
-        ranks = tuple(c.rank for c in t.chunks)
+        ranks = tuple(map(_RANK, t.chunks))
         if ranks in seen:  # tensors of one shape share their writers: union each set once
             continue
         seen.add(ranks)
@@ -296,8 +319,10 @@ class _Mesh:
 
 
 def _stage_mesh(ranks: tuple[int, ...], entries: list[TensorEntry],
-                facts: Mapping[str, tuple[dict[int, int], bool]] | None = None) -> _Mesh:
-    """tp from a dim-1 split (row-wise grid) or a TP-major block order (column-wise); dp = rest."""
+                facts: Mapping[str, tuple[dict[int, int], bool]] | None = None,
+                ordered: Mapping[str, Sequence[ChunkRef]] | None = None) -> _Mesh:
+    """tp from a dim-1 split (row-wise grid) or a TP-major block order (column-wise); dp = rest.
+    ``facts`` and ``ordered``: per key, its :func:`_facts` and :func:`_order` when computed."""
     local = {r: i for i, r in enumerate(ranks)}
     tp, shards, fsdp = 1, 1, 0
     only0: set[int] = set()  # dim-0 part counts of tensors split on dim 0 alone
@@ -312,7 +337,8 @@ def _stage_mesh(ranks: tuple[int, ...], entries: list[TensorEntry],
             tp = max(tp, dims[d])
             fsdp = max(fsdp, dims.get(0, 1))
         elif set(dims) == {0} and len(t.chunks) == len(ranks):
-            seq = [local[c.rank] for c in _order(t.chunks)]
+            in_order = ordered[t.key] if ordered is not None and t.key in ordered else _order(t.chunks)
+            seq = list(map(local.__getitem__, map(_RANK, in_order)))
             tp = max(tp, tp_major_factor(seq) or 1)
     dp = max(1, len(ranks) // tp) if tp > 1 else shards
     replicas = tp == 1 and 1 < shards < len(ranks) and len(ranks) % shards == 0 and _shard_positions_match(ranks, entries, shards)
@@ -427,14 +453,19 @@ def detect_layout(index: CheckpointIndex) -> LayoutReport:
     by_stage: dict[tuple[int, ...], list[TensorEntry]] = {s: [] for s in stages}
     for t in _sharded(index):
         by_stage[stage_of[t.chunks[0].rank]].append(t)
-    facts = {key: _facts(t) for key, t in index.tensors.items()}
-    meshes = {s: _stage_mesh(s, by_stage[s], facts) for s in stages}
+    cache: dict[FactsKey, tuple[dict[int, int], bool, list[int] | None]] = {}
+    facts, ordered = {}, {}
+    for key, t in index.tensors.items():
+        facts[key], ordered[key] = _facts_cached(t, cache)
+    del cache
+    meshes = {s: _stage_mesh(s, by_stage[s], facts, ordered) for s in stages}
     layouts = {}
     for key, t in index.tensors.items():
-        ranks = [c.rank for c in t.chunks]
-        mesh = meshes.get(stage_of.get(ranks[0])) if ranks and None not in ranks else None
+        chunks = t.chunks
+        mesh = meshes.get(stage_of.get(chunks[0].rank)) if chunks and None not in map(_RANK, chunks) else None
         kind, tp_dim = _classify(t, mesh, facts[key])
-        owners = tuple((c.rank, c.box) for c in _order(t.chunks))
+        in_order = ordered[key]
+        owners = tuple(zip(map(_RANK, in_order), map(_BOX, in_order)))
         dims, tiled = facts[key]
         if key in stacked:  # back to the stacked tensor's dims
             dims = {d + 1: n for d, n in dims.items()}

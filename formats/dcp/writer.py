@@ -25,7 +25,9 @@ import math
 import os
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,6 +73,20 @@ class ChunkSpec:
             object.__setattr__(spec, name, value)
         return spec
 
+    @classmethod
+    def many(cls, key: str, dtype: str, global_shape: tuple[int, ...], boxes: Sequence[Box],
+             ranks: Sequence[int]) -> list[ChunkSpec]:
+        """:meth:`of` for every ``(boxes[i], ranks[i])`` of one tensor, built by C-level iteration
+        (no Python call per spec; a 1,024-rank layout makes millions)."""
+        n = len(boxes)
+        if len(ranks) != n:
+            raise ValueError(f"{n} boxes but {len(ranks)} ranks")
+        specs = list(map(object.__new__, repeat(cls, n)))
+        for setter, values in ((_SET_KEY, repeat(key, n)), (_SET_DTYPE, repeat(dtype, n)),
+                               (_SET_SHAPE, repeat(global_shape, n)), (_SET_BOX, boxes), (_SET_RANK, ranks)):
+            deque(map(setter, specs, values), 0)
+        return specs
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", by_name(self.dtype).name)
         object.__setattr__(self, "global_shape", _int_tuple(self.global_shape))
@@ -78,6 +94,10 @@ class ChunkSpec:
         offsets, sizes = _int_tuple(box.offsets), _int_tuple(box.sizes)
         if offsets is not box.offsets or sizes is not box.sizes:
             object.__setattr__(self, "box", Box(offsets, sizes))
+
+
+_SET_KEY, _SET_DTYPE, _SET_SHAPE = ChunkSpec.key.__set__, ChunkSpec.dtype.__set__, ChunkSpec.global_shape.__set__
+_SET_BOX, _SET_RANK = ChunkSpec.box.__set__, ChunkSpec.rank.__set__
 
 
 #: Tuples of plain ints by value (layouts repeat a few offsets and sizes millions of times).
