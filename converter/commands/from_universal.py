@@ -70,7 +70,7 @@ def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dic
         return reader.source_layout()
     from converter.plan.source_layout import detect_layout, source_hints
 
-    hints = source_hints(detect_layout(index), index)
+    hints = source_hints(detect_layout(index, owners=False), index)  # kinds and splits: no owner lists
     return {k: h.tp_dim for k, h in hints.items()}, {k for k, h in hints.items() if h.replicated}
 
 
@@ -272,8 +272,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             index = replace(index, objects={k: o for k, o in index.objects.items() if k not in unbound},
                             tensors={k: t for k, t in index.tensors.items() if k not in unbound})
             framework = read_framework_files(src, options.trust_pickle) if index.format in ("dcp", "universal") else {}
-            layout = replace(layout, chunks=tuple(c for c in layout.chunks if c.key in index.tensors),
-                             warnings=layout.warnings + tuple(notes))
+            layout = replace(layout, chunks=_chunks_of(layout.chunks, index.tensors), warnings=layout.warnings + tuple(notes))
             tasks = _plan(index, layout, options)
             header = {"--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan),
                       "--dtype": dtype,
@@ -285,6 +284,13 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         return run_conversion(conversion, options)
     finally:
         reader.close()
+
+
+def _chunks_of(chunks: tuple[ChunkSpec, ...], keys: Collection[str]) -> tuple[ChunkSpec, ...]:
+    """The ``chunks`` of ``keys`` (``chunks`` itself when every key is kept: C-level checks only)."""
+    if set(map(_KEY, chunks)) <= set(keys):
+        return chunks
+    return tuple(c for c in chunks if c.key in keys)
 
 
 def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: CheckpointIndex, reader: CheckpointReader,

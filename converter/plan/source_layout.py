@@ -437,10 +437,12 @@ def world_size(index: CheckpointIndex) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
-def detect_layout(index: CheckpointIndex) -> LayoutReport:
+def detect_layout(index: CheckpointIndex, owners: bool = True) -> LayoutReport:
     """The detected layout of ``index``: a one-line summary, a mesh guess and per-tensor layouts.
 
     Pure: reads metadata only. See the module docstring for the rules and their limits.
+    ``owners=False`` leaves every :attr:`TensorLayout.owners` empty (a tuple per chunk, millions at
+    scale, that kinds and splits, what :func:`source_hints` needs, do not use).
     """
     from converter.plan.megatron import stacked_layers
 
@@ -464,13 +466,13 @@ def detect_layout(index: CheckpointIndex) -> LayoutReport:
         chunks = t.chunks
         mesh = meshes.get(stage_of.get(chunks[0].rank)) if chunks and None not in map(_RANK, chunks) else None
         kind, tp_dim = _classify(t, mesh, facts[key])
-        in_order = ordered[key]
-        owners = tuple(zip(map(_RANK, in_order), map(_BOX, in_order)))
+        in_order = ordered[key] if owners else ()
         dims, tiled = facts[key]
         if key in stacked:  # back to the stacked tensor's dims
             dims = {d + 1: n for d, n in dims.items()}
             tp_dim = None if tp_dim is None else tp_dim + 1
-        layouts[key] = TensorLayout(key, dims, kind, owners, tp_dim, tiled, stacked.get(key, 0))
+        layouts[key] = TensorLayout(key, dims, kind, tuple(zip(map(_RANK, in_order), map(_BOX, in_order))), tp_dim,
+                                    tiled, stacked.get(key, 0))
     ws = world_size(index)
     summary, mesh_guess, notes = _summarize(index, ws, stages, meshes, layouts)
     notes = notes + _layout_bound_note(index)
@@ -539,7 +541,7 @@ def tp_split_dims(index: CheckpointIndex) -> dict[str, int | None]:
     Keys of optimizer states are included and get their parameter's split (they are sharded the
     same way). None for FSDP-only, TP-replicated, whole and rank-less (universal/HF) tensors.
     """
-    return {k: t.tp_dim for k, t in detect_layout(index).tensors.items()}
+    return {k: t.tp_dim for k, t in detect_layout(index, owners=False).tensors.items()}
 
 
 def _span(ranks: Sequence[int]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from dataclasses import replace
 
 import hypothesis.strategies as st
 import pytest
@@ -191,6 +192,8 @@ def test_detect_layout_equals_the_uncached_facts_and_order(index):
                   lambda t, cache: (source_layout._facts(t), source_layout._order(t.chunks)))
         slow = source_layout.detect_layout(index)
     assert fast == slow
+    bare = source_layout.detect_layout(index, owners=False)  # what source_hints reads
+    assert bare == replace(fast, tensors={k: replace(t, owners=()) for k, t in fast.tensors.items()})
     for key, t in index.tensors.items():
         lay = fast.tensors[key]
         assert lay.owners == tuple((c.rank, c.box) for c in source_layout._order(t.chunks))
