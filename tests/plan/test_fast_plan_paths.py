@@ -304,3 +304,9 @@ def test_chunk_spec_many_equals_of():
         ChunkSpec.of("k", "float32", (2, 3), boxes[0], 1), ChunkSpec.of("k", "float32", (2, 3), boxes[1], 0)]
     with pytest.raises(ValueError):
         ChunkSpec.many("k", "float32", (2, 3), boxes, [1])
+
+
+@given(st.lists(st.sampled_from("abc"), max_size=8), st.sets(st.sampled_from("abcd")))
+def test_chunks_of_equals_the_filter(keys, kept):
+    chunks = tuple(ChunkSpec.of(k, "float32", (1,), Box((0,), (1,)), 0) for k in keys)
+    assert fu._chunks_of(chunks, kept) == tuple(c for c in chunks if c.key in kept)
