@@ -17,6 +17,7 @@ import operator
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import compress, count, repeat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, NamedTuple
@@ -189,27 +190,41 @@ def _parse_tensor(rec: Record, source: str, key: str) -> TensorMeta:
         raise CorruptCheckpointError(f"{source}: key {key!r}: tensor has no dtype ({dtype!r})")
     size = _shape(rec.get("size", 1), source, what)
     raw = rec.get("chunks", 2) or ()
-    if type(raw) is list and raw and not set(map(type, raw)) - {Box}:  # read by the fast reader
-        return TensorMeta(dtype.name, size, tuple(raw))
+    if type(raw) is list and raw:
+        types = set(map(type, raw))
+        if not types - {Box}:  # read by the fast reader
+            return TensorMeta(dtype.name, size, tuple(raw))
+        if Box in types:  # read by the fast reader but for a few records (cut by a pickle frame)
+            chunks = list(raw)
+            for i in _not_of_type(chunks, Box):
+                chunks[i] = _parse_chunk(chunks[i], source, what)
+            return TensorMeta(dtype.name, size, tuple(chunks))
     boxes = _fast_chunks(raw)
     if boxes is not None:
         return TensorMeta(dtype.name, size, boxes)
-    chunks = []
-    fast = _RECORDS[(_DCP_MD, "ChunkStorageMetadata")]
-    for c in raw:
-        if type(c) is Box:  # read by the fast reader (validated there)
-            chunks.append(c)
-            continue
-        if type(c) is fast and len(c) == 1 and type(c[0]) is dict:  # what torch writes
-            d = c[0]
-            offsets, sizes = d.get("offsets"), d.get("sizes")
-            if offsets is not None and sizes is not None:
-                chunks.append(ChunkMeta(_shape(offsets, source, what), _shape(sizes, source, what)))
-                continue
-        c = _expect(c, "ChunkStorageMetadata", source, what)
-        chunks.append(ChunkMeta(_shape(c.get("offsets", 0), source, what),
-                                _shape(c.get("sizes", 1), source, what)))
-    return TensorMeta(dtype.name, size, tuple(chunks))
+    return TensorMeta(dtype.name, size, tuple([_parse_chunk(c, source, what) for c in raw]))
+
+
+def _not_of_type(items: list, kind: type, *more: tuple[list, type]) -> list[int]:
+    """Indexes of the items not of type ``kind`` (or, pairwise, of ``more``'s lists not of their
+    types), found by C-level loops."""
+    bad = map(operator.is_not, map(type, items), repeat(kind))
+    for other, other_kind in more:
+        bad = map(operator.or_, bad, map(operator.is_not, map(type, other), repeat(other_kind)))
+    return list(compress(count(), bad))
+
+
+def _parse_chunk(c: Any, source: str, what: str) -> ChunkMeta:
+    """One entry of a tensor's ``chunks`` list as a ChunkMeta."""
+    if type(c) is Box:  # read by the fast reader (validated there)
+        return c
+    if type(c) is _RECORDS[(_DCP_MD, "ChunkStorageMetadata")] and len(c) == 1 and type(c[0]) is dict:
+        d = c[0]  # what torch writes
+        offsets, sizes = d.get("offsets"), d.get("sizes")
+        if offsets is not None and sizes is not None:
+            return ChunkMeta(_shape(offsets, source, what), _shape(sizes, source, what))
+    c = _expect(c, "ChunkStorageMetadata", source, what)
+    return ChunkMeta(_shape(c.get("offsets", 0), source, what), _shape(c.get("sizes", 1), source, what))
 
 
 _OFFSETS_SIZES = operator.itemgetter("offsets", "sizes")
@@ -257,34 +272,38 @@ def _parse_storage(raw: Any, source: str) -> dict[StorageKey, StorageInfo]:
         )
     if raw and not set(map(type, raw)) - {tuple} and not set(map(type, raw.values())) - {StorageInfo}:
         return raw  # every item read by the fast reader: already (fqn, offsets) -> StorageInfo
-    out: dict[StorageKey, StorageInfo] = {}
+    # the items the fast reader did not read (all, or a few cut by a pickle frame), in order
+    keys, infos = list(raw), list(raw.values())
+    for i in _not_of_type(keys, tuple, (infos, StorageInfo)):
+        keys[i], infos[i] = _parse_storage_item(keys[i], infos[i], source)
+    return dict(zip(keys, infos))
+
+
+def _parse_storage_item(index: Any, info: Any, source: str) -> tuple[StorageKey, StorageInfo]:
+    """One ``storage_data`` item (MetadataIndex -> _StorageInfo) as ``(fqn, offsets), StorageInfo``."""
+    if type(index) is tuple and type(info) is StorageInfo:  # read by the fast reader
+        return index, info
     index_type, info_type = _RECORDS[(_DCP_MD, "MetadataIndex")], _RECORDS[(_DCP_FS, "_StorageInfo")]
-    for index, info in raw.items():
-        if type(index) is tuple and type(info) is StorageInfo:  # read by the fast reader
-            out[index] = info
-            continue
-        if (type(index) is index_type and type(info) is info_type and len(index) == 1
-                and len(info) == 1 and type(index[0]) is dict and type(info[0]) is dict):  # what torch writes
-            d, f = index[0], info[0]
-            fqn, offset = d.get("fqn"), d.get("offset")
-            path, start, length = f.get("relative_path"), f.get("offset"), f.get("length")
-            if (type(fqn) is str and type(path) is str and path and type(start) is int
-                    and type(length) is int and start >= 0 and length >= 0
-                    and not f.get("transform_descriptors")):
-                if offset is not None:
-                    offset = _shape(offset, source, fqn)
-                out[(fqn, offset)] = StorageInfo(path, start, length, ())
-                continue
-        index = _expect(index, "MetadataIndex", source, "storage_data key")
-        fqn = index.get("fqn", 0)
-        if type(fqn) is not str:
-            raise CorruptCheckpointError(f"{source}: storage_data key has no fqn")
-        offset = index.get("offset", 1)
-        if offset is not None:
-            offset = _shape(offset, source, fqn)
-        info = _expect(info, "_StorageInfo", source, fqn)
-        out[(fqn, offset)] = _parse_storage_info(info, source, fqn)
-    return out
+    if (type(index) is index_type and type(info) is info_type and len(index) == 1
+            and len(info) == 1 and type(index[0]) is dict and type(info[0]) is dict):  # what torch writes
+        d, f = index[0], info[0]
+        fqn, offset = d.get("fqn"), d.get("offset")
+        path, start, length = f.get("relative_path"), f.get("offset"), f.get("length")
+        if (type(fqn) is str and type(path) is str and path and type(start) is int
+                and type(length) is int and start >= 0 and length >= 0
+                and not f.get("transform_descriptors")):
+            if offset is not None:
+                offset = _shape(offset, source, fqn)
+            return (fqn, offset), StorageInfo(path, start, length, ())
+    index = _expect(index, "MetadataIndex", source, "storage_data key")
+    fqn = index.get("fqn", 0)
+    if type(fqn) is not str:
+        raise CorruptCheckpointError(f"{source}: storage_data key has no fqn")
+    offset = index.get("offset", 1)
+    if offset is not None:
+        offset = _shape(offset, source, fqn)
+    info = _expect(info, "_StorageInfo", source, fqn)
+    return (fqn, offset), _parse_storage_info(info, source, fqn)
 
 
 def _parse_storage_info(info: Record, source: str, fqn: str) -> StorageInfo:

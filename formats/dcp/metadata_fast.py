@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import re
 import struct
-from array import array
-from bisect import bisect_left
-from collections.abc import Callable
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable
+from itertools import accumulate, chain, compress, islice, repeat
+from operator import add, itemgetter, ne
 from typing import Any
 
 from formats.base import Box
@@ -34,8 +35,32 @@ MAX_MARKS = 1000
 MAX_PATTERNS = 16
 
 
+#: Most entries of the raw-bytes caches (shapes and strings; storage offsets and lengths, which
+#: vary more: a quarter of it); past it a value is parsed each time it is met (same result,
+#: slower), so memory stays bounded.
+MAX_CACHED = 1 << 20
+
+
 class _Bail(Exception):
     """The pickle is not in the exact shape this reader handles: use the general path."""
+
+
+class _Cache(dict):
+    """raw bytes -> parsed value. ``map(cache.__getitem__, raws)`` stays in C for values seen
+    before; a miss calls ``parse`` (which may raise _Bail; nothing is then stored)."""
+
+    __slots__ = ("parse", "cap")
+
+    def __init__(self, parse: Callable[[bytes], Any], cap: int = MAX_CACHED) -> None:
+        super().__init__()
+        self.parse = parse
+        self.cap = cap
+
+    def __missing__(self, raw: bytes) -> Any:
+        value = self.parse(raw)
+        if len(self) < self.cap:
+            self[raw] = value
+        return value
 
 
 # -- byte patterns ------------------------------------------------------------------------------
@@ -46,6 +71,7 @@ _INT = rb"(?:K.|M..|J....|\x8a\x01.|\x8a\x02..|\x8a\x03...|\x8a\x04....|\x8a\x05
 _SHAPE = rb"(?:\)|" + _INT + rb"{1,3}[\x85-\x87]\x94|\(" + _INT + rb"*t\x94)"
 #: ``torch.Size(shape)``: Size ref, the shape, TUPLE1 MEMOIZE REDUCE MEMOIZE.
 _SIZE_TAIL = rb"\x85\x94R\x94"
+_SIZE_TAIL_BYTES = b"\x85\x94R\x94"
 #: A new short ASCII string (SHORT_BINUNICODE, MEMOIZE) or a memo reference.
 _STR = rb"(?:\x8c.[\x20-\x7e]*\x94|" + _REF + rb")"
 _NEWOBJ = rb"\)\x81\x94\}\x94\("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK
@@ -71,11 +97,35 @@ _PAIR_LEARN = re.compile(
 )
 _INT_RE = re.compile(_INT, re.DOTALL)
 
+#: The chunk record as the batched runs read it: group 4 spans both Sizes (offsets shape to sizes
+#: shape: one cache key per box), groups 5 and 8 are its shapes; the others as in _CHUNK_LEARN.
+_CHUNK_RUN = re.compile(
+    b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _REF + b")((" + _SHAPE + b")" + _SIZE_TAIL
+    + b"(" + _REF + b")(" + _REF + b")(" + _SHAPE + b"))" + _SIZE_TAIL + b"ub",
+    re.DOTALL,
+)
+#: The pair as the batched runs read it: group 13 spans the storage offset, the 'length' ref and
+#: the length (one cache key); groups 14-16 are those parts; the others as in _PAIR_LEARN.
+_PAIR_RUN = re.compile(
+    b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _STR + b")(" + _REF + b")(" + _INT + b"|N)("
+    + _REF + b")(" + _REF + b")(" + _SHAPE + b")" + _SIZE_TAIL + b"ub"
+    + b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _STR + b")(" + _REF + b")((" + _INT + b")("
+    + _REF + b")(" + _INT + b"))ub",
+    re.DOTALL,
+)
+#: A storage offset, the 'length' ref and the length (group 13 of _PAIR_RUN); unambiguous, as _BOX.
+_OFFSET_LENGTH = re.compile(b"(" + _INT + b")" + _REF + b"(" + _INT + b")", re.DOTALL)
+#: A box's bytes (group 4 of _CHUNK_RUN): its two shapes. The encoding is unambiguous (each
+#: int's length follows from its opcode; ints, tuple opcodes and refs start with distinct bytes).
+_BOX = re.compile(b"(" + _SHAPE + b")" + _SIZE_TAIL + _REF + _REF + b"(" + _SHAPE + b")", re.DOTALL)
 
-def _specialize(learn: re.Pattern, literals: dict[int, bytes]) -> re.Pattern:
-    """``learn`` with the groups in ``literals`` (group number -> bytes) replaced by those bytes."""
+
+def _specialize(template: re.Pattern, literals: dict[int, bytes],
+                drop: frozenset[int] = frozenset()) -> re.Pattern:
+    """``template`` with the capturing groups in ``literals`` (group number, as ``re`` numbers
+    them -> bytes) replaced by those bytes, and the groups in ``drop`` made non-capturing."""
     out, depth, group, skip_to = [], 0, 0, None
-    src = learn.pattern
+    src = template.pattern
     i = 0
     while i < len(src):
         c = src[i:i + 1]
@@ -84,17 +134,19 @@ def _specialize(learn: re.Pattern, literals: dict[int, bytes]) -> re.Pattern:
                 out.append(src[i:i + 2])
             i += 2
             continue
-        if c == b"(" and src[i + 1:i + 3] != b"?:":
+        if c == b"(":
             depth += 1
-            if depth == 1:
+            if src[i + 1:i + 3] != b"?:":
                 group += 1
-                if group in literals:
+                if skip_to is None and group in literals:
                     out.append(re.escape(literals[group]))
                     skip_to = depth
                     i += 1
                     continue
-        elif c == b"(":
-            depth += 1
+                if skip_to is None and group in drop:
+                    out.append(b"(?:")
+                    i += 1
+                    continue
         elif c == b")":
             depth -= 1
             if skip_to is not None and depth == skip_to - 1:
@@ -121,6 +173,29 @@ def _int(raw: bytes) -> int:
     return int.from_bytes(raw[2:], "little", signed=True)  # LONG1
 
 
+def _offset(raw: bytes) -> int:
+    """A storage offset or length (an _INT match): _Bail when negative."""
+    value = _int(raw)
+    if value < 0:
+        raise _Bail
+    return value
+
+
+def _offset_length(raw: bytes) -> tuple[int, int, tuple]:
+    """``(offset, length, ())`` (a StorageInfo's tail) of a _PAIR_RUN group 13; _Bail when a
+    value is negative."""
+    m = _OFFSET_LENGTH.fullmatch(raw)
+    if m is None:  # (cannot happen: the record pattern matched these bytes)
+        raise _Bail
+    return _offset(m.group(1)), _offset(m.group(2)), ()
+
+
+def _box_memo(raw: bytes) -> int:
+    """Memo entries of a chunk record with box bytes ``raw``: the record, its dict, and per Size
+    its shape's tuple (none for ``()``), TUPLE1 and REDUCE."""
+    return 8 - raw.startswith(b")") - raw.endswith(b")")
+
+
 def _shape_of(raw: bytes) -> tuple[tuple[int, ...], int]:
     """(shape, memo entries it adds) of a matched shape encoding; _Bail when invalid."""
     if raw == b")":
@@ -142,6 +217,20 @@ def _shape_of(raw: bytes) -> tuple[tuple[int, ...], int]:
 
 _UNPACK_Q = struct.Struct("<Q").unpack_from
 _UNPACK_I = struct.Struct("<I").unpack_from
+_GROUPS = re.Match.groups
+_GROUP1 = itemgetter(1)
+_END = re.Match.end
+_IS_NEW = bytes.startswith  # with b"\x8c": a new string (SHORT_BINUNICODE), not a memo reference
+_NEW_STR = b"\x8c"
+_EMPTY_SHAPE = b")"
+_NEW_BOX = Box.__new__
+_SET_OFFSETS, _SET_SIZES = Box.offsets.__set__, Box.sizes.__set__
+
+
+def _scan(pattern: re.Pattern, data: bytes, pos: int, limit: int) -> list[re.Match]:
+    """The matches of ``pattern`` one after another from ``pos`` (each where the last ended),
+    found in C: the records of one run."""
+    return list(iter(pattern.scanner(data, pos, limit).match, None))
 
 
 class _Reader:
@@ -157,15 +246,19 @@ class _Reader:
         self.intern = intern  # shape -> the one shared tuple
         self.memo: dict[int, Any] = {}
         self.memo_n = 0
-        # new fqn strings of storage pairs (one per pair): memo index -> string, compactly
-        self.fqn_at = array("q")
-        self.fqn_str: list[str] = []
+        # new fqn strings of storage pairs (one per pair), kept per batch of records: the memo
+        # index of each batch's first, and (their memo indexes, the strings)
+        self.fqn_first: list[int] = []
+        self.fqn_batches: list[tuple[range | list[int], list[str]]] = []
         self.callables: set[int] = set()  # ids of resolved globals REDUCE may call
         self.keep: list[Any] = []  # the resolved globals (their ids stay valid)
-        self.shapes: dict[bytes, tuple[tuple[int, ...], int]] = {}
-        self.strings: dict[bytes, tuple[str, int]] = {}
-        self.fast_chunk: dict[bytes, re.Pattern | None] = {}
-        self.fast_pair: dict[bytes, re.Pattern | None] = {}
+        self.shapes = _Cache(self._parse_shape)  # raw shape -> the interned shape
+        self.strings = _Cache(self._parse_string)  # raw _STR -> its str
+        self.offsets = _Cache(_offset, MAX_CACHED >> 2)  # raw _INT -> a non-negative int
+        self.tails = _Cache(_offset_length, MAX_CACHED >> 2)  # raw offset+length -> (o, l, ())
+        self.boxes = _Cache(self._parse_box, MAX_CACHED >> 2)  # raw box bytes -> a (shared) Box
+        self.fast_chunk: dict[bytes, tuple[re.Pattern, tuple[bytes, bytes]]] = {}
+        self.fast_pair: dict[bytes, re.Pattern] = {}
 
     # memo references resolved once (memo entries are written once: PUT opcodes are refused)
     def _ref(self, raw: bytes) -> Any:
@@ -177,35 +270,42 @@ class _Reader:
             return self.memo[idx]
         except KeyError:
             pass
-        at = self.fqn_at
-        i = bisect_left(at, idx)
-        if i < len(at) and at[i] == idx:
-            return self.fqn_str[i]
+        i = bisect_right(self.fqn_first, idx) - 1  # the batch that may hold it
+        if i >= 0:
+            at, strings = self.fqn_batches[i]
+            j = bisect_left(at, idx)
+            if j < len(at) and at[j] == idx:
+                return strings[j]
         raise _Bail
 
-    def _shape(self, raw: bytes) -> tuple[tuple[int, ...], int]:
-        got = self.shapes.get(raw)
-        if got is None:
-            shape, n = _shape_of(raw)
-            got = self.shapes[raw] = (self.intern(shape), n)
-        return got
+    def _keep_fqns(self, at: range | list[int], strings: list[str]) -> None:
+        """Keep the new fqn strings of a batch of records (memo indexes ``at``, increasing)."""
+        if strings:
+            self.fqn_first.append(at[0])
+            self.fqn_batches.append((at, strings))
 
-    def _string(self, raw: bytes) -> tuple[str, int]:
-        """(value, memo entries added) of a matched _STR: a new string or a reference to one."""
-        got = self.strings.get(raw)
-        if got is None:
-            if raw[0] == 0x8C:
-                if raw[1] != len(raw) - 3:
-                    raise _Bail
-                got = (raw[2:-1].decode("ascii"), 1)
-            else:
-                value = self._ref(raw)
-                if type(value) is not str:
-                    raise _Bail
-                got = (value, 0)
-            if len(self.strings) < 1 << 20:
-                self.strings[raw] = got
-        return got
+    def _keep_fqn(self, idx: int, fqn: str) -> None:
+        """Keep one new fqn string (memo index ``idx``, past those kept so far)."""
+        if self.fqn_batches and type(self.fqn_batches[-1][0]) is list:
+            at, strings = self.fqn_batches[-1]
+            at.append(idx)
+            strings.append(fqn)
+        else:
+            self._keep_fqns([idx], [fqn])
+
+    def _parse_shape(self, raw: bytes) -> tuple[int, ...]:
+        return self.intern(_shape_of(raw)[0])
+
+    def _parse_string(self, raw: bytes) -> str:
+        """The value of a matched _STR: a new string or a reference to one."""
+        if raw[0] == 0x8C:
+            if raw[1] != len(raw) - 3:
+                raise _Bail
+            return raw[2:-1].decode("ascii")
+        value = self._ref(raw)
+        if type(value) is not str:
+            raise _Bail
+        return value
 
     def _expect(self, raw: bytes, value: Any) -> None:
         found = self._ref(raw)
@@ -213,6 +313,13 @@ class _Reader:
             raise _Bail
 
     # -- the hot records ---------------------------------------------------------------------
+    #
+    # A run of records (up to the end of their pickle frame, or of a SETITEMS/APPENDS batch) is
+    # matched record after record in C by the pattern learned for its encoding; its fields are
+    # then turned into objects column by column with C-level map/zip over dict caches keyed by
+    # the raw bytes (a miss parses in Python). Whatever the batch cannot decide exactly (a new
+    # string it would have to keep, a reference into the run, a value to refuse) goes to the
+    # record-by-record loop, which counts the memo as the pickle machine would.
 
     def _chunks(self, pos: int, out: list, limit: int) -> int:
         """Read the run of ChunkStorageMetadata records at ``pos`` into ``out`` (as Box); the
@@ -233,22 +340,32 @@ class _Reader:
             size = self._ref(g[2])
             if size is not tuple or self._ref(g[5]) is not tuple:
                 raise _Bail
-            pattern = self.fast_chunk[head] = _specialize(
-                _CHUNK_LEARN, {1: g[0], 2: g[1], 3: g[2], 5: g[4], 6: g[5]})
-        shape = self._shape
-        new_box, set_off, set_sz = Box.__new__, Box.offsets.__set__, Box.sizes.__set__
-        memo_n = self.memo_n
-        for m in iter(pattern.scanner(data, pos, limit).match, None):
-            off, n1 = shape(m.group(1))
-            sz, n2 = shape(m.group(2))
-            box = new_box(Box)
-            set_off(box, off)
-            set_sz(box, sz)
-            out.append(box)
-            memo_n += 6 + n1 + n2
-            pos = m.end()
-        self.memo_n = memo_n
-        return pos
+            # (bytes every record with a () shape holds: the Size ref, EMPTY_TUPLE, the tail)
+            empty = (g[2] + b")" + _SIZE_TAIL_BYTES, g[5] + b")" + _SIZE_TAIL_BYTES)
+            pattern = self.fast_chunk[head] = (_specialize(
+                _CHUNK_RUN, {1: g[0], 2: g[1], 3: g[2], 6: g[4], 7: g[5]}, frozenset((5, 8))), empty)
+        pattern, empty = pattern
+        ms = _scan(pattern, data, pos, limit)
+        if not ms:
+            return pos
+        raws = list(map(_GROUP1, ms))
+        out += map(self.boxes.__getitem__, raws)  # (an invalid shape raises _Bail)
+        end = _END(ms[-1])
+        if data.find(empty[0], pos, end) < 0 and data.find(empty[1], pos, end) < 0:
+            self.memo_n += 8 * len(raws)  # no () shape: 8 memo entries each (see _box_memo)
+        else:
+            self.memo_n += sum(map(_box_memo, raws))
+        return end
+
+    def _parse_box(self, raw: bytes) -> Box:
+        """The Box of a chunk record's box bytes (a _CHUNK_RUN group 4); _Bail when invalid."""
+        m = _BOX.fullmatch(raw)
+        if m is None:  # (cannot happen: the record pattern matched these bytes)
+            raise _Bail
+        box = _NEW_BOX(Box)
+        _SET_OFFSETS(box, self.shapes[m.group(1)])
+        _SET_SIZES(box, self.shapes[m.group(2)])
+        return box
 
     def _pairs(self, pos: int, out: list, limit: int) -> int:
         """Read the run of MetadataIndex -> _StorageInfo pairs at ``pos`` into ``out`` (key
@@ -274,40 +391,99 @@ class _Reader:
             self._expect(g[11], "offset")
             self._expect(g[13], "length")
             pattern = self.fast_pair[head] = _specialize(
-                _PAIR_LEARN, {1: g[0], 2: g[1], 4: g[3], 6: g[5], 7: g[6], 9: g[8], 10: g[9], 12: g[11],
-                              14: g[13]})
-        shape, string, info_type = self._shape, self._string, self.storage_info
-        shapes, strings = self.shapes, self.strings
-        lengths: dict[bytes, int] = {}
+                _PAIR_RUN, {1: g[0], 2: g[1], 4: g[3], 6: g[5], 7: g[6], 9: g[8], 10: g[9], 12: g[11],
+                            15: g[13]}, frozenset((5, 14, 16)))
+        ms = _scan(pattern, data, pos, limit)
+        if not ms:
+            return pos
+        # columns: fqn, offsets shape, relative_path, offset+length (each a tuple of raw bytes)
+        cols = list(zip(*map(_GROUPS, ms)))
+        n = len(ms)
+        # records naming a new file (rare: its first item) keep its string in the memo: one by one
+        new_paths = list(compress(range(n), map(_IS_NEW, cols[2], repeat(_NEW_STR)))) \
+            if max(cols[2]) >= _NEW_STR else []
+        start = 0
+        for stop in new_paths + [n]:
+            if start < stop and not self._pair_batch([c[start:stop] for c in cols], out):
+                self._pair_records(zip(*(c[start:] for c in cols)), out)
+                break
+            if stop < n:
+                self._pair_records(zip(*(c[stop:stop + 1] for c in cols)), out)
+            start = stop + 1
+        return _END(ms[-1])
+
+    def _pair_batch(self, cols: list[tuple[bytes, ...]], out: list) -> bool:
+        """Records (as columns of raw fields) whose file names are references, all at once: True,
+        or False (nothing done) when they need the record-by-record loop (a reference to a string
+        new in this batch, or a value that loop refuses)."""
+        fqn_raw, shape_raw, path_raw, tail_raw = cols
+        n = len(fqn_raw)
+        string = self.strings.__getitem__
+        try:  # (the batch's new strings are not in the memo yet: a reference to one bails here)
+            fqns = list(map(string, fqn_raw))
+            if path_raw.count(path_raw[0]) == n:  # one file (the usual batch)
+                path = string(path_raw[0])
+                heads = repeat((path,), n)
+                if not path:
+                    return False
+            else:
+                paths = list(map(string, path_raw))
+                if "" in paths:
+                    return False
+                heads = zip(paths)
+            offsets = list(map(self.shapes.__getitem__, shape_raw))
+            tails = list(map(self.tails.__getitem__, tail_raw))  # (offset, length, ())
+        except _Bail:
+            return False
+        # memo entries per record: 6, its fqn when new (after the record and its dict: at +2),
+        # its offsets' tuple unless ()
+        first = self.memo_n + 2
+        if min(fqn_raw) >= _NEW_STR:  # every fqn new (what dcp.save writes)
+            if _EMPTY_SHAPE not in shape_raw:
+                at: range | list[int] = range(first, first + 8 * n, 8)
+                self.memo_n += 8 * n
+            else:
+                at = list(accumulate(map(add, map(ne, shape_raw, repeat(_EMPTY_SHAPE)), repeat(7)),
+                                     initial=first))
+                self.memo_n = at.pop() - 2
+            self._keep_fqns(at, fqns)
+        else:
+            new = list(map(_IS_NEW, fqn_raw, repeat(_NEW_STR)))
+            before = list(accumulate(map(add, map(add, new, map(ne, shape_raw, repeat(_EMPTY_SHAPE))),
+                                         repeat(6)), initial=first))
+            self.memo_n = before.pop() - 2
+            self._keep_fqns(list(compress(before, new)), list(compress(fqns, new)))
+        infos = map(tuple.__new__, repeat(self.storage_info), map(add, heads, tails))
+        out += chain.from_iterable(zip(zip(fqns, offsets), infos))
+        return True
+
+    def _pair_records(self, rows: Iterable[tuple[bytes, ...]], out: list) -> None:
+        """Records (rows of raw fields) one by one, counting the memo as the pickle machine would."""
+        shape, string, tail = self.shapes.__getitem__, self.strings.__getitem__, self.tails.__getitem__
         new = tuple.__new__
+        info_type = self.storage_info
         append = out.append
-        fqn_at, fqn_str, memo = self.fqn_at.append, self.fqn_str.append, self.memo
+        memo = self.memo
         memo_n = self.memo_n
-        for m in iter(pattern.scanner(data, pos, limit).match, None):
-            fqn_raw, _index, shape_raw, path_raw, off_raw, len_raw = m.groups()
-            fqn, new_str = strings.get(fqn_raw) or string(fqn_raw)
-            if new_str:
-                fqn_at(memo_n + 2)  # its memo entry: after the record and its state dict
-                fqn_str(fqn)
+        keep = self._keep_fqn
+        for fqn_raw, shape_raw, path_raw, tail_raw in rows:
+            fqn = string(fqn_raw)
+            if fqn_raw[0] == 0x8C:  # a new string
+                keep(memo_n + 2, fqn)  # its memo entry: after the record and its state dict
                 memo_n += 1
-            offsets, n = shapes.get(shape_raw) or shape(shape_raw)
-            memo_n += n
-            path, new_str = strings.get(path_raw) or string(path_raw)
-            if new_str:
+            offsets = shape(shape_raw)
+            memo_n += shape_raw != _EMPTY_SHAPE
+            path = string(path_raw)
+            if path_raw[0] == 0x8C:
                 memo[memo_n + 6] = path  # after the Size (2), the info record and its dict
                 memo_n += 1
-            start = _int(off_raw)
-            length = lengths.get(len_raw)
-            if length is None:
-                length = lengths[len_raw] = _int(len_raw)
-            if start < 0 or length < 0 or not path:
+            start, length, _ = tail(tail_raw)
+            if not path:
                 raise _Bail
             append((fqn, offsets))
             append(new(info_type, (path, start, length, ())))
             memo_n += 6
-            pos = m.end()
         self.memo_n = memo_n
-        return pos
 
     # -- everything else, opcode by opcode ---------------------------------------------------
 
@@ -427,14 +603,14 @@ class _Reader:
                 if base < 1 or type(stack[base - 1]) is not dict or (len(stack) - base) % 2:
                     raise _Bail
                 target = stack[base - 1]
-                items = stack[base:]
-                del stack[base:]
-                size = len(target)
+                size, pairs = len(target), (len(stack) - base) // 2
+                items = islice(stack, base, None)
                 try:
-                    target.update(zip(items[::2], items[1::2]))
+                    target.update(zip(items, items))
                 except TypeError:  # an unhashable key
                     raise _Bail from None
-                if len(target) != size + len(items) // 2:
+                del stack[base:]
+                if len(target) != size + pairs:
                     raise _Bail  # a key seen twice: leave the semantics of duplicates to the general path
             elif op == 0x93:  # STACK_GLOBAL
                 if len(stack) - (marks[-1] if marks else 0) < 2:
