@@ -22,8 +22,8 @@ import re
 import struct
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable
-from itertools import accumulate, chain, compress, islice, repeat
-from operator import add, itemgetter, ne
+from itertools import accumulate, chain, compress, count, islice, repeat
+from operator import add, is_, itemgetter, ne
 from typing import Any
 
 from formats.base import Box
@@ -485,6 +485,37 @@ class _Reader:
             memo_n += 6
         self.memo_n = memo_n
 
+    def _storage_records(self, stack: list, base: int) -> None:
+        """The storage pairs in ``stack[base:]`` read opcode by opcode (records a pickle frame cut)
+        in the batched runs' form, when they are exactly what torch writes and valid: what
+        ``metadata._parse_storage`` would make of them (so it need not rebuild the whole dict);
+        any other item stays as it is, for it to judge."""
+        index_type = self.records["MetadataIndex"]
+        for i in compress(count(base, 2), map(is_, map(type, stack[base::2]), repeat(index_type))):
+            got = self._storage_pair(stack[i], stack[i + 1])
+            if got is not None:
+                stack[i], stack[i + 1] = got
+
+    def _storage_pair(self, index: Any, info: Any) -> tuple[tuple, tuple] | None:
+        """``((fqn, offsets), StorageInfo)`` of a MetadataIndex and _StorageInfo record pair as
+        torch writes it (dict states; a str fqn, a shape or None, a file name, non-negative offset
+        and length, no transforms); None for anything else."""
+        if not (type(info) is self.records["_StorageInfo"] and len(index) == 1 and len(info) == 1
+                and type(index[0]) is dict and type(info[0]) is dict):
+            return None
+        d, f = index[0], info[0]
+        fqn, offset = d.get("fqn"), d.get("offset")
+        path, start, length = f.get("relative_path"), f.get("offset"), f.get("length")
+        if not (type(fqn) is str and type(path) is str and path and type(start) is int
+                and type(length) is int and start >= 0 and length >= 0
+                and not f.get("transform_descriptors")):
+            return None
+        if offset is not None:
+            if type(offset) not in (tuple, list) or not all(type(v) is int and v >= 0 for v in offset):
+                return None  # (the parser names the bad shape)
+            offset = self.intern(tuple(offset))
+        return (fqn, offset), tuple.__new__(self.storage_info, (path, start, length, ()))
+
     # -- everything else, opcode by opcode ---------------------------------------------------
 
     def run(self) -> Any:
@@ -595,6 +626,8 @@ class _Reader:
             elif op == 0x73:  # SETITEM
                 if len(stack) - (marks[-1] if marks else 0) < 3 or type(stack[-3]) is not dict:
                     raise _Bail
+                if len(stack) >= 4 and type(stack[-4]) is str and stack[-4] == "storage_data":
+                    self._storage_records(stack, len(stack) - 2)
                 value = stack.pop()
                 key = stack.pop()
                 _setitem(stack[-1], key, value)
@@ -602,6 +635,8 @@ class _Reader:
                 base = _pop_mark(marks)
                 if base < 1 or type(stack[base - 1]) is not dict or (len(stack) - base) % 2:
                     raise _Bail
+                if base >= 2 and type(stack[base - 2]) is str and stack[base - 2] == "storage_data":
+                    self._storage_records(stack, base)
                 target = stack[base - 1]
                 size, pairs = len(target), (len(stack) - base) // 2
                 items = islice(stack, base, None)

@@ -347,3 +347,166 @@ def test_record_encodings_varied_record_by_record_cost_no_compile_each(monkeypat
     assert root is not None and len(compiled) <= F.MAX_PATTERNS
     general = safe_loads(data, "x/.metadata", M._resolve_metadata_global)
     assert _boxes(root["chunks"]) == _boxes(general["chunks"]) == [((i % 200,), (1,)) for i in range(200)]
+
+
+# ---------------------------------------------------------------------------------------------
+# generated dcp.save-style metadata: the batched record runs against the general path
+
+
+_NAME = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=40)
+_ODD_NAME = st.one_of(_NAME, st.text(min_size=1, max_size=8).map(lambda s: "é" + s),  # not ASCII
+                      st.integers(256, 300).map(lambda n: "L" * n))  # BINUNICODE (over 255 bytes)
+_SHAPE_INT = st.one_of(st.integers(0, 300), st.integers(0, 1 << 40))  # K/M/J ints and LONG1
+
+
+def _fresh(s: str) -> str:
+    """An equal string that is another object (pickled anew, not as a memo reference)."""
+    return "".join(list(s))
+
+
+@st.composite
+def _dcp_metadata(draw) -> bytes:
+    """The ``.metadata`` pickle of a torch ``Metadata`` with random tensors, chunks, files and
+    encodings: 0-d to 5-d shapes, small to LONG1 ints, non-ASCII and long names, fqn strings
+    new per item or shared (memo references inside a run), file names first seen mid-run,
+    bytes entries, a StorageMeta naming storage fqns (memo references to strings the batches
+    keep), and pickle frames down to a few dozen bytes (records cut by frame boundaries)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    files = draw(st.lists(st.one_of(st.sampled_from(["__0_0.distcp", "__1_0.distcp"]), _NAME),
+                          min_size=1, max_size=4))
+    sharing = draw(st.sampled_from(["fresh", "per_tensor", "key"]))
+    names = draw(st.lists(_ODD_NAME if draw(st.booleans()) else _NAME, min_size=1, max_size=5, unique=True))
+    entries, storage, kept = {}, {}, []
+    for name in names:
+        if draw(st.integers(0, 5)) == 0:
+            entries[name] = BytesStorageMetadata()
+            storage[MetadataIndex(_fresh(name))] = _StorageInfo(draw(st.sampled_from(files)), 0, 5)
+            continue
+        ndim = draw(st.integers(0, 5))
+        n = 1 if ndim == 0 else draw(st.integers(1, 60))
+        firsts = draw(st.lists(_SHAPE_INT, min_size=n, max_size=n, unique=True)) if ndim else [0]
+        chunks = []
+        for first in firsts:
+            rest = [draw(_SHAPE_INT) for _ in range(ndim - 1)]
+            offsets = ([first] + rest)[:ndim]
+            sizes = [draw(_SHAPE_INT) for _ in range(ndim)]
+            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
+        entries[name] = TensorStorageMetadata(TensorProperties(dtype=dtype),
+                                              torch.Size([draw(_SHAPE_INT) for _ in range(ndim)]), chunks)
+        fqn = _fresh(name)
+        for i, c in enumerate(chunks):
+            if sharing == "fresh":
+                fqn = _fresh(name)
+            elif sharing == "key":
+                fqn = name
+            kept.append(fqn)
+            info = _StorageInfo(draw(st.sampled_from(files)), draw(_SHAPE_INT), draw(_SHAPE_INT))
+            storage[MetadataIndex(fqn, c.offsets, i)] = info
+    modules = draw(st.lists(st.sampled_from(kept), max_size=3)) if kept else []
+    md = Metadata(entries, planner_data={k: (k,) for k in entries}, storage_data=storage,
+                  storage_meta=StorageMeta(checkpoint_id="ck", save_id="s", load_id="l", modules=modules))
+    frame = draw(st.sampled_from([None, 48, 500, 4096]))
+    if frame is None:
+        return pickle.dumps(md, protocol=4)  # what FileSystemWriter writes (64 KiB frames)
+    import io
+
+    buf = io.BytesIO()
+    pickler = pickle._Pickler(buf, protocol=4)  # the same opcodes, in smaller frames
+    pickler.framer._FRAME_SIZE_TARGET = frame
+    pickler.dump(md)
+    return buf.getvalue()
+
+
+def _memoized_strings(data: bytes) -> tuple[int, dict[int, str]]:
+    """(memo entries, memo index -> value of each entry that is a string) of a pickle."""
+    import pickletools
+
+    n, strings, last = 0, {}, None
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "MEMOIZE":
+            if last is not None:
+                strings[n] = last
+            n += 1
+        last = arg if op.name in ("SHORT_BINUNICODE", "BINUNICODE") else None
+    return n, strings
+
+
+@settings(max_examples=120, deadline=None)
+@given(_dcp_metadata())
+def test_fast_reader_equals_the_general_path_on_generated_metadata(data):
+    """Every generated dcp.save-style pickle takes the fast path, parses exactly as the general
+    allowlist path, and the reader counts the memo exactly (each storage fqn it keeps for later
+    references sits at the memo index the pickle machine gives it)."""
+    from formats.dcp import metadata_fast as F
+
+    assert _fast(data) is not None
+    assert M.parse_metadata_bytes(data, "x/.metadata") == _general(data)
+    reader = F._Reader(data, M._resolve_metadata_global, M._RECORD_KINDS, M.StorageInfo, M._intern_shape)
+    reader.run()
+    entries, strings = _memoized_strings(data)
+    assert reader.memo_n == entries
+    kept = [(i, s) for at, batch in reader.fqn_batches for i, s in zip(at, batch, strict=True)]
+    assert all(strings.get(i) == s for i, s in kept)
+    assert [i for i, _ in kept] == sorted({i for i, _ in kept})
+
+
+def _outcome(parse, data):
+    try:
+        return "ok", parse(data)
+    except CkptConvError as e:
+        return type(e).__name__, str(e)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_dcp_metadata(), st.data())
+def test_a_byte_tampered_in_the_records_reads_as_the_general_path(data, draw):
+    """A byte changed anywhere in the chunk / storage records (what the batched runs read): the
+    result or the error message is the general path's."""
+    start = data.find(b"chunks")
+    at = draw.draw(st.integers(max(start, 2), len(data) - 2))
+    damaged = data[:at] + bytes([draw.draw(st.integers(0, 255))]) + data[at + 1:]
+    assert _outcome(lambda d: M.parse_metadata_bytes(d, "x/.metadata"), damaged) == _outcome(_general, damaged)
+
+
+def _long_run_metadata() -> bytes:
+    """One tensor of 300 chunks in one file (one long run of each record kind), lengths 70,000
+    (BININT: ``J`` and 4 bytes)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    chunks = [ChunkStorageMetadata(torch.Size([i * 10, 0]), torch.Size([10, 7])) for i in range(300)]
+    storage = {MetadataIndex(_fresh("w"), c.offsets, i): _StorageInfo("__0_0.distcp", i * 70000, 70000)
+               for i, c in enumerate(chunks)}
+    md = Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3000, 7]),
+                                              chunks)}, storage_data=storage)
+    return pickle.dumps(md, protocol=4)
+
+
+def test_a_negative_length_inside_a_run_falls_back_and_is_refused_as_before():
+    data = _long_run_metadata()
+    length = b"J" + (70000).to_bytes(4, "little")
+    at = data.index(length, len(data) // 2)  # a record in the middle of the run
+    damaged = data[:at] + b"J" + (-5).to_bytes(4, "little", signed=True) + data[at + 5:]
+    assert _fast(data) is not None and _fast(damaged) is None
+    with pytest.raises(CkptConvError, match=r"bad storage offset/length \d+/-5") as e:
+        M.parse_metadata_bytes(damaged, "x/.metadata")
+    assert _outcome(_general, damaged) == (type(e.value).__name__, str(e.value))
+
+
+def test_a_shape_with_a_wrong_tuple_opcode_inside_a_run_falls_back():
+    """TUPLE1 where the two ints of a chunk's sizes need TUPLE2: the run's shape check bails to the
+    general path (which then decides), as the record-by-record reader did."""
+    data = _long_run_metadata()
+    sizes = b"K\nK\x07\x86\x94"  # (10, 7): two BININT1 and TUPLE2, MEMOIZE
+    at = data.index(sizes, data.index(b"chunks") + 150 * len(sizes) * 8)  # about record 150
+    damaged = data[:at] + b"K\nK\x07\x85\x94" + data[at + len(sizes):]
+    assert _fast(damaged) is None
+    assert _outcome(lambda d: M.parse_metadata_bytes(d, "x/.metadata"), damaged) == _outcome(_general, damaged)
