@@ -131,10 +131,7 @@ class ChunkIndex:
         layout = _INDEX_LAYOUTS.get(key)
         if layout is None:
             layout = _index_layout(*key)
-            if len(chunks) <= _INDEX_LAYOUT_CHUNKS:
-                if len(_INDEX_LAYOUTS) >= _INDEX_LAYOUT_ENTRIES:
-                    _INDEX_LAYOUTS.clear()
-                _INDEX_LAYOUTS[key] = layout
+            _remember_layout(key, layout)
         order, self._dim, self._starts, self._reach, self._numel = layout
         self.chunks: list[ChunkRef] = list(map(chunks.__getitem__, order))
 
@@ -168,11 +165,22 @@ class ChunkIndex:
 
 
 #: :func:`_index_layout` by source boxes (every chunk's offsets, every chunk's sizes): a model's
-#: tensors repeat a few layouts (every layer's, and a parameter's optimizer states). Bounded: only
-#: layouts of up to ``_INDEX_LAYOUT_CHUNKS`` chunks, cleared when it holds ``_INDEX_LAYOUT_ENTRIES``.
+#: tensors repeat a few layouts (every layer's, and a parameter's optimizer states). Bounded: it is
+#: cleared before it would hold more than ``_INDEX_LAYOUT_CHUNKS`` chunks' boxes in all.
 _INDEX_LAYOUTS: dict[tuple[tuple, tuple], tuple] = {}
-_INDEX_LAYOUT_CHUNKS = 1 << 16
-_INDEX_LAYOUT_ENTRIES = 256
+_INDEX_LAYOUT_CHUNKS = 1 << 20
+_index_layout_held = [0]  # chunks' boxes held by _INDEX_LAYOUTS
+
+
+def _remember_layout(key: tuple[tuple, tuple], layout: tuple) -> None:
+    n = len(key[0])
+    if n > _INDEX_LAYOUT_CHUNKS:
+        return
+    if _index_layout_held[0] + n > _INDEX_LAYOUT_CHUNKS:
+        _INDEX_LAYOUTS.clear()
+        _index_layout_held[0] = 0
+    _INDEX_LAYOUTS[key] = layout
+    _index_layout_held[0] += n
 
 
 def _index_layout(offsets: tuple[tuple[int, ...], ...], sizes: tuple[tuple[int, ...], ...]

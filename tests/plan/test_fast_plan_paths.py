@@ -310,3 +310,14 @@ def test_chunk_spec_many_equals_of():
 def test_chunks_of_equals_the_filter(keys, kept):
     chunks = tuple(ChunkSpec.of(k, "float32", (1,), Box((0,), (1,)), 0) for k in keys)
     assert fu._chunks_of(chunks, kept) == tuple(c for c in chunks if c.key in kept)
+
+
+def test_chunk_index_layout_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(copy_tasks, "_INDEX_LAYOUT_CHUNKS", 40)
+    monkeypatch.setattr(copy_tasks, "_INDEX_LAYOUTS", {})
+    monkeypatch.setattr(copy_tasks, "_index_layout_held", [0])
+    for n in range(9, 30):
+        chunks = [ChunkRef(Box((i,), (1,)), "f", i, i) for i in reversed(range(n))]
+        assert ChunkIndex(chunks).chunks == ReferenceChunkIndex(chunks).chunks
+        assert copy_tasks._index_layout_held[0] <= 40
+        assert sum(len(k[0]) for k in copy_tasks._INDEX_LAYOUTS) == copy_tasks._index_layout_held[0]
