@@ -260,6 +260,14 @@ class _Reader:
         self.fast_chunk: dict[bytes, tuple[re.Pattern, tuple[bytes, bytes]]] = {}
         self.fast_pair: dict[bytes, re.Pattern] = {}
 
+    def close(self) -> None:
+        """Drop the data, the memo and the caches now: the caches parse with the reader's bound
+        methods (a reference cycle), which would otherwise keep the file's bytes alive until the
+        next cyclic garbage collection (callers pause it while parsing)."""
+        self.data = b""
+        self.shapes = self.strings = self.boxes = None
+        self.memo, self.fqn_batches, self.fqn_first, self.keep = {}, [], [], []
+
     # memo references resolved once (memo entries are written once: PUT opcodes are refused)
     def _ref(self, raw: bytes) -> Any:
         return self._get(raw[1] if raw[0] == 0x68 else _UNPACK_I(raw, 1)[0])
@@ -748,7 +756,10 @@ def fast_loads(data: bytes, resolve: Callable[[str, str], Any], records: dict[st
     ``records`` maps DCP class names to the record classes ``resolve`` returns for them;
     ``intern`` returns the shared tuple of a validated shape.
     """
+    reader = _Reader(data, resolve, records, storage_info, intern)
     try:
-        return _Reader(data, resolve, records, storage_info, intern).run()
+        return reader.run()
     except (_Bail, IndexError, struct.error, RecursionError, MemoryError):
         return None
+    finally:
+        reader.close()
