@@ -27,7 +27,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from converter import distributed  # noqa: E402
+from converter.run import distributed  # noqa: E402
 from converter.config import RunOptions  # noqa: E402
 
 

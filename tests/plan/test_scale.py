@@ -52,6 +52,19 @@ def test_synthetic_fsdp_tp_metadata_matches_a_real_fsdp2_tp_save(dcp_checkpoint,
     syn.check(tmp_path / "syn", real)
 
 
+def test_rank_startup_bench_runs(tmp_path):
+    """bench/rank_startup.py (the per-rank start-up figures of README's "Planning at scale") still
+    runs: one process on a tiny synthetic checkpoint, its JSON line counting the whole plan."""
+    syn.build(tmp_path / "ck", TINY, 4, [], quiet=True)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "rank_startup.py"), str(tmp_path / "ck"),
+                           str(tmp_path / "out"), "--mesh", "tp2,dp2"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["rank"] == 0 and line["world"] == 1 and line["tasks"] == line["my_tasks"] > 0
+    assert line["my_copies"] >= line["my_tasks"]
+
+
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "converter", *args], capture_output=True, text=True,
