@@ -76,43 +76,46 @@ _SIZE_TAIL_BYTES = b"\x85\x94R\x94"
 _STR = rb"(?:\x8c.[\x20-\x7e]*\x94|" + _REF + rb")"
 _NEWOBJ = rb"\)\x81\x94\}\x94\("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK
 
+def _chunk_record(span_box: bool) -> re.Pattern:
+    """The ChunkStorageMetadata record pattern; ``span_box`` adds a group spanning both Sizes."""
+    start, end = (b"(", b")") if span_box else (b"", b"")
+    return re.compile(
+        b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _REF + b")" + start + b"(" + _SHAPE + b")"
+        + _SIZE_TAIL + b"(" + _REF + b")(" + _REF + b")(" + _SHAPE + b")" + end + _SIZE_TAIL + b"ub",
+        re.DOTALL,
+    )
+
+
+def _pair_record(span_tail: bool) -> re.Pattern:
+    """The MetadataIndex -> _StorageInfo pair pattern; ``span_tail`` adds a group spanning the
+    storage offset, the 'length' ref and the length."""
+    start, end = (b"(", b")") if span_tail else (b"", b"")
+    return re.compile(
+        b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _STR + b")(" + _REF + b")(" + _INT + b"|N)("
+        + _REF + b")(" + _REF + b")(" + _SHAPE + b")" + _SIZE_TAIL + b"ub"
+        + b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _STR + b")(" + _REF + b")" + start + b"("
+        + _INT + b")(" + _REF + b")(" + _INT + b")" + end + b"ub",
+        re.DOTALL,
+    )
+
+
 #: One ChunkStorageMetadata record: class, {offsets: Size, sizes: Size}; groups: class ref,
 #: 'offsets' ref, Size ref, shape, 'sizes' ref, Size ref, shape.
-_CHUNK_LEARN = re.compile(
-    b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _REF + b")(" + _SHAPE + b")" + _SIZE_TAIL
-    + b"(" + _REF + b")(" + _REF + b")(" + _SHAPE + b")" + _SIZE_TAIL + b"ub",
-    re.DOTALL,
-)
+_CHUNK_LEARN = _chunk_record(span_box=False)
 
 #: One MetadataIndex -> _StorageInfo pair as ``dcp.save`` writes it (fqn, index, offset; then
 #: relative_path, offset, length). Groups: index class ref, 'fqn' ref, fqn, 'index' ref, index,
 #: 'offset' ref, Size ref, shape, info class ref, 'relative_path' ref, path, 'offset' ref, offset,
 #: 'length' ref, length.
-_PAIR_LEARN = re.compile(
-    b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _STR + b")(" + _REF + b")(" + _INT + b"|N)("
-    + _REF + b")(" + _REF + b")(" + _SHAPE + b")" + _SIZE_TAIL + b"ub"
-    + b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _STR + b")(" + _REF + b")(" + _INT + b")("
-    + _REF + b")(" + _INT + b")ub",
-    re.DOTALL,
-)
+_PAIR_LEARN = _pair_record(span_tail=False)
 _INT_RE = re.compile(_INT, re.DOTALL)
 
 #: The chunk record as the batched runs read it: group 4 spans both Sizes (offsets shape to sizes
 #: shape: one cache key per box), groups 5 and 8 are its shapes; the others as in _CHUNK_LEARN.
-_CHUNK_RUN = re.compile(
-    b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _REF + b")((" + _SHAPE + b")" + _SIZE_TAIL
-    + b"(" + _REF + b")(" + _REF + b")(" + _SHAPE + b"))" + _SIZE_TAIL + b"ub",
-    re.DOTALL,
-)
+_CHUNK_RUN = _chunk_record(span_box=True)
 #: The pair as the batched runs read it: group 13 spans the storage offset, the 'length' ref and
 #: the length (one cache key); groups 14-16 are those parts; the others as in _PAIR_LEARN.
-_PAIR_RUN = re.compile(
-    b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _STR + b")(" + _REF + b")(" + _INT + b"|N)("
-    + _REF + b")(" + _REF + b")(" + _SHAPE + b")" + _SIZE_TAIL + b"ub"
-    + b"(" + _REF + b")" + _NEWOBJ + b"(" + _REF + b")(" + _STR + b")(" + _REF + b")((" + _INT + b")("
-    + _REF + b")(" + _INT + b"))ub",
-    re.DOTALL,
-)
+_PAIR_RUN = _pair_record(span_tail=True)
 #: A storage offset, the 'length' ref and the length (group 13 of _PAIR_RUN); unambiguous, as _BOX.
 _OFFSET_LENGTH = re.compile(b"(" + _INT + b")" + _REF + b"(" + _INT + b")", re.DOTALL)
 #: A box's bytes (group 4 of _CHUNK_RUN): its two shapes. The encoding is unambiguous (each
