@@ -227,31 +227,15 @@ class PlannedPieces(Sequence[Piece]):
     def __init__(self, index: ChunkIndex, box: Box, itemsize: int, piece_bytes: int, key: str) -> None:
         self._src, self._box = _PieceSource(index, itemsize, piece_bytes, key), box
 
-    @property
-    def _index(self) -> ChunkIndex:
-        return self._src.index
-
-    @property
-    def _itemsize(self) -> int:
-        return self._src.itemsize
-
-    @property
-    def _piece_bytes(self) -> int:
-        return self._src.piece_bytes
-
-    @property
-    def _key(self) -> str:
-        return self._src.key
-
     def _boxes(self) -> list[Box]:
-        return split_pieces(self._box, self._itemsize, self._piece_bytes)
+        return split_pieces(self._box, self._src.itemsize, self._src.piece_bytes)
 
     def __iter__(self) -> Iterator[Piece]:
         for piece_box in self._boxes():
-            copies = self._index.copies(piece_box)
+            copies = self._src.index.copies(piece_box)
             if sum(c.region.numel for c in copies) != piece_box.numel:
                 raise CorruptCheckpointError(
-                    f"key {self._key!r}: region {piece_box.to_json()} is not covered exactly by the source chunks"
+                    f"key {self._src.key!r}: region {piece_box.to_json()} is not covered exactly by the source chunks"
                 )
             yield Piece(piece_box, copies)
 
@@ -263,7 +247,7 @@ class PlannedPieces(Sequence[Piece]):
 
     def source_files(self) -> set[str]:
         """The files of the source chunks this box is read from (one index query, no pieces)."""
-        return {c.file for c in self._index.overlapping(self._box)}
+        return {c.file for c in self._src.index.overlapping(self._box)}
 
     @property
     def max_numel(self) -> int:
@@ -271,7 +255,7 @@ class PlannedPieces(Sequence[Piece]):
         box = self._box
         if box.ndim == 0 or box.numel == 0:
             return box.numel
-        return split_pieces_first(box, self._itemsize, self._piece_bytes).numel
+        return split_pieces_first(box, self._src.itemsize, self._src.piece_bytes).numel
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (PlannedPieces, tuple, list)):
@@ -279,10 +263,10 @@ class PlannedPieces(Sequence[Piece]):
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((self._box, self._itemsize, self._piece_bytes, self._key))
+        return hash((self._box, self._src.itemsize, self._src.piece_bytes, self._src.key))
 
     def __repr__(self) -> str:
-        return f"PlannedPieces({self._key!r}, {self._box.to_json()}, piece_bytes={self._piece_bytes})"
+        return f"PlannedPieces({self._src.key!r}, {self._box.to_json()}, piece_bytes={self._src.piece_bytes})"
 
 
 #: Target boxes already checked to lie inside a shape (layouts repeat a few boxes many times),

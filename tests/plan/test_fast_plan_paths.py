@@ -176,7 +176,7 @@ def assert_same_tasks(fast: list[WriteTask], slow: list[WriteTask]) -> None:
         assert list(a.pieces) == list(b.pieces)
         assert repr(a.pieces) == repr(b.pieces) and hash(a.pieces) == hash(b.pieces)
         assert a.max_piece_bytes == b.max_piece_bytes and a.nbytes == b.nbytes
-        assert a.pieces.source_files() == {c.file for c in b.pieces._index.overlapping(b.box)}
+        assert a.pieces.source_files() == {c.file for c in b.pieces._src.index.overlapping(b.box)}
 
 
 # ---------------------------------------------------------------------------------------------
