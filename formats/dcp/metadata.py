@@ -27,6 +27,7 @@ from formats.dcp.metadata_fast import fast_loads
 from formats.dcp.safe_pickle import SAFE_BUILTINS, DTypeRef, Record, record_class, safe_loads
 from formats.dcp.safe_pickle import resolve_torch_dtype, resolve_torch_layout
 from formats.errors import CorruptCheckpointError, IncompleteCheckpointError
+from formats.fsutil import short
 
 Shape = tuple[int, ...]
 
@@ -329,13 +330,24 @@ def _parse_storage_info(info: Record, source: str, fqn: str) -> StorageInfo:
     return StorageInfo(path, offset, length, transforms or ())
 
 
-def _parse_planner(raw: Any) -> dict[str, tuple[str | int, ...]]:
+def _parse_planner(raw: Any, source: str) -> dict[str, tuple[str | int, ...]]:
+    """Each key's object path (``planner_data``: what ``dcp.save``'s flattening recorded).
+
+    A value that is no path is left out (custom planners may store anything; the path is then
+    inferred from the key). A path must name its key: ``dcp.save`` makes every key by joining
+    its path with ``'.'``, so a path that joins to another name is damage, and it is refused (it
+    would file the key under another object: export-hf, for one, would not see a model weight)."""
     if not isinstance(raw, dict):
-        return {}  # custom planners may store anything; the path is then inferred from the key
+        return {}
     out = {}
     for key, path in raw.items():
         if isinstance(key, str) and isinstance(path, (tuple, list)) and path:
             if all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
+                if ".".join(map(str, path)) != key:
+                    raise CorruptCheckpointError(
+                        f"{source}: key {short(repr(key))}: planner data gives it the object path "
+                        f"{short(repr(tuple(path)))}, which does not join to the key (dcp.save names each key by "
+                        "its path joined with '.'); the metadata is damaged: save the checkpoint again")
                 out[key] = tuple(path)
     return out
 
@@ -395,7 +407,7 @@ def _parse_root(root: Any, source: str) -> DCPMetadata:
     version = md.get("version", 4)
     return DCPMetadata(
         entries=_parse_entries(md.get("state_dict_metadata", 0), source),
-        planner_data=_parse_planner(md.get("planner_data", 1)),
+        planner_data=_parse_planner(md.get("planner_data", 1), source),
         storage=_parse_storage(md.get("storage_data", 2), source),
         storage_meta=_parse_storage_meta(md.get("storage_meta", 3)),
         version=None if version is None else str(version),

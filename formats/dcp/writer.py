@@ -216,6 +216,10 @@ def _check_names(
         raise ConfigError(
             f"planner_data must name exactly the stored keys; mismatched: {sorted(missing)[:5]}"
         )
+    unjoined = next((k for k, path in planner_data.items() if ".".join(map(str, path)) != k), None)
+    if unjoined is not None:  # dcp.save's keys are their paths joined; readers refuse anything else
+        raise ConfigError(f"planner_data path {tuple(planner_data[unjoined])!r} of key {unjoined!r} does not "
+                          "join (with '.') to the key")
 
 
 # ----------------------------------------------------------------------------- the writer

@@ -305,11 +305,12 @@ def _inside(root: Path, relative: str, top: str, key: str, where: Path) -> Path:
 
 
 def _check_record(root: Path, key: str, r: TensorRecord, where: Path, st: Storage | None = None,
-                  layout: ModuleType = zarr_backend) -> None:
+                  layout: ModuleType = zarr_backend) -> Path:
     """A tensor record must be consistent before anything is planned from it: known dtype, chunk
     shape of the tensor's rank, an array path inside ``tensors/``, one checksum per chunk of the
     grid, the backend's own fields, and a first chunk file of the size the backend writes (so
-    damaged shapes cannot plan or allocate more than the store holds)."""
+    damaged shapes cannot plan or allocate more than the store holds). Returns the array's checked
+    path (resolved, for a local store)."""
 
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: key {key!r}: {what}; the store is damaged: reconvert it")
@@ -326,7 +327,7 @@ def _check_record(root: Path, key: str, r: TensorRecord, where: Path, st: Storag
     if problem:
         raise bad(problem)
     if not math.prod(counts):
-        return
+        return array
     index = tuple(0 for _ in r.shape)
     first = layout.chunk_file(r, index)
     full = layout.file_size(r, chunk_box(r, index))
@@ -341,6 +342,17 @@ def _check_record(root: Path, key: str, r: TensorRecord, where: Path, st: Storag
         raise read_error(root / first, e, f"key {key!r}") from None
     if size != full:
         raise bad(f"chunk file {first} has {size} bytes, a chunk needs {full}")
+    return array
+
+
+def _one_owner(owners: dict[Path, str], path: Path, key: str, what: str, name: str, where: Path) -> None:
+    """Record that ``key`` owns ``path``; a second key naming the same file or array (two keys
+    over one storage: one of them would silently read the other's bytes) is refused."""
+    first = owners.setdefault(path, key)
+    if first != key:
+        raise CorruptCheckpointError(
+            f"{where}: keys {short(repr(first))} and {short(repr(key))} both name the {what} {short(repr(name))} (each "
+            "key has its own); the metadata is damaged: reconvert the store")
 
 
 #: Rows of partial-row reads (TP column shards of row-block chunks) are read in batches of at
@@ -365,10 +377,12 @@ class UniversalReader:
         where = self.root / METADATA_FILE
         if not self._storage.is_local:  # one listing for the chunk checks, not a request per tensor
             self._storage.prefetch_sizes(TENSORS_DIR)
+        owners: dict[Path, str] = {}  # checked array / object path -> the key that names it
         for key, record in self.meta.tensors.items():
-            _check_record(self.root, key, record, where, self._storage, self._layout)
+            array = _check_record(self.root, key, record, where, self._storage, self._layout)
+            _one_owner(owners, array, key, "array", record.array, where)
         for key, obj in self.meta.objects.items():
-            _inside(self.root, obj.file, OBJECTS_DIR, key, where)
+            _one_owner(owners, _inside(self.root, obj.file, OBJECTS_DIR, key, where), key, "object file", obj.file, where)
         self._index: CheckpointIndex | None = None
 
     def index(self) -> CheckpointIndex:

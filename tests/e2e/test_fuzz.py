@@ -10,20 +10,26 @@ class (:data:`CLASSES`): byte edits and truncations of ``.metadata``, ``.distcp`
 (chunk boxes, sizes, dtypes, storage offsets/lengths/paths, path-like keys ``../x``); non-tensor
 entries rewritten with hostile pickles (``posix.system`` by GLOBAL, STACK_GLOBAL through the memo,
 INST, EXT1, names computed at load time) and damaged archives; huge declared sizes; symlinks out
-of the checkpoint, loops and dangling links.
+of the checkpoint, loops and dangling links; two keys over one array of a store, and planner paths
+that do not name their key (issue 25: the two inputs of an outside corpus that lost a tensor).
 
-Each case runs ``ckptconv verify`` and the conversion of its format (to-universal, from-universal,
-import-hf) through the real CLI entry point in this process (``tests/support/cli_runner.py``), and a sample
-in subprocesses (peak RSS measured, under ``RLIMIT_AS`` as a net). Checked per case:
+Each case runs in a child forked from the pytest process (its own peak RSS, from its RSS at the
+fork): ``ckptconv verify`` and the conversion of its format (to-universal, from-universal,
+import-hf; export-hf too for the classes that name it) through the real CLI entry point
+(``tests/support/cli_runner.py``); a sample runs in fresh interpreters (under ``RLIMIT_AS`` as a
+net). Checked per case:
 
 - exit status 0 or 2; on 2 exactly one ``ckptconv: error:`` line, never ``internal error`` or a
-  traceback; no hang (``CASE_SECONDS`` timer); peak RSS growth under ``MAX_RSS_GROWTH``;
+  traceback; no hang (``CASE_SECONDS`` timer); the case process's peak RSS growth under
+  ``MAX_RSS_GROWTH``;
 - nothing outside the destination written or changed, a hostile payload never run (its marker
   file never appears), a hostile entry never converted without ``--trust-pickle``;
 - a conversion that succeeds is correct: for a DCP source, torch's own reading of the mutated
   source (``dcp_to_torch_save``) equals torch's ``dcp.load`` of the store; for an HF source, the
   safetensors library's reading equals the store; and no conversion succeeds on an input whose
-  integrity data ``verify`` rejects ("silent corruption").
+  integrity data ``verify`` rejects ("silent corruption"); for classes that change no tensor
+  (``same_data``), every tensor of the pristine base is in the output, and every model weight in
+  the export-hf output.
 
 Classes whose failures belong to points of issue 12 still being fixed can be marked in
 :data:`EXPECTED` (their cases run and are counted; a failure is an xfail naming the point).
@@ -40,6 +46,7 @@ import os
 import pickle
 import random
 import resource
+import select
 import shutil
 import signal
 import struct
@@ -63,8 +70,8 @@ from converter.api import export_hf, to_universal
 
 REPO = Path(__file__).resolve().parents[2]
 CASE_SECONDS = 30
-MAX_RSS_GROWTH = 1 << 30  # bytes of peak-RSS growth one in-process case may cause
-QUICK_CASES = 60
+MAX_RSS_GROWTH = 1 << 30  # bytes of peak-RSS growth one case (its process, from its start) may cause
+QUICK_CASES = 64  # every class of the first 24 keeps the seeds it had with 60 cases over 24 classes
 LONG_CASES = int(os.environ.get("CKPTCONV_FUZZ_CASES", "1100"))
 WORKERS = "2"
 
@@ -609,12 +616,64 @@ def m_symlink_loop(rng, src, bases):
     return "self"
 
 
+def m_shared_array(rng, src, bases):
+    """Two tensor keys over one array (issue 25 point 5, an outside corpus's input): one key's
+    record copied whole from another's, or only its array (and chunk files, checksums, shape)."""
+    p = src / "ckptconv.json"
+    doc = json.loads(p.read_text())
+    tensors = doc["tensors"]
+    a, b = rng.sample(sorted(tensors), 2)
+    how = rng.choice(["record", "array"])
+    if how == "record":
+        keep = {"tensor": tensors[a]["tensor"]} if "tensor" in tensors[a] else {}
+        tensors[a] = {**json.loads(json.dumps(tensors[b])), **keep}
+    else:
+        for name in ("array", "checksums", "shape", "chunk_shape", "files"):
+            if name in tensors[b]:
+                tensors[a][name] = json.loads(json.dumps(tensors[b][name]))
+    p.write_text(json.dumps(doc))
+    return how
+
+
+#: Object paths a planner_data entry is set to (``{key}``: the key's own parts): the corpus's
+#: huge path, names of other objects and roots, ints, and paths that still name the key.
+PLANNER_PATHS = ["huge", "huge-name", "other-root", "other-key", "ints", "split", "whole"]
+
+
+def m_planner_path(rng, src, bases):
+    """One key's planner_data path (issue 25 point 5): huge (10^5 parts, a 1 MiB name), another
+    root (``optim``), another key's path, int parts; or a path that still joins to the key (split
+    at every dot, or the key whole), which must convert as before."""
+    md = _load_md(src)
+    model = sorted(k for k in md.planner_data if k.startswith("model."))
+    key = rng.choice(model if model and rng.random() < 0.8 else sorted(md.planner_data))
+    how = rng.choice(PLANNER_PATHS)
+    others = [k for k in sorted(md.planner_data) if k != key]
+    md.planner_data[key] = {
+        "huge": ("model",) * 100_000 + tuple(key.split(".")),
+        "huge-name": ("model", "n" * (1 << 20)),
+        "other-root": ("optim", *key.split(".")[1:]),
+        "other-key": md.planner_data[rng.choice(others)] if others else ("x",),
+        "ints": (key.split(".")[0], rng.choice([0, 7, 10**30])),
+        "split": tuple(int(p) if p.isdigit() else p for p in key.split(".")),
+        "whole": (key,),
+    }[how]
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    return how
+
+
 @dataclass(frozen=True)
 class FuzzClass:
     name: str
     bases: tuple[str, ...]
     mutate: Callable
     hostile: bool = False  # a payload that must never run, and never be converted without trust
+    #: conversions run besides the base's (CONVERT); ``export-hf``: every model weight of the
+    #: pristine base must then be in the HF output, bit-exact (the class changes no tensor's data)
+    also: tuple[str, ...] = ()
+    #: the class renames or changes no tensor's data: a conversion that succeeds must hold every
+    #: tensor of the pristine base, bit-exact (a missing key is then a silent loss, not a rename)
+    same_data: bool = False
 
 
 CLASSES: dict[str, FuzzClass] = {c.name: c for c in [
@@ -642,6 +701,9 @@ CLASSES: dict[str, FuzzClass] = {c.name: c for c in [
     FuzzClass("symlink-dcp-hf", ("dcp", "hf"), m_symlink),
     FuzzClass("symlink-universal", ("universal",), m_symlink),
     FuzzClass("symlink-loop", ("dcp", "universal", "hf"), m_symlink_loop),
+    FuzzClass("universal-shared-array", ("universal", "universal-st"), m_shared_array, also=("export-hf",),
+              same_data=True),
+    FuzzClass("dcp-planner-path", ("dcp", "fsdp4"), m_planner_path, also=("export-hf",), same_data=True),
 ]}
 
 #: Fuzz classes whose failures belong to other points of issue 12 still being fixed: their cases
@@ -664,10 +726,18 @@ class Outcome:
     steps: dict[str, int] = field(default_factory=dict)  # step -> exit status
     problems: list[str] = field(default_factory=list)
     flags: set = field(default_factory=set)  # hang, traceback, internal, exit, silent, memory, escape, ran, laundered
+    rss_growth: int = 0  # bytes of peak-RSS growth of the case's process over its RSS at start
 
 
 def _peak_rss() -> int:
+    """This process's peak RSS in bytes (in a case's child: since the fork)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss() -> int:
+    """This process's RSS now, in bytes (a case's baseline: its child's RSS when it starts)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _timed_cli(args: list[str]) -> tuple[int, str, str]:
@@ -683,10 +753,10 @@ def _timed_cli(args: list[str]) -> tuple[int, str, str]:
         signal.signal(signal.SIGALRM, old)
 
 
-def _listing(root: Path, skip: Path) -> dict[str, tuple]:
+def _listing(root: Path, skip: tuple[Path, ...]) -> dict[str, tuple]:
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if Path(dirpath, d) != skip]
+        dirnames[:] = [d for d in dirnames if Path(dirpath, d) not in skip]
         for n in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
             full = os.path.join(dirpath, n)
             st = os.lstat(full)
@@ -721,22 +791,32 @@ CONVERT = {  # tiny zarr chunks for the small base (many chunks per tensor); 64 
 
 
 def run_case(bases: Bases, cls: FuzzClass, seed: int, work: Path) -> Outcome:
+    """One case, run in a child forked from this process (:func:`in_child`): its peak RSS is
+    its own, so a case that peaks below an earlier case's peak still shows its growth."""
+    steps = 2 + len(cls.also)
+    return in_child(lambda: _run_case(bases, cls, seed, work), Outcome(cls.name, seed),
+                    timeout=CASE_SECONDS * steps + 60)
+
+
+def _run_case(bases: Bases, cls: FuzzClass, seed: int, work: Path) -> Outcome:
     rng = random.Random(f"{cls.name}/{seed}")
     base = rng.choice(cls.bases)
     fmt = bases.fmt(base)
     out = Outcome(cls.name, seed)
     case_root = work / f"{cls.name}-{seed}"
-    src, dst = case_root / "ckpt", case_root / "out"
+    src, dst, exported = case_root / "ckpt", case_root / "out", case_root / "hf"
     shutil.copytree(bases.paths[base], src)
     for p in [src, *src.rglob("*")]:
         p.chmod(0o755 if p.is_dir() else 0o644)
     try:
         out.label = f"{base}:{cls.mutate(rng, src, bases)}"
-        before = _listing(case_root, dst)
-        rss0 = _peak_rss()
+        before = _listing(case_root, (dst, exported))
+        rss0 = _rss()
         verify_ok = None
+        also = {"export-hf": ["export-hf", str(src), str(exported), "--workers", WORKERS]}
         for step, args in (("verify", ["verify", str(src), "--workers", WORKERS]),
-                           ("convert", CONVERT.get(base, CONVERT[fmt])(str(src), str(dst)))):
+                           ("convert", CONVERT.get(base, CONVERT[fmt])(str(src), str(dst))),
+                           *((name, also[name]) for name in cls.also)):
             t0 = time.monotonic()
             try:
                 code, so, se = _timed_cli(args)
@@ -747,28 +827,84 @@ def run_case(bases: Bases, cls: FuzzClass, seed: int, work: Path) -> Outcome:
             check_stream(out, step, code, so, se)
             if step == "verify":
                 verify_ok = code == 0
-        if _peak_rss() - rss0 > MAX_RSS_GROWTH:
+        out.rss_growth = _peak_rss() - rss0
+        if out.rss_growth > MAX_RSS_GROWTH:
             out.flags.add("memory")
-            out.problems.append(f"peak RSS grew {(_peak_rss() - rss0) >> 20} MiB")
-        if _listing(case_root, dst) != before:
+            out.problems.append(f"peak RSS grew {out.rss_growth >> 20} MiB")
+        if _listing(case_root, (dst, exported)) != before:
             out.flags.add("escape")
             out.problems.append("a file outside the destination was written or changed")
         if bases.marker.exists():
             out.flags.add("ran")
             out.problems.append("the hostile payload RAN")
             bases.marker.unlink()
-        converted = out.steps.get("convert") == 0
-        if converted and cls.hostile:
-            out.flags.add("laundered")
-            out.problems.append("a hostile entry was converted without --trust-pickle")
-        elif converted:
-            problem = check_result(fmt, src, dst, bases.pristine[base], verify_ok)
+        for step, target in (("convert", dst), *((name, exported) for name in cls.also)):
+            if out.steps.get(step) != 0:
+                continue
+            if cls.hostile:
+                out.flags.add("laundered")
+                out.problems.append(f"{step}: a hostile entry was converted without --trust-pickle")
+                continue
+            if step != "convert":
+                problem = check_export(target, bases.pristine[base])
+            else:
+                problem = check_result(fmt, src, target, bases.pristine[base], verify_ok)
+                if problem is None and cls.same_data:
+                    problem = check_complete(fmt, target, bases.pristine[base])
             if problem:
                 out.flags.add("silent")
-                out.problems.append(problem)
+                out.problems.append(f"{step}: {problem}" if step != "convert" else problem)
     finally:
         shutil.rmtree(case_root, ignore_errors=True)
     return out
+
+
+def in_child(fn: Callable[[], Outcome], failed: Outcome, timeout: float) -> Outcome:
+    """``fn()`` run in a child forked from this process, its Outcome sent back through a pipe.
+
+    The child's peak RSS starts at its RSS when forked (Linux), not at this long-lived process's
+    peak; it runs single-threaded (torch's pool, as DataLoader workers do) and leaves by
+    ``os._exit`` (no pytest teardown in it). A child that hangs past ``timeout`` seconds is
+    killed (flag ``hang``); one that dies or raises is a problem of ``failed``."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        status = 0
+        try:
+            os.close(r)
+            torch.set_num_threads(1)
+            try:
+                payload = pickle.dumps(fn())
+            except BaseException:  # noqa: BLE001 - sent to the parent as the case's problem
+                import traceback
+
+                payload, status = pickle.dumps(traceback.format_exc()[-3000:]), 1
+            with os.fdopen(w, "wb") as f:
+                f.write(payload)
+        finally:
+            os._exit(status)
+    os.close(w)
+    chunks, deadline = [], time.monotonic() + timeout
+    with os.fdopen(r, "rb") as f:
+        while True:
+            ready, _, _ = select.select([f], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                failed.flags.add("hang")
+                failed.problems.append(f"case process: hang (over {timeout:.0f}s)")
+                return failed
+            data = os.read(f.fileno(), 1 << 20)
+            if not data:
+                break
+            chunks.append(data)
+    _, status = os.waitpid(pid, 0)
+    result = pickle.loads(b"".join(chunks)) if chunks else None  # our own child's bytes
+    if isinstance(result, Outcome):
+        return result
+    failed.flags.add("exit")
+    failed.problems.append(f"case process: {result if isinstance(result, str) else f'died (status {status})'}")
+    return failed
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -867,6 +1003,38 @@ def check_result(fmt: str, src: Path, dst: Path, pristine: dict, verify_ok: bool
         if bad:
             return f"{'verify rejected the input, yet ' if verify_ok is False else ''}the output differs from the pristine checkpoint: {bad}"
     return None
+
+
+def check_complete(fmt: str, dst: Path, pristine: dict) -> str | None:
+    """Why the output of a class that changes no tensor (``same_data``) is wrong: every tensor of
+    the pristine base must be in it, bit-exact, as torch reads it (``dcp_to_torch_save`` of a
+    DCP output, ``dcp.load`` of a store)."""
+    from oracle import torch_reference
+
+    want = {k: v for k, v in pristine.items() if isinstance(v, torch.Tensor)}
+    try:
+        got = torch_reference(dst) if fmt == "universal" else _store_by_torch(dst, want)
+    except Exception as e:  # noqa: BLE001
+        return f"output unreadable by torch: {type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
+    missing = sorted(set(want) - set(got))
+    if missing:
+        return f"tensors missing from the output: {missing[:3]}"
+    return _differs(want, got, objects=False)
+
+
+def check_export(dst: Path, pristine: dict) -> str | None:
+    """Why a successful export-hf of a mutated base is wrong (None: right), for classes that change
+    no tensor's data: every model weight of the pristine base (identity map: ``model.`` dropped)
+    must be in the output, as the safetensors library reads it, bit-exact."""
+    try:
+        got = _read_hf(dst)
+    except Exception as e:  # noqa: BLE001
+        return f"output unreadable by safetensors: {type(e).__name__}: {str(e)[:200]}"
+    want = {k[len("model."):]: v for k, v in pristine.items() if k.startswith("model.") and isinstance(v, torch.Tensor)}
+    missing = sorted(set(want) - set(got))
+    if missing:
+        return f"model weights missing from the HF output: {missing[:3]}"
+    return _differs(want, got, objects=False)
 
 
 # ---------------------------------------------------------------------------------------------
