@@ -332,45 +332,48 @@ class HFReader:
 
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
         """A new contiguous tensor holding ``region``: one pread of the rows it spans."""
-        file, e = self._entry(key, region)
-        return from_storage_array(self._read_bits(file, e, region), e.dtype)
+        file, e, local = self._locate(key, chunk, region)
+        return from_storage_array(self._read_bits(file, e, local), e.dtype)
 
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` (writable, exactly the region's bytes) with ``region`` in C order; a region
         of whole rows is read straight into ``out``."""
-        file, e = self._entry(key, region)
-        if not e.shape or region.sizes[1:] == e.shape[1:]:
-            self._read_rows(file, e, region, out)
+        file, e, local = self._locate(key, chunk, region)
+        if not e.shape or local.sizes[1:] == e.shape[1:]:
+            self._read_rows(file, e, local, out)
             return
-        bits = self._read_bits(file, e, region)
+        bits = self._read_bits(file, e, local)
         copy_bits_into(bits, out)
 
-    def _entry(self, key: str, region: Box) -> tuple[str, StEntry]:
+    def _locate(self, key: str, chunk: ChunkRef, region: Box) -> tuple[str, StEntry, Box]:
+        """(file, stored tensor, ``region`` in the stored tensor's own coordinates) of ``chunk``."""
         found = self._entries.get(key)
         if found is None:
             raise PlanError(f"{self.root}: no tensor {key!r} in this checkpoint")
         file, e = found
         if region.ndim != len(e.shape) or not full_box(e.shape).contains(region):
             raise PlanError(f"key {key!r}: region {region.to_json()} is not inside the tensor {list(e.shape)}")
-        return file, e
+        return file, e, region
 
-    def _read_rows(self, file: str, e: StEntry, region: Box, out: memoryview) -> None:
-        """Read the rows ``region`` spans (whole rows) into ``out``, which holds exactly them."""
+    def _read_rows(self, file: str, e: StEntry, local: Box, out: memoryview) -> None:
+        """Read the rows ``local`` (a box of whole rows of ``e``) spans into ``out``, which holds
+        exactly them."""
         row = math.prod(e.shape[1:]) * by_name(e.dtype).itemsize
-        r0 = region.offsets[0] if e.shape else 0
+        r0 = local.offsets[0] if e.shape else 0
         if read_into(self._fd(file), out, e.begin + r0 * row) != len(out):
             raise CorruptCheckpointError(f"{self.root / file}: truncated while reading {e.name!r}; re-export it")
 
-    def _read_bits(self, file: str, e: StEntry, region: Box) -> np.ndarray:
-        """The region as a new bit array (storage dtype), read with one pread of its rows."""
+    def _read_bits(self, file: str, e: StEntry, local: Box) -> np.ndarray:
+        """The box ``local`` of ``e`` as a new bit array (storage dtype), read with one pread of its
+        rows."""
         d = by_name(e.dtype)
-        r0, r1 = (region.offsets[0], region.ends[0]) if e.shape else (0, 1)
+        r0, r1 = (local.offsets[0], local.ends[0]) if e.shape else (0, 1)
         rows = np.empty((r1 - r0, *e.shape[1:]) if e.shape else (), dtype=d.numpy_dtype)
-        self._read_rows(file, e, Box((r0, *region.offsets[1:]), (r1 - r0, *e.shape[1:])) if e.shape else region,
+        self._read_rows(file, e, Box((r0, *local.offsets[1:]), (r1 - r0, *e.shape[1:])) if e.shape else local,
                         memoryview(rows.reshape(-1).view(np.uint8)))
-        if not e.shape or region.sizes[1:] == e.shape[1:]:
+        if not e.shape or local.sizes[1:] == e.shape[1:]:
             return rows
-        return np.ascontiguousarray(rows[(slice(None),) + region.slices()[1:]])
+        return np.ascontiguousarray(rows[(slice(None),) + local.slices()[1:]])
 
     def read_object_bytes(self, key: str) -> bytes:
         raise PlanError(f"{self.root}: Hugging Face checkpoints hold no non-tensor entries (asked for {key!r})")

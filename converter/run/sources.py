@@ -1,4 +1,6 @@
-"""Open any supported checkpoint by sniffing its directory: DCP, universal store, HF safetensors."""
+"""Open any supported checkpoint by sniffing its directory: DCP (``.metadata`` + ``.distcp``, or
+the per-rank safetensors of DCP's ``HuggingFaceStorageWriter``), universal store, HF safetensors,
+DeepSpeed universal checkpoint."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from formats.errors import CheckpointNotFoundError, IncompleteCheckpointError, I
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """"dcp", "universal", "hf" or "deepspeed" (a local DeepSpeed universal checkpoint) for a local
-    directory or a URL; a clear error for anything else."""
+    """"dcp", "dcp-safetensors" (DCP's per-rank safetensors storage), "universal", "hf" or
+    "deepspeed" (a local DeepSpeed universal checkpoint) for a local directory or a URL; a clear
+    error for anything else."""
     from formats.storage import open_storage
 
     st = open_storage(path)
@@ -38,6 +41,7 @@ def detect_format(path: str | os.PathLike) -> str:
 
 def _format_of(st, names: list[str]) -> str:  # noqa: ANN001 - a formats.storage.Storage
     from formats.dcp.metadata import METADATA_NAME, rank_metadata_files
+    from formats.dcp_safetensors import is_per_rank_listing, missing_sharded_hint
     from formats.universal import is_universal_store
 
     p = st.root
@@ -45,8 +49,13 @@ def _format_of(st, names: list[str]) -> str:  # noqa: ANN001 - a formats.storage
         return "universal"
     if METADATA_NAME in names or rank_metadata_files(names):
         return "dcp"
+    if "model.safetensors.index.json" not in names and is_per_rank_listing(names):
+        return "dcp-safetensors"
     if any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names:
         return "hf"
+    hint = missing_sharded_hint(p, names) if st.is_local else None
+    if hint is not None:
+        raise InvalidCheckpointError(hint)
     if st.is_local and ("zero" in names or "latest_universal" in names):
         from formats.deepspeed import is_deepspeed_universal
 
@@ -90,6 +99,10 @@ def _open(path: str | os.PathLike, trust_pickle: bool, verify: bool) -> Checkpoi
         from formats.dcp import DCPReader
 
         return DCPReader(path, trust_pickle=trust_pickle, verify=verify)
+    if fmt == "dcp-safetensors":
+        from formats.dcp_safetensors import DCPSafetensorsReader
+
+        return DCPSafetensorsReader(path, verify=verify)
     if fmt == "deepspeed":
         from formats.deepspeed import DeepSpeedReader
 

@@ -13,6 +13,10 @@
   ``total_size``), and a read of every byte. safetensors stores no checksums: a flipped data
   byte cannot be detected from the files alone (compare with ``ckptconv diff`` against the
   source).
+- **dcp-safetensors** (DCP's per-rank safetensors, ``HuggingFaceStorageWriter``): every header as
+  for hf, every file's ``DCP_SHARDING_INFO`` (an offset per tensor of the right rank), every tensor
+  covered by its chunks with no gap or overlap in one dtype, and a read of every chunk's bytes
+  (no checksums either).
 
 Checks stream chunk by chunk in bounded slabs, across a thread pool. The result is a
 :class:`VerifyReport`; a checkpoint is sound when it has no problems (warnings do not count).
@@ -139,7 +143,8 @@ def verify(path: str | os.PathLike, *, quick: bool = False, trust_pickle: bool =
 
     start = time.perf_counter()
     fmt = detect_format(path)
-    run = {"dcp": _verify_dcp, "universal": _verify_universal, "hf": _verify_hf, "deepspeed": _verify_deepspeed}[fmt]
+    run = {"dcp": _verify_dcp, "universal": _verify_universal, "hf": _verify_hf, "deepspeed": _verify_deepspeed,
+           "dcp-safetensors": _verify_dcp_safetensors}[fmt]
     found = _Findings()
     from formats.storage import is_remote
 
@@ -490,19 +495,25 @@ def _slabs(fd: int, cshape: tuple[int, ...], sizes: tuple[int, ...], isz: int, w
 # HF
 
 
-def _verify_hf(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
-    from formats.hf import INDEX_FILE, HFReader, read_header
-
-    found.checks += [
-        "every safetensors header: JSON, known dtypes, sizes matching shapes, offsets covering the data exactly",
-        "the index: every name stored in the file it names",
-    ]
+def _open_safetensors(cls: Any, root: Path, found: _Findings, checks: list[str]) -> Any:
+    """``cls(root)`` (an HF or DCP-safetensors reader, which validates every header on open) with
+    its checks listed; None (and the problem filed) when it refuses the checkpoint."""
+    found.checks += ["every safetensors header: JSON, known dtypes, sizes matching shapes, offsets covering "
+                     "the data exactly", *checks]
     found.notes.append(HF_NOTE)
     found.data_checked = False
     try:
-        reader = HFReader(root)
+        return cls(root)
     except CkptConvError as e:
         found.problems.append(Problem("header", str(e)))
+        return None
+
+
+def _verify_hf(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
+    from formats.hf import INDEX_FILE, HFReader, read_header
+
+    reader = _open_safetensors(HFReader, root, found, ["the index: every name stored in the file it names"])
+    if reader is None:
         return []
     index = reader.index()
     files = [f for f in index.info.get("files", {}) if f != INDEX_FILE]
@@ -527,8 +538,27 @@ def _verify_hf(root: Path, found: _Findings, quick: bool, trust_pickle: bool) ->
     if quick:
         return []
     found.checks += ["every tensor's bytes read (unreadable or vanished data is found; flipped bytes are not)"]
-    return [_guard(lambda key=key, e=e: _read_all(reader, key, e), "read", key, e.chunks[0])
+    return [_guard(lambda key=key, e=e: _read_chunk(reader, key, e, e.chunks[0]), "read", key, e.chunks[0])
             for key, e in index.tensors.items()]
+
+
+def _verify_dcp_safetensors(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
+    from formats.dcp_safetensors import DCPSafetensorsReader
+
+    reader = _open_safetensors(DCPSafetensorsReader, root, found, [
+        "every file's DCP_SHARDING_INFO: saved offsets for each of its tensors, of the tensor's rank",
+        "every tensor covered by its chunks: one dtype, no gaps, no overlaps (shape as torch's reader infers it)",
+    ])
+    if reader is None:
+        return []
+    index = reader.index()
+    found.counts.update(tensors=len(index.tensors), chunks=sum(len(t.chunks) for t in index.tensors.values()),
+                        files=len(index.info.get("files", {})))
+    if quick:
+        return []
+    found.checks += ["every chunk's bytes read (unreadable or vanished data is found; flipped bytes are not)"]
+    return [_guard(lambda key=key, e=e, c=c: _read_chunk(reader, key, e, c), "read", key, c)
+            for key, e in index.tensors.items() for c in e.chunks]
 
 
 def _verify_remote(url: str, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
@@ -569,7 +599,7 @@ def _remote_chunk(reader: Any, key: str, entry: Any, chunk: ChunkRef) -> int:
     if isinstance(reader, DCPReader):
         reader.verify_chunk_crc(key, chunk)
         return chunk.box.numel * entry.nbytes // max(1, math.prod(entry.shape) or 1)
-    return _read_all(reader, key, entry)
+    return _read_chunk(reader, key, entry, chunk)
 
 
 def _verify_deepspeed(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
@@ -593,20 +623,24 @@ def _verify_deepspeed(root: Path, found: _Findings, quick: bool, trust_pickle: b
     if quick:
         return []
     found.checks += ["every atom's bytes read and checked against its zip CRC-32"]
-    return [_guard(lambda key=key, e=e: _read_all(reader, key, e), "crc", key, e.chunks[0])
+    return [_guard(lambda key=key, e=e: _read_chunk(reader, key, e, e.chunks[0]), "crc", key, e.chunks[0])
             for key, e in index.tensors.items()]
 
 
-def _read_all(reader: Any, key: str, entry: Any) -> int:
-    """Read a whole tensor in bounded slabs (row blocks). Bytes read."""
+def _read_chunk(reader: Any, key: str, entry: Any, chunk: ChunkRef) -> int:
+    """Read one chunk in bounded slabs (row blocks) into a reused buffer, no torch. Bytes read."""
     from converter.plan.copy_tasks import split_pieces
     from formats.dtypes import by_name
 
-    chunk = entry.chunks[0]
+    itemsize = by_name(entry.dtype).itemsize
+    buf = bytearray(min(SLAB_BYTES, chunk.box.numel * itemsize) or 1)
     total = 0
-    for piece in split_pieces(chunk.box, by_name(entry.dtype).itemsize, SLAB_BYTES):
-        t = reader.read_region(key, chunk, piece)
-        total += t.numel() * t.element_size()
+    for piece in split_pieces(chunk.box, itemsize, SLAB_BYTES):
+        n = piece.numel * itemsize
+        if len(buf) < n:
+            buf = bytearray(n)
+        reader.read_region_into(key, chunk, piece, memoryview(buf)[:n])
+        total += n
     return total
 
 
@@ -628,6 +662,6 @@ def render_text(report: VerifyReport) -> str:
         lines.append(f"  ... and {len(report.problems) - SHOW_PROBLEMS} more (use --json for all)")
     lines += [f"  warning: {w}" for w in report.warnings]
     lines += [f"  note: {n}" for n in report.notes]
-    if not report.data_checked and report.format != "hf":
+    if not report.data_checked and report.format not in ("hf", "dcp-safetensors"):
         lines.append("  note: --quick: structure only, no data read")
     return "\n".join(lines)

@@ -184,10 +184,11 @@ def _load(st: Storage, name: str) -> DCPMetadata:
 # Validation
 
 
-def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> list[int]:
-    """Chunks (``boxes``, one per chunk of ``meta``, sorted by offsets) in bounds, pairwise
-    disjoint, covering the tensor exactly (empty chunks allowed); the chunks' element counts."""
-    shape = meta.size
+def check_cover(key: str, shape: Shape, boxes: list[Box], where: str,
+                missing: str = "some chunks are missing from the metadata") -> list[int]:
+    """Chunks (``boxes`` of a tensor of ``shape``, sorted by offsets) in bounds, pairwise
+    disjoint, covering the tensor exactly (empty chunks allowed); the chunks' element counts.
+    ``missing`` ends the message of a tensor not covered (what the format says is missing)."""
     ndim = len(shape)
     offsets, sizes = list(map(_OFFSETS, boxes)), list(map(_SIZES, boxes))
     off_cols, size_cols = list(zip(*offsets)), list(zip(*sizes))  # per dim, over every chunk
@@ -207,8 +208,7 @@ def _check_cover(key: str, meta: TensorMeta, boxes: list[Box], where: str) -> li
         _check_disjoint(key, boxes, where)
     if covered != math.prod(shape):
         raise CorruptCheckpointError(
-            f"{where}: key {key!r} chunks cover {covered} of {math.prod(shape)} elements; some "
-            "chunks are missing from the metadata"
+            f"{where}: key {key!r} chunks cover {covered} of {math.prod(shape)} elements; {missing}"
         )
     return numels
 
@@ -438,7 +438,7 @@ class DCPReader:
             boxes = list(meta.chunks)  # ChunkMeta is Box; dcp.save writes them in order
             if not all(map(operator.le, map(_OFFSETS, boxes), map(_OFFSETS, boxes[1:]))):
                 boxes.sort(key=_OFFSETS)
-            numels = _check_cover(key, meta, boxes, where)
+            numels = check_cover(key, meta.size, boxes, where)
             itemsize = _itemsize(meta.dtype, key, where)
             infos = list(map(storage_get, zip(repeat(key), map(_OFFSETS, boxes))))  # C-level loops
             if None in infos:

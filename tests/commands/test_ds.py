@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_support import assert_matches_live, export_ds, import_ds, live_of, universal_of
+from ds_support import assert_atoms_equal, assert_matches_live, export_ds, import_ds, live_of, universal_of
 from oracle import bits_equal, torch_reference
 
 STAGES = (2, 3)
@@ -96,15 +96,7 @@ def test_export_ds_from_fsdp2_store_keeps_bits(dcp_checkpoint, tmp_path: Path) -
 
     to_uni(dcp_checkpoint("bf16_fsdp2"), tmp_path / "uni")
     export_ds(tmp_path / "uni", tmp_path / "ds", tag="t")
-    ref = torch_reference(dcp_checkpoint("bf16_fsdp2"))
-    fqns = [k[len("model."):] for k in ref if k.startswith("model.")]
-    for fqn in fqns:
-        got = torch.load(tmp_path / "ds" / "t" / "zero" / fqn / "fp32.pt", weights_only=True)["param"]
-        assert bits_equal(got, ref[f"model.{fqn}"]), fqn
-        for state in ("exp_avg", "exp_avg_sq", "step"):
-            got = torch.load(tmp_path / "ds" / "t" / "zero" / fqn / f"{state}.pt", weights_only=True)
-            got = got["param"] if isinstance(got, dict) else got
-            assert bits_equal(got, ref[f"optim.state.{fqn}.{state}"]), (fqn, state)
+    assert_atoms_equal(tmp_path / "ds" / "t", torch_reference(dcp_checkpoint("bf16_fsdp2")))
 
 
 def test_deepspeed_dir_is_a_source_everywhere(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The reader protocol (formats/base.py) held by every reader: DCP, the universal store (both
-backends), Hugging Face safetensors (written by the safetensors library itself) and export-hf's
-mapped view; ``read_region_into`` gives exactly the bits of ``read_region``, and both give the
+backends), Hugging Face safetensors (written by the safetensors library itself), DCP's per-rank
+safetensors storage (torch's ``HuggingFaceStorageWriter``) and export-hf's mapped view; ``read_region_into`` gives exactly the bits of ``read_region``, and both give the
 bits torch saved. And the DCP checks verify uses (formats/dcp/checks.py) on their own."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from converter import api
 from converter.config import RunOptions
 from formats.base import Box, CheckpointReader, TensorReader
 from formats.dcp import DCPReader
+from formats.dcp_safetensors import DCPSafetensorsReader
 from formats.dcp.checks import Overlap, check_archive, overlapping_items
 from formats.dtypes import to_storage_array
 from formats.errors import CorruptCheckpointError
@@ -38,6 +39,9 @@ def roots(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(STATE, checkpoint_id=str(root / "dcp"))
+        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+        dcp.save(STATE, storage_writer=HuggingFaceStorageWriter(str(root / "dcp-st"), save_distributed=True))
     for backend in ("zarr", "safetensors"):
         api.to_universal(root / "dcp", root / backend, RunOptions(workers=2), chunk_bytes=40, backend=backend)
     (root / "hf").mkdir()
@@ -53,7 +57,7 @@ def _readers(roots):
     perm = np.arange(13)[::-1].copy()  # the mapped view reverses w's rows
     view = MappedReader(DCPReader(roots / "dcp"), {"w_rev": Source("w", perm), "ids": Source("ids")})
     return {"dcp": dcp_reader, "zarr": UniversalReader(roots / "zarr"), "safetensors": UniversalReader(roots / "safetensors"),
-            "hf": HFReader(roots / "hf"), "view": view}
+            "hf": HFReader(roots / "hf"), "view": view, "dcp-st": DCPSafetensorsReader(roots / "dcp-st")}
 
 
 def _expected(name: str, key: str) -> torch.Tensor:
@@ -67,7 +71,7 @@ def _regions(box: Box):
         yield Box(box.offsets, (box.sizes[0], *(max(1, s - 1) for s in box.sizes[1:])))
 
 
-@pytest.mark.parametrize("which", ["dcp", "zarr", "safetensors", "hf", "view"])
+@pytest.mark.parametrize("which", ["dcp", "zarr", "safetensors", "hf", "view", "dcp-st"])
 def test_read_region_into_is_read_region_is_what_torch_saved(roots, which):
     reader = _readers(roots)[which]
     assert isinstance(reader, CheckpointReader)

@@ -129,3 +129,16 @@ def assert_matches_live(ref: dict, live: dict) -> None:
     assert all(bits_equal(s, live["step"]) for s in steps)
     for name, value in live["param_groups"][0].items():
         assert ref[f"optim.param_groups.0.{name}"] == value, name
+
+
+def assert_atoms_equal(tag_dir: Path, ref: dict) -> None:
+    """Every parameter's ``fp32.pt`` and Adam ``exp_avg``/``exp_avg_sq``/``step`` atom under
+    ``tag_dir/zero`` (export-ds's output) equals the source's ``model.<fqn>`` /
+    ``optim.state.<fqn>.<state>`` in ``ref`` (DCP's flattened keys), bit for bit."""
+    for fqn in (k[len("model."):] for k in ref if k.startswith("model.")):
+        got = torch.load(tag_dir / "zero" / fqn / "fp32.pt", weights_only=True)["param"]
+        assert bits_equal(got, ref[f"model.{fqn}"]), fqn
+        for state in ("exp_avg", "exp_avg_sq", "step"):
+            got = torch.load(tag_dir / "zero" / fqn / f"{state}.pt", weights_only=True)
+            got = got["param"] if isinstance(got, dict) else got
+            assert bits_equal(got, ref[f"optim.state.{fqn}.{state}"]), (fqn, state)

@@ -5,7 +5,11 @@ JOB keys: ``mesh`` ("dp4", "tp2,dp2"), ``dump`` (the Trainer's dump folder; chec
 ``checkpoint.exclude_from_loading``), ``reference`` (a ``torch.save`` file of the full source state,
 from torch's ``dcp_to_torch_save``: the state right after loading is compared with it),
 ``skip_compare`` (flattened key prefixes not compared), ``out`` (this rank writes ``out.<rank>.json``),
-``model`` (``MODEL/FLAVOR`` of an MoE model, :mod:`titan_moe_support`; absent: Llama 3 debugmodel).
+``model`` (``MODEL/FLAVOR`` of an MoE model, :mod:`titan_moe_support`; absent: Llama 3 debugmodel),
+``last_save_in_hf`` (torchtitan's ``checkpoint.last_save_in_hf`` with ``last_save_model_only``: the
+last step is saved through its state dict adapter with DCP's ``HuggingFaceStorageWriter``),
+``initial_load_hf`` (a folder loaded at start through ``checkpoint.initial_load_in_hf``: DCP's
+``HuggingFaceStorageReader`` and the adapter's ``from_hf``; nothing else is loaded).
 
 Each rank reports the losses of the steps it ran, the bytes ``CheckpointManager.load`` read from each
 checkpoint file (counted in torch's ``FileSystemReader.read_data``), and the keys whose loaded value
@@ -106,6 +110,18 @@ def _compare(trainer, reference: str, skip: list[str]) -> tuple[list[str], int]:
     return bad, compared
 
 
+def _hf_options(config, job: dict) -> None:
+    """torchtitan's own HF save / initial HF load options, as a user sets them."""
+    ck = config.checkpoint
+    if job.get("last_save_in_hf"):
+        ck.last_save_in_hf = True
+        ck.last_save_model_only = True
+    if job.get("initial_load_hf"):
+        ck.initial_load_path = job["initial_load_hf"]
+        ck.initial_load_in_hf = True
+        ck.initial_load_model_only = True
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     rank = int(os.environ["RANK"])
@@ -116,6 +132,7 @@ def main() -> None:
         config, _ = titan_moe_support.trainer_config(job["mesh"], job["dump"], job["steps"], model=job["model"], **kw)
     else:
         config, _ = titan_support.trainer_config(job["mesh"], job["dump"], job["steps"], **kw)
+    _hf_options(config, job)
     reads: dict = {"sharded": defaultdict(int), "whole": defaultdict(int), "items": []}
     _count_reads(reads)
     trainer = config.build()
