@@ -39,3 +39,9 @@ SPOOL_DIR = os.environ.get("CKPTCONV_SPOOL_DIR") or None
 #: Seconds a ``--plan torchtitan:...`` / ``python:...`` subprocess may take to build and
 #: parallelize the model on the meta device (env ``CKPTCONV_CODE_PLAN_TIMEOUT_S``).
 CODE_PLAN_TIMEOUT_S = int(os.environ.get("CKPTCONV_CODE_PLAN_TIMEOUT_S", "600") or 600)
+#: Float32 work of one slab when (de)quantizing block-scaled weights (bytes): a region is computed
+#: slab by slab, so a worker's extra memory is one slab (plus its data) whatever the region.
+QUANT_SLAB_BYTES = 4 * MIB
+#: FP8 scales an export keeps from its weight reads for the ``weight_scale_inv`` tensors (bytes);
+#: past it a scale tensor quantizes its weight again (same bits, one more read).
+QUANT_SCALE_MEMO_BYTES = 64 * MIB

@@ -32,14 +32,18 @@ MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k 
 @click.option("--config", default=None,
               help="config.json to write into OUT: a path or inline JSON; the Llama map completes it from the "
                    "weights and reads its head counts.")
+@click.option("--quantize", type=click.Choice(["fp8-block"]), default=None,
+              help="Write the linear weights as block-scaled FP8 (e4m3 + float32 weight_scale_inv per block, "
+                   "DeepSeek-V3's hub form; block from --config's quantization_config.weight_block_size, "
+                   "default 128x128). Weights already FP8 with their scales are written as they are.")
 @run_options
 def export_hf_cmd(src: str, out: str, key_map: str, max_shard_size: int, dtype: str | None,
-                  config: str | None, **kw: Any) -> None:
+                  config: str | None, quantize: str | None, **kw: Any) -> None:
     """Write the model weights of SRC (universal store or DCP) as Hugging Face safetensors in OUT."""
     from converter.api import export_hf
 
     report_result(export_hf(src, out, key_map=key_map, max_shard_size=max_shard_size, dtype=dtype, config=config,
-                      options=make_options(**kw)))
+                      options=make_options(**kw), quantize=quantize))
 
 
 @click.command("import-hf")
@@ -52,14 +56,19 @@ def export_hf_cmd(src: str, out: str, key_map: str, max_shard_size: int, dtype: 
 @click.option("--backend", type=click.Choice(["zarr", "safetensors"]), default="zarr", show_default=True,
               help="Where the store keeps tensor bytes: zarr arrays (stock zarr opens them) or safetensors files "
                    "(a file per chunk; safetensors.safe_open opens them).")
+@click.option("--dequantize", default=None, metavar="DTYPE",
+              help="Dequantize block-scaled FP8 (weight + weight_scale_inv, block from config.json's "
+                   "quantization_config.weight_block_size) and MXFP4 (*_blocks + *_scales) tensors into DTYPE "
+                   "(bf16, fp16, fp32), exactly as torch's QuantizedHuggingFaceStorageReader / transformers do; "
+                   "default: both tensors copied as they are.")
 @run_options
 def import_hf_cmd(hf_dir: str, uni: str, key_map: str, config: str | None, prefix: str | None,
-                  chunk_size: int | None, backend: str, **kw: Any) -> None:
+                  chunk_size: int | None, backend: str, dequantize: str | None, **kw: Any) -> None:
     """Convert Hugging Face safetensors in HF_DIR (single or sharded) into a universal store UNI."""
     from converter.api import import_hf
 
     report_result(import_hf(hf_dir, uni, key_map=key_map, config=config, prefix=prefix, options=make_options(**kw),
-                      chunk_bytes=chunk_size, backend=backend))
+                      chunk_bytes=chunk_size, backend=backend, dequantize=dequantize))
 
 
 def register(cli: click.Group) -> None:

@@ -18,9 +18,11 @@ from converter.config import RunOptions, parse_size
 from converter.plan.copy_tasks import describe, plan_tensor
 from converter.plan.hf_config import CONFIG_FILE, config_bytes, load_config_arg
 from converter.plan.hf_export import plan_export, shard_summary
+from converter.plan.hf_quant import check_kind, plan_quantize, quantized_config
 from converter.plan.key_maps import MEGATRON_ARGS_CONFIG, KeyMap, get_key_map
 from converter.run.destination import option_value
 from converter.run.mapped_reader import MappedReader
+from converter.run.quant_reader import QuantizingReader, QuantTarget
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
 from converter.run.sinks import hf_output
 from converter.run.sources import open_checkpoint
@@ -29,6 +31,7 @@ from formats.dtypes import by_name, cast_dtype
 from formats.errors import CkptConvError, ConfigError
 from formats.fsutil import atomic_write_bytes
 from formats.hf import DEFAULT_MAX_SHARD_BYTES, HFWriter, plan_files
+from formats.quant import block_size_of
 
 
 def normalize_dtype(dtype: str | None) -> str | None:
@@ -40,13 +43,16 @@ def normalize_dtype(dtype: str | None) -> str | None:
 def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
               config: str | os.PathLike | Mapping[str, Any] | None = None,
-              options: RunOptions | None = None) -> ConversionResult:
+              options: RunOptions | None = None, quantize: str | None = None) -> ConversionResult:
     """Write the model weights of ``src`` (universal store or DCP) as HF safetensors in ``dst``.
 
     ``key_map``: ``identity``, ``torchtitan-llama`` or a map file; ``max_shard_size``: bytes or
     text like ``5GB`` (huggingface_hub's default); ``dtype``: cast floating-point weights (e.g.
     ``bf16``); ``config``: a config.json path or inline JSON, written to ``dst/config.json``
     (completed from the weights' shapes for the built-in Llama map) and used for head counts.
+    ``quantize="fp8-block"`` writes the chosen weights as block-scaled FP8 plus their
+    ``weight_scale_inv`` (:mod:`converter.plan.hf_quant`; block from the config's
+    ``quantization_config.weight_block_size``, default 128 x 128).
     """
     options = options or RunOptions()
     kmap = get_key_map(key_map)
@@ -54,6 +60,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     if max_bytes < 1:
         raise ConfigError(f"--max-shard-size must be positive (got {max_shard_size!r})")
     dtype = normalize_dtype(dtype)
+    check_kind(quantize)
     cfg, cfg_raw = load_config_arg(config)
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
@@ -62,24 +69,32 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         if from_args is not None and not (cfg or {}).get(heads_field):
             cfg = {**from_args(megatron_args(reader, index)), **(cfg or {})} or None
         plan = plan_export(index, kmap, dtype, cfg)
-        view = MappedReader(reader, plan.sources)
-        file_plans = plan_files(plan.specs, max_bytes)
-        tasks = [t for hf, e in view.index().tensors.items()
-                 for t in plan_tensor(e, [(hf, full_box(e.shape))], options.effective_piece_bytes)]
-        total = sum(s.nbytes for s in plan.specs)
-        dtypes = {s.name: by_name(s.dtype).name for s in plan.specs}
+        view: CheckpointReader = MappedReader(reader, plan.sources)
+        specs, out_config = plan.specs, plan.config
+        if quantize is not None:
+            block = block_size_of(cfg, "--config")
+            q = plan_quantize(plan.specs, block, cfg)
+            view = QuantizingReader(view, {n: QuantTarget(kind, w, block) for n, (kind, w) in q.targets.items()})
+            specs = q.specs
+            out_config = None if out_config is None else quantized_config(out_config, block)
+        file_plans = plan_files(specs, max_bytes)
+        entries = view.index().tensors
+        tasks = [t for s in specs
+                 for t in plan_tensor(entries[s.name], [(s.name, full_box(s.shape))], options.effective_piece_bytes)]
+        total = sum(s.nbytes for s in specs)
+        dtypes = {s.name: by_name(s.dtype).name for s in specs}
 
         def open_output(out: Path) -> Output:
             def write_config() -> None:
-                if plan.config is not None:
-                    same = cfg_raw is not None and plan.config == cfg
-                    atomic_write_bytes(out / CONFIG_FILE, cfg_raw if same else config_bytes(plan.config))
+                if out_config is not None:
+                    same = cfg_raw is not None and out_config == cfg
+                    atomic_write_bytes(out / CONFIG_FILE, cfg_raw if same else config_bytes(out_config))
 
-            return hf_output(HFWriter(out, plan.specs, max_bytes), dtypes, total, write_config)
+            return hf_output(HFWriter(out, specs, max_bytes), dtypes, total, write_config)
 
         header = {"--map": option_value(key_map), "--dtype": dtype, "--max-shard-size": max_bytes,
-                  "--config": option_value(cfg)}
-        planned = ConversionResult(str(dst), len(plan.specs), 0, total, 0.0)
+                  "--config": option_value(cfg), **({"--quantize": quantize} if quantize else {})}
+        planned = ConversionResult(str(dst), len(specs), 0, total, 0.0)
         return run_conversion(Conversion(
             "export-hf", src, dst, index, view, tasks, header, open_output, planned,
             describe=lambda: (shard_summary(file_plans) + "\n" + describe(tasks), None)), options)

@@ -20,10 +20,13 @@ from converter.plan.hf_import import plan_import, tied_notes
 from converter.plan.key_maps import KeyMap, get_key_map
 from converter.run.destination import option_value
 from converter.run.mapped_reader import MappedReader
+from converter.run.quant_reader import DequantizedReader
 from converter.run.pipeline import Conversion, ConversionResult, conversion_command, run_conversion
 from converter.run.sinks import universal_output
 from converter.run.sources import detect_format, open_checkpoint
+from formats.dtypes import cast_dtype
 from formats.errors import ConfigError
+from formats.quant import block_size_of
 from formats.storage import source_label
 from formats.universal_meta import SourceInfo
 
@@ -42,18 +45,35 @@ def _import_config(src: str | os.PathLike, kmap: KeyMap,
     return load_config_arg(config)[0]
 
 
+def mx_layout(kmap: KeyMap) -> str:
+    """The MXFP4 layout a dequantized import gives the map: torch's reader's (``P_blocks``,
+    unpacked in place) for a map that names ``*_blocks`` tensors, as torchtitan's gpt_oss adapter
+    does; transformers' (``P``, dims 1 and 2 swapped) otherwise."""
+    names = [*kmap.from_hf, *kmap.experts]
+    return "torch" if any(n.endswith("_blocks") for n in names) else "transformers"
+
+
+def _dequantize_notes(reader: object, dtype: str | None) -> tuple[str, ...]:
+    if dtype is None or not isinstance(reader, DequantizedReader) or reader.pairs:
+        return ()
+    return (f"--dequantize {dtype}: the checkpoint holds no block-scaled FP8 or MXFP4 tensors; copied as they are",)
+
+
 @conversion_command("import-hf")
 def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | KeyMap | None = "identity",
               config: str | os.PathLike | Mapping[str, Any] | None = None, prefix: str | None = None,
               options: RunOptions | None = None, chunk_bytes: int | None = None,
-              backend: str = "zarr") -> ConversionResult:
+              backend: str = "zarr", dequantize: str | None = None) -> ConversionResult:
     """Convert the HF safetensors directory ``src`` into a universal store at ``dst``.
 
     ``key_map`` renames HF names to native ones (the inverse of the export map); ``config``
     (default: ``src/config.json`` when the map needs head counts) gives the head counts;
     ``prefix`` puts the weights under an object-path root (e.g. ``model`` for DCP's
     ``get_state_dict`` style), top level by default (torchtitan's style). ``backend`` puts the
-    tensors' chunks in zarr arrays (default) or safetensors files.
+    tensors' chunks in zarr arrays (default) or safetensors files. ``dequantize`` (``bf16``,
+    ``fp32``, ...) writes each block-scaled FP8 or MXFP4 tensor as its dequantized value in that
+    dtype (:mod:`converter.run.quant_reader`), its scales left out; without it both are copied as
+    they are.
     """
     options = options or RunOptions()
     kmap = get_key_map(key_map)
@@ -63,8 +83,11 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     if detect_format(src) != "hf":
         raise ConfigError(f"{src}: import-hf reads a Hugging Face directory (*.safetensors); use to-universal for other checkpoints")
     cfg = _import_config(src, kmap, config)
+    dq = None if dequantize is None else cast_dtype(dequantize)
     reader = open_checkpoint(src, verify=options.verify_source)
     try:
+        if dq is not None:
+            reader = DequantizedReader(reader, dq, block_size_of(cfg), mx_layout(kmap))
         index = reader.index()
         sources, paths = plan_import(index, kmap, cfg, prefix)
         view = MappedReader(reader, sources, paths)
@@ -77,9 +100,10 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         source = SourceInfo(format="hf", path=source_label(src), world_size=None,
                             layout=f"hf {len(files)} file{'s' if len(files) != 1 else ''}")
         header = {"--map": option_value(key_map), "--config": option_value(cfg), "--prefix": prefix,
-                  "--chunk-size": chunk_bytes, **({"--backend": backend} if backend != "zarr" else {})}
+                  "--chunk-size": chunk_bytes, **({"--backend": backend} if backend != "zarr" else {}),
+                  **({"--dequantize": dq} if dq is not None else {})}
         planned = ConversionResult(str(dst), len(sources), 0, sum(t.nbytes for t in tasks), 0.0,
-                                   warnings=tied_notes(index, cfg))
+                                   warnings=tied_notes(index, cfg) + _dequantize_notes(reader, dq))
         return run_conversion(Conversion(
             "import-hf", src, dst, index, view, tasks, header,
             lambda out: universal_output(out, vindex.tensors, refs, store, source, atoms), planned,

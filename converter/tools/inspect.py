@@ -24,6 +24,7 @@ from converter.tools.tables import Column, print_table
 from converter.units import human_bytes, plural
 from formats.base import CheckpointIndex, CheckpointReader, TensorEntry
 from formats.errors import CkptConvError, ConfigError, MissingClassError, UnsafePickleError, clip
+from formats.quant import block_size_of, find_pairs
 
 SCHEMA_ID = "ckptconv.inspect/1"
 #: Non-tensor entries larger than this are not loaded for a preview.
@@ -84,7 +85,28 @@ def _files(index: CheckpointIndex) -> list[dict[str, Any]]:
     return out
 
 
-def _tensor_row(t: TensorEntry, lay: TensorLayout) -> dict[str, Any]:
+def _quant_pairs(index: CheckpointIndex) -> dict[str, dict[str, Any]]:
+    """Data key -> the ``quant`` field of every block-scaled FP8 / MXFP4 tensor of an HF index
+    (block size from the checkpoint's config.json), the scale keys pointing to their data."""
+    if index.format != "hf":
+        return {}
+    from converter.plan.hf_config import load_config_arg, source_config
+
+    try:
+        cfg = load_config_arg(source_config(index.root))[0]
+        pairs = find_pairs(index.tensors, block_size_of(cfg))
+    except CkptConvError:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for p in pairs.values():
+        out[p.data] = {"kind": p.kind, "role": "data", "logical_name": p.name, "logical_shape": list(p.shape),
+                       "block": list(p.block), "partner": p.scale}
+        out[p.scale] = {"kind": p.kind, "role": "scales", "logical_name": p.name, "logical_shape": list(p.shape),
+                        "block": list(p.block), "partner": p.data}
+    return out
+
+
+def _tensor_row(t: TensorEntry, lay: TensorLayout, quant: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "key": t.key,
         "dtype": t.dtype,
@@ -98,6 +120,7 @@ def _tensor_row(t: TensorEntry, lay: TensorLayout) -> dict[str, Any]:
         "files": sorted({c.file for c in t.chunks}),
         "ranks": sorted({c.rank for c in t.chunks if c.rank is not None}),
         **({"layers": lay.layers} if lay.layers else {}),
+        **({"quant": quant} if quant else {}),
     }
 
 
@@ -150,7 +173,8 @@ def build_report(reader: CheckpointReader, key_pattern: str | None = None, previ
     layout = detect_layout(index)
     match = key_matcher(key_pattern)
     rule, is_param = parameter_rule(index)
-    tensors = [_tensor_row(index.tensors[k], layout.tensors[k]) for k in sorted(index.tensors) if match(k)]
+    quant = _quant_pairs(index)
+    tensors = [_tensor_row(index.tensors[k], layout.tensors[k], quant.get(k)) for k in sorted(index.tensors) if match(k)]
     objects = [
         {"key": k, "bytes": o.nbytes, "file": o.file,
          "preview": object_preview(reader, k, o.nbytes) if previews else None}
@@ -228,7 +252,15 @@ def render_report(report: Mapping[str, Any], console) -> None:
             split = " ".join(f"d{d}/{n}" for d, n in t["split"].items())
             if t.get("layers"):  # Megatron layer-stacked: dim 0 is the layers
                 split = f"layers={t['layers']} {split}".strip()
-            rows.append((t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(t["chunks"]),
+            dtype, shape = t["dtype"], "x".join(map(str, t["shape"])) or "()"
+            q = t.get("quant")
+            if q and q["role"] == "data":  # the logical tensor, its storage after it
+                dtype = "mxfp4" if q["kind"] == "mxfp4" else f"{dtype} {'x'.join(map(str, q['block']))} blocks"
+                shape = "x".join(map(str, q["logical_shape"])) + (f" (as {q['logical_name']}; stored {shape})"
+                                                                   if q["kind"] == "mxfp4" else "")
+            elif q:
+                dtype = f"{dtype} scales of {q['partner']}"
+            rows.append((t["key"], dtype, shape, str(t["chunks"]),
                          human_bytes(t["bytes"]), f"{t['layout']} {split}".strip(), _ranks_text(t["ranks"])))
         title = "tensors" + (f" matching {r['key_pattern']!r}" if r["key_pattern"] else "")
         print_table(console, title, columns, rows)
