@@ -221,6 +221,11 @@ class CheckpointReader(Protocol):
         """Release open files."""
         ...
 
+    # Optional, for readers that check stored checksums as they read (the executor calls them
+    # when present): ``pending_checks(chunks) -> bool``, whether the check of any of ``chunks``
+    # waits for bytes not read yet (the chunk was read in parts); ``finish_checks(workers) ->
+    # int``, complete every open check (read what no region read covered), raising on a mismatch.
+
 
 def copy_bits_into(bits: np.ndarray, out: memoryview) -> None:
     """Copy the bit array ``bits`` (any layout) into ``out`` (exactly its bytes) in C order."""

@@ -326,6 +326,67 @@ class _Progress:
                 self._line(time.monotonic())
 
 
+class _CheckedJournal:
+    """Journals a finished task only once every source chunk it read is verified.
+
+    A source chunk read in parts (by several tasks) is verified when its parts cover it
+    (:mod:`formats.integrity`), possibly after the first of those tasks finished: journaling that
+    task at once would let ``--resume``, after the damaged file was restored, keep the bytes it
+    copied. Such tasks wait here until the reader says their chunks are verified (at the next
+    journal batch, or after :meth:`CheckpointReader.finish_checks` at the end of the run).
+    """
+
+    def __init__(self, journal: Journal | None, reader: CheckpointReader) -> None:
+        self.journal = journal
+        self._pending = getattr(reader, "pending_checks", None) if journal is not None else None
+        self._waiting: list[tuple[WriteTask, Any, list]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def tracks_sources(self) -> bool:
+        """Whether a task's source chunks must be collected for :meth:`record`."""
+        return self._pending is not None
+
+    def record(self, task: WriteTask, info: Any, sources: list) -> None:
+        if self.journal is None:
+            return
+        if self._pending is not None and self._pending(sources):
+            with self._lock:
+                self._waiting.append((task, info, sources))
+            return
+        self.journal.record(task, info)
+
+    def release(self, everything: bool = False) -> None:
+        """Journal the waiting tasks whose chunks are verified now (all of them: ``everything``,
+        once the reader finished its checks)."""
+        if self.journal is None:
+            return
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        still = []
+        for task, info, sources in waiting:
+            if not everything and self._pending(sources):
+                still.append((task, info, sources))
+            else:
+                self.journal.record(task, info)
+        if still:
+            with self._lock:
+                self._waiting.extend(still)
+
+
+def _task_sources_of(piece: Piece, into: dict[int, Any]) -> None:
+    """Add the source chunks ``piece`` reads to ``into`` (keyed by identity)."""
+    for c in piece.copies:
+        into[id(c.src)] = c.src
+
+
+def finish_checks(reader: CheckpointReader, workers: int = 1) -> None:
+    """Complete the reader's open source checks (bytes no read covered), raising on a mismatch."""
+    finish = getattr(reader, "finish_checks", None)
+    if finish is not None:
+        finish(workers)
+
+
 def execute(
     tasks: Sequence[WriteTask],
     reader: CheckpointReader,
@@ -359,10 +420,13 @@ def execute(
     gc.freeze()  # the index and plan are long-lived: keep the collector off them
     gc.disable()  # the copy loop makes no cycles worth a collection pass
 
+    checked = _CheckedJournal(journal, reader)
+
     def run(task: WriteTask) -> None:
         if failed.is_set():
             return
         held = budget.acquire(2 * max(1, task.max_piece_bytes))
+        sources: dict[int, Any] = {}
         try:
             if failed.is_set():
                 raise _Stopped
@@ -373,6 +437,8 @@ def execute(
                 if failed.is_set():  # stop between pieces: the task stays undone (not journaled)
                     raise _Stopped
                 data = fill_piece(reader, task, piece)
+                if checked.tracks_sources:
+                    _task_sources_of(piece, sources)
                 writer.write(piece, data)
                 n = data.nbytes
                 del data  # free this piece before the next one is read
@@ -389,8 +455,7 @@ def execute(
             raise
         finally:
             budget.release(held)
-        if journal is not None:
-            journal.record(task, info)
+        checked.record(task, info, list(sources.values()))
         with lock:
             stats.tasks += 1
             stats.bytes_written += task.nbytes
@@ -403,12 +468,16 @@ def execute(
             error = next((f.exception() for f in done if f.exception() is not None), None)
             if error is not None:
                 _stop(pool, failed)
+                checked.release()  # what was verified before the failure is kept for --resume
                 _flush_after_failure(journal, sink)
                 raise error
             if journal is not None:
+                checked.release()
                 journal.flush(sink.sync)
         pool.shutdown(wait=True)
+        finish_checks(reader, workers)
         if journal is not None:
+            checked.release(everything=True)
             journal.flush(sink.sync, force=True)
     except BaseException:  # an interrupt: stop the workers now; what the journal holds is kept
         _stop(pool, failed)

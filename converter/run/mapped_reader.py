@@ -4,7 +4,7 @@ tensor and rows each target tensor is)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -87,6 +87,16 @@ class MappedReader:
         if hi - lo == len(rows) and bool((rows == np.arange(lo, hi)).all()):
             return data
         return np.ascontiguousarray(data[rows - lo])
+
+    def pending_checks(self, chunks: Iterable[ChunkRef]) -> bool:
+        """Whether the source's check of any chunk behind ``chunks`` is still open."""
+        pending = getattr(self.reader, "pending_checks", None)
+        return pending is not None and pending([c.locator.chunk for c in chunks])
+
+    def finish_checks(self, workers: int = 1) -> int:
+        """Complete the source's open checks (:meth:`formats.dcp.DCPReader.finish_checks`)."""
+        finish = getattr(self.reader, "finish_checks", None)
+        return 0 if finish is None else finish(workers)
 
     def read_object_bytes(self, key: str) -> bytes:
         raise PlanError(f"no non-tensor entry {key!r} in a mapped view")

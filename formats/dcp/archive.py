@@ -19,7 +19,7 @@ import os
 import struct
 import zipfile
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -431,7 +431,13 @@ def _is_c_contiguous(sizes: Shape, stride: Shape) -> bool:
     return True
 
 
-def _stored_view(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) -> np.ndarray:
+#: ``seen(offset, data)``: told the storage bytes a region read read (``offset`` into the storage),
+#: for the integrity check (:class:`formats.integrity.CRCRanges`).
+Seen = Callable[[int, memoryview], None]
+
+
+def _stored_view(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape,
+                 seen: Seen | None = None) -> np.ndarray:
     """The non-empty box as a numpy view (storage dtype, stored strides) over a new buffer holding
     only the bytes between its first and last element."""
     npdt = by_name(at.dtype).numpy_dtype
@@ -441,6 +447,8 @@ def _stored_view(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) 
     bulk = getattr(read, "read_array", None)
     start, nbytes = at.data_start + first * isz, span * isz
     buf = bulk(start, nbytes) if bulk else np.frombuffer(read(start, nbytes), dtype=np.uint8)
+    if seen is not None:
+        seen(first * isz, memoryview(buf))
     flat = buf.view(npdt)
     if span == math.prod(sizes) and _is_c_contiguous(sizes, at.stride):
         return flat.reshape(sizes)
@@ -448,16 +456,18 @@ def _stored_view(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) 
     return np.lib.stride_tricks.as_strided(flat, shape=sizes, strides=strides, writeable=False)
 
 
-def read_region_array(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape) -> np.ndarray:
+def read_region_array(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape,
+                      seen: Seen | None = None) -> np.ndarray:
     """A new C-contiguous bit array (the storage dtype of :mod:`formats.dtypes`: bfloat16 as
     uint16, float8 as uint8) with the box (``offsets``, ``sizes``) in chunk-local coordinates.
 
-    Reads only the bytes between the box's first and last element (stored strides honoured).
+    Reads only the bytes between the box's first and last element (stored strides honoured);
+    ``seen`` is told them.
     """
     _check_region(at, offsets, sizes)
     if 0 in sizes:
         return np.empty(sizes, dtype=by_name(at.dtype).numpy_dtype)
-    view = _stored_view(at, read, offsets, sizes)
+    view = _stored_view(at, read, offsets, sizes, seen)
     return view if view.flags.c_contiguous and view.flags.writeable else np.ascontiguousarray(view)
 
 
@@ -475,10 +485,11 @@ def as_tensor(data: np.ndarray, dtype: str) -> torch.Tensor:
     return from_storage_array(data, dtype)
 
 
-def read_region_into(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape, out: memoryview) -> None:
+def read_region_into(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Shape, out: memoryview,
+                     seen: Seen | None = None) -> None:
     """Fill ``out`` (writable bytes, exactly the box's size) with the box (``offsets``, ``sizes``,
     chunk-local) in C order: read straight into ``out`` when the box is one dense run of the
-    storage, else gather the strided elements into it."""
+    storage, else gather the strided elements into it. ``seen`` is told the storage bytes read."""
     _check_region(at, offsets, sizes)
     out = memoryview(out).cast("B")
     isz = at.itemsize
@@ -494,8 +505,10 @@ def read_region_into(at: ArchiveTensor, read: ReadAt, offsets: Shape, sizes: Sha
             fill(at.data_start + first * isz, out)
         else:
             out[:] = memoryview(read(at.data_start + first * isz, numel * isz)).cast("B")
+        if seen is not None:
+            seen(first * isz, out)
         return
-    view = _stored_view(at, read, offsets, sizes)
+    view = _stored_view(at, read, offsets, sizes, seen)
     np.copyto(np.frombuffer(out, dtype=np.uint8).view(view.dtype).reshape(sizes), view)
 
 
@@ -537,6 +550,18 @@ def storage_crc(at: ArchiveTensor, read: ReadAt) -> int:
         crc = crc32(block, crc)
         pos += n
     return crc
+
+
+def storage_reader(at: ArchiveTensor, read: ReadAt) -> Callable[[int, memoryview], None]:
+    """``read_into(offset, view)`` over the chunk's storage bytes (``offset`` into the storage)."""
+    fill = getattr(read, "read_into", None)
+    if fill is not None:
+        return lambda offset, view: fill(at.data_start + offset, view)
+
+    def copy(offset: int, view: memoryview) -> None:
+        view[:] = memoryview(read(at.data_start + offset, len(view))).cast("B")
+
+    return copy
 
 
 def verify_crc(at: ArchiveTensor, read: ReadAt, where: str) -> None:

@@ -49,7 +49,7 @@ from formats.errors import (
 )
 from formats.dtypes import BY_NAME, by_name, itemsize_of
 from formats.fsutil import short, source_path
-from formats.integrity import ChunkChecks, crc32
+from formats.integrity import ChunkChecks, CRCRanges, block_fill
 from formats.storage import OpenFiles, RandomFile, Storage, open_storage
 
 if TYPE_CHECKING:
@@ -549,43 +549,47 @@ class DCPReader:
         ``region`` (global coords, inside ``chunk.box``)."""
         local = self._local(key, chunk, region)
         parsed, read = self._chunk(key, chunk)
-        result: list[np.ndarray] = []
-
-        def read_checked() -> None:  # the whole chunk, stored exactly: check the bytes just read
-            result.append(archive.read_region_array(parsed, read, local.offsets, local.sizes))
-            archive.check_crc(parsed, crc32(result[0].reshape(-1).view("u1")), self._where(key, chunk))
-
-        self._check(key, chunk, region, parsed, read, read_checked)
-        if result:
-            return result[0]
-        return archive.read_region_array(parsed, read, local.offsets, local.sizes)
+        return archive.read_region_array(parsed, read, local.offsets, local.sizes, self._seen(key, chunk, parsed))
 
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` (writable bytes, exactly the region's size) with ``region`` in C order,
         reading straight into it when the region is one dense run of the stored chunk."""
         local = self._local(key, chunk, region)
         parsed, read = self._chunk(key, chunk)
+        archive.read_region_into(parsed, read, local.offsets, local.sizes, out, self._seen(key, chunk, parsed))
 
-        def read_checked() -> None:  # the whole chunk, stored exactly: check the bytes just read
-            archive.read_region_into(parsed, read, local.offsets, local.sizes, out)
-            archive.check_crc(parsed, crc32(memoryview(out).cast("B")), self._where(key, chunk))
-
-        if not self._check(key, chunk, region, parsed, read, read_checked):
-            archive.read_region_into(parsed, read, local.offsets, local.sizes, out)
-
-    def _check(self, key: str, chunk: ChunkRef, region: Box, parsed: archive.ArchiveTensor,
-               read: archive.ReadAt, read_checked: Callable[[], None]) -> bool:
-        """Check the chunk's CRC-32 if this reader verifies and nobody checked it yet: by
-        ``read_checked()`` (which reads the region and checks the bytes it read) when the region
-        is the whole chunk stored exactly, else by a streamed pass over its storage bytes. True
-        when ``read_checked`` ran (the region is read)."""
+    def _seen(self, key: str, chunk: ChunkRef, parsed: archive.ArchiveTensor) -> archive.Seen | None:
+        """Where a region read reports the storage bytes it read, for the chunk's CRC-32 (None
+        when this reader does not verify, or the chunk is checked already): the bytes of every
+        read are CRC'd in memory and combined (:class:`formats.integrity.CRCRanges`); the read
+        that completes the chunk compares, and raises on a mismatch."""
         checks = self._checks
         if checks is None or checks.done(chunk.locator):
-            return False
-        if region == chunk.box and archive.stores_exactly(parsed):
-            return checks.once(chunk.locator, read_checked)
-        checks.once(chunk.locator, lambda: archive.verify_crc(parsed, read, self._where(key, chunk)))
-        return False
+            return None
+        where = self._where(key, chunk)
+        if not parsed.data_length:  # nothing stored (an empty chunk): its CRC is that of no bytes
+            checks.once(chunk.locator, lambda: archive.check_crc(parsed, 0, where))
+            return None
+
+        def gap_reader(offset: int, view: memoryview) -> None:  # the chunk's bytes no read covered
+            archive.storage_reader(*self._chunk(key, chunk))(offset, view)
+
+        def start():
+            return (CRCRanges(parsed.data_length), lambda crc: archive.check_crc(parsed, crc, where),
+                    block_fill(gap_reader))
+
+        locator, part = chunk.locator, checks.part
+        return lambda offset, data: part(locator, offset, data, start)
+
+    def pending_checks(self, chunks: Iterable[ChunkRef]) -> bool:
+        """Whether the check of any of ``chunks`` is still open (parts read, not all bytes seen)."""
+        return self._checks is not None and self._checks.any_pending(c.locator for c in chunks)
+
+    def finish_checks(self, workers: int = 1) -> int:
+        """Complete the open checks: read the bytes of each chunk no region read covered (storage
+        beyond its view, parts another rank copied), compare. CorruptCheckpointError on a
+        mismatch; returns the chunks completed."""
+        return 0 if self._checks is None else self._checks.finish(workers)
 
     def _where(self, key: str, chunk: ChunkRef) -> str:
         return f"{self.root / chunk.file}: key {key!r} chunk at {list(chunk.box.offsets)}"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -39,7 +39,7 @@ from formats.errors import (
 )
 from formats.fsutil import (atomic_write_bytes, fsync_dir, loads_json, pooled_buffer, read_error, short,
                             source_path, start_writeback)
-from formats.integrity import ChunkChecks
+from formats.integrity import ChunkChecks, StreamedHash, block_fill
 from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
 from formats.universal import safetensors_backend, zarr_backend
 from formats.universal.plan import (
@@ -416,42 +416,52 @@ class UniversalReader:
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
         """Read ``region`` of one chunk; row slabs are read with a single pread."""
         record = self.meta.tensors[key]
-        result: list[np.ndarray] = []
-
-        def read_checked() -> None:  # the whole chunk: check the bytes just read
-            result.append(np.require(self._read_chunk_part(record, chunk, region), requirements="C"))  # 0-d stays 0-d
-            self._compare(key, record, chunk, xxhash.xxh3_64_hexdigest(memoryview(result[0]).cast("B")))
-
-        self._check(key, record, chunk, region, read_checked)
-        data = result[0] if result else self._read_chunk_part(record, chunk, region)
-        return from_storage_array(data, record.dtype)
+        data = self._read_chunk_part(record, chunk, region, seen=self._seen(key, record, chunk))
+        return from_storage_array(np.require(data, requirements="C"), record.dtype)  # 0-d stays 0-d
 
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` (writable bytes, exactly the region's size) with ``region`` in C order;
         a region of whole chunk rows is read straight into ``out`` (one pread, no copy)."""
         record = self.meta.tensors[key]
+        self._read_into(record, chunk, region, out, self._seen(key, record, chunk))
 
-        def read_checked() -> None:  # the whole chunk: check the bytes just read
-            self._read_into(record, chunk, region, out)
-            self._compare(key, record, chunk, xxhash.xxh3_64_hexdigest(memoryview(out).cast("B")))
+    def _seen(self, key: str, record: TensorRecord, chunk: ChunkRef) -> Callable[[int, memoryview], None] | None:
+        """Where a region read reports the chunk bytes it read, for the chunk's xxh3_64 (None when
+        this reader does not verify, or the chunk is checked already).
 
-        if not self._check(key, record, chunk, region, read_checked):
-            self._read_into(record, chunk, region, out)
-
-    def _check(self, key: str, record: TensorRecord, chunk: ChunkRef, region: Box,
-               read_checked: Callable[[], None]) -> bool:
-        """Check the chunk's xxh3_64 if this reader verifies and nobody checked it yet: by
-        ``read_checked()`` (which reads the region and checks the bytes it read) when the region
-        is the whole chunk, else by a streamed pass over the chunk file. True when
-        ``read_checked`` ran (the region is read)."""
+        The bytes of every read feed the chunk's hash in memory (:class:`formats.integrity.StreamedHash`,
+        in order: a read that starts past the bytes hashed so far first reads the gap, the bytes
+        the task next to it is about to read); the read that completes the chunk compares. An edge
+        chunk of an inner dim, whose logical bytes are not one run of its file (rows longer than
+        the chunk size), is checked by one streamed pass the first time any part of it is read.
+        """
         checks = self._checks
         if checks is None or checks.done(chunk.locator):
-            return False
-        if region == chunk.box:
-            return checks.once(chunk.locator, lambda: (self._check_prefix(key, record, chunk), read_checked()))
-        checks.once(chunk.locator, lambda: (self._check_prefix(key, record, chunk),
-                                            self._compare(key, record, chunk, self._stream_checksum(record, chunk))))
-        return False
+            return None
+        cshape = self._stored(record, chunk)[1]
+        if cshape and tuple(cshape[1:]) != tuple(chunk.box.sizes[1:]):
+            checks.once(chunk.locator, lambda: (self._check_prefix(key, record, chunk),
+                                                self._compare(key, record, chunk, self._stream_checksum(record, chunk))))
+            return None
+        length = chunk.box.numel * np.dtype(record.storage_dtype).itemsize
+
+        def start():
+            self._check_prefix(key, record, chunk)
+            fill = block_fill(lambda offset, view: self._pread(record, chunk, view, offset))
+            return StreamedHash(length, fill), lambda actual: self._compare(key, record, chunk, actual), fill
+
+        locator, part = chunk.locator, checks.part
+        return lambda offset, data: part(locator, offset, data, start)
+
+    def pending_checks(self, chunks: Iterable[ChunkRef]) -> bool:
+        """Whether the check of any of ``chunks`` is still open (parts read, not all bytes seen)."""
+        return self._checks is not None and self._checks.any_pending(c.locator for c in chunks)
+
+    def finish_checks(self, workers: int = 1) -> int:
+        """Complete the open checks: read the bytes of each chunk no region read covered (parts
+        another rank copied), compare. CorruptCheckpointError on a mismatch; returns the chunks
+        completed."""
+        return 0 if self._checks is None else self._checks.finish(workers)
 
     def _check_prefix(self, key: str, record: TensorRecord, chunk: ChunkRef) -> None:
         """The bytes before the chunk's data (a safetensors file's header; none in zarr) are what
@@ -487,7 +497,8 @@ class UniversalReader:
                                                tuple(self._layout.stored_shape(record, chunk.box)))
         return got
 
-    def _read_into(self, record: TensorRecord, chunk: ChunkRef, region: Box, out: memoryview) -> None:
+    def _read_into(self, record: TensorRecord, chunk: ChunkRef, region: Box, out: memoryview,
+                   seen: Callable[[int, memoryview], None] | None = None) -> None:
         cshape = self._stored(record, chunk)[1]
         if not cshape or region.sizes[0] <= 1 or region.sizes[1:] == cshape[1:]:
             batches = [(0, region)]  # one row, or whole rows: one read straight into ``out``
@@ -500,7 +511,7 @@ class UniversalReader:
         region_row = len(out) // max(1, region.sizes[0]) if cshape else len(out)
         for a, sub in batches:
             view = out[a * region_row: a * region_row + sub.numel * np.dtype(record.storage_dtype).itemsize]
-            data = self._read_chunk_part(record, chunk, sub, into=view)
+            data = self._read_chunk_part(record, chunk, sub, into=view, seen=seen)
             if data is not None:
                 np.copyto(np.frombuffer(view, dtype=data.dtype).reshape(data.shape), data)
 
@@ -562,9 +573,11 @@ class UniversalReader:
                                          "reconvert the store")
 
     def _read_chunk_part(self, record: TensorRecord, chunk: ChunkRef, region: Box,
-                         into: memoryview | None = None) -> np.ndarray | None:
+                         into: memoryview | None = None,
+                         seen: Callable[[int, memoryview], None] | None = None) -> np.ndarray | None:
         """The region's stored array; with ``into`` (the region's bytes), rows that hold exactly
-        the region are read into it and None is returned."""
+        the region are read into it and None is returned. ``seen`` is told the rows read (their
+        offset in the chunk's bytes)."""
         storage = np.dtype(record.storage_dtype)
         cshape = self._stored(record, chunk)[1]
         local = region.relative_to(chunk.box)
@@ -582,6 +595,8 @@ class UniversalReader:
         else:
             arr = np.empty(nbytes // storage.itemsize, dtype=storage)
         self._pread(record, chunk, memoryview(arr).cast("B"), r0 * row)
+        if seen is not None:
+            seen(r0 * row, memoryview(arr).cast("B"))
         if direct:
             return None
         if not cshape:

@@ -4,8 +4,8 @@ Sources are the real 4-rank FSDP2 fixture (``dcp.save`` of model + AdamW state) 
 HF export of it. A flipped byte in the tensor data of a ``.distcp`` chunk (its zip CRC-32, which
 ``torch.load`` never checks) or of a store chunk (its xxh3_64 in ``ckptconv.json``) stops every
 conversion reading it with one line naming the file, the key and the chunk, exit status 2, and
-nothing published; ``--no-verify-source`` copies it anyway. Each chunk is checked once per run,
-whether a read covers it whole (checked on the bytes read) or in parts (one streamed pass).
+nothing published; ``--no-verify-source`` copies it anyway. Each chunk is checked once per run, on
+the bytes the conversion reads (parts' CRC-32s combined; xxh3 fed in order), never by a second pass.
 
 Then the paths: a store chunk that is a symlink out of the store is refused like the DCP and HF
 readers refuse theirs; symlink loops, JSON nested past Python's recursion limit and over-long
@@ -109,6 +109,53 @@ def test_to_universal_refuses_a_flipped_dcp_byte(dcp_checkpoint_copy, tmp_path, 
     assert api.verify(tmp_path / "skipped").ok
 
 
+def test_a_task_is_journaled_only_once_its_sources_are_verified(dcp_checkpoint_copy, dcp_checkpoint, tmp_path,
+                                                                 monkeypatch):
+    """Store chunks of 7 rows read the 24-row source chunks in parts, so a damaged chunk fails only
+    when its last part is read, after tasks that read its first parts finished. None of those may
+    be journaled: after the file is restored (``rsync -a``: same size and time, so the run resumes),
+    ``--resume`` must copy them again, and the store then
+    holds what torch reads from the source."""
+    import json
+
+    from converter import knobs
+    from oracle import assert_same_value, torch_reference
+
+    monkeypatch.setattr(knobs, "JOURNAL_FLUSH_SECONDS", 0.0)  # journal every finished task at once
+    ckpt = dcp_checkpoint_copy("fsdp4")
+    good, stat = (ckpt / "__1_0.distcp").read_bytes(), (ckpt / "__1_0.distcp").stat()
+    file = flip_dcp_chunk(ckpt, KEY)
+    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: the file's time is unchanged
+    out = tmp_path / "uni"
+    opts = RunOptions(workers=1)
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        api.to_universal(ckpt, out, opts, chunk_bytes=1000)
+    journal = [json.loads(line) for line in (out / ".ckptconv-journal.jsonl").read_text().splitlines()[1:]]
+    done = [json.loads(e["t"]) for e in journal]
+    assert any(k == KEY and o[0] < 24 for k, o, _ in done)  # tasks before the damaged chunk were journaled
+    assert not [t for t in done if t[0] == KEY and t[1][0] < 48 and t[1][0] + t[2][0] > 24], done
+    assert file.name == "__1_0.distcp"
+    (ckpt / "__1_0.distcp").write_bytes(good)  # restored from a good copy, times kept (rsync -a)
+    os.utime(ckpt / "__1_0.distcp", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    api.to_universal(ckpt, out, dataclasses_replace(opts, resume=True), chunk_bytes=1000)
+    assert_same_value(torch_reference(dcp_checkpoint("fsdp4")), torch_reference_of_store(out, tmp_path))
+
+
+def dataclasses_replace(opts: RunOptions, **changes) -> RunOptions:
+    import dataclasses
+
+    return dataclasses.replace(opts, **changes)
+
+
+def torch_reference_of_store(store: Path, tmp_path: Path):
+    """What torch's dcp.load reads from the store converted back to one DCP rank."""
+    from oracle import torch_reference
+
+    back = tmp_path / "back"
+    api.from_universal(store, back, "dp1")
+    return torch_reference(back)
+
+
 def test_from_universal_from_dcp_refuses_a_flipped_dcp_byte(dcp_checkpoint_copy, tmp_path):
     ckpt = dcp_checkpoint_copy("fsdp4")
     file = flip_dcp_chunk(ckpt, KEY)
@@ -171,9 +218,10 @@ def test_sound_sources_convert_with_verification(store, dcp_checkpoint, tmp_path
 
 
 def _spy(monkeypatch) -> dict[object, int]:
-    """Count how often each chunk's check ran (successfully)."""
+    """Count how often each chunk's check ran (successfully): a whole check, or a ledger of parts
+    compared once complete."""
     ran: dict[object, int] = {}
-    once = ChunkChecks.once
+    once, settle = ChunkChecks.once, ChunkChecks._settle
 
     def counting(self, chunk, check):
         did = once(self, chunk, check)
@@ -181,7 +229,12 @@ def _spy(monkeypatch) -> dict[object, int]:
             ran[chunk] = ran.get(chunk, 0) + 1
         return did
 
+    def settling(self, chunk, pending):
+        settle(self, chunk, pending)
+        ran[chunk] = ran.get(chunk, 0) + 1
+
     monkeypatch.setattr(ChunkChecks, "once", counting)
+    monkeypatch.setattr(ChunkChecks, "_settle", settling)
     return ran
 
 
@@ -210,24 +263,101 @@ def test_each_source_chunk_is_checked_once_per_run(conversion, store, dcp_checkp
     assert set(ran.values()) == {1}
 
 
-def test_dcp_reader_checks_inline_or_streamed_once(dcp_checkpoint, monkeypatch):
-    streamed, inline = [], []
-    monkeypatch.setattr(archive, "verify_crc", lambda at, read, where, f=archive.verify_crc: (streamed.append(where), f(at, read, where))[1])
-    monkeypatch.setattr(archive, "check_crc", lambda at, crc, where, f=archive.check_crc: (inline.append(where), f(at, crc, where))[1])
+def _count_reads(monkeypatch) -> list[int]:
+    """The sizes of every read of a DCP item's bytes (headers and data)."""
+    sizes: list[int] = []
+    fill = archive.SliceReader._fill
+
+    def counting(self, view, offset):
+        sizes.append(len(view))
+        return fill(self, view, offset)
+
+    monkeypatch.setattr(archive.SliceReader, "_fill", counting)
+    return sizes
+
+
+def test_dcp_reader_checks_parts_in_memory(dcp_checkpoint, monkeypatch):
+    """A chunk read in parts, in any order, is checked on the bytes read (CRC-32s combined), by the
+    read that completes it: no streamed pass, each byte read once."""
+    streamed, compared = [], []
+    monkeypatch.setattr(archive, "verify_crc", lambda *a: streamed.append(a))
+    monkeypatch.setattr(archive, "check_crc", lambda at, crc, where, f=archive.check_crc: (compared.append(where), f(at, crc, where))[1])
     from formats.base import Box
 
     with DCPReader(dcp_checkpoint("fsdp4"), verify=True) as reader:
         a, b = reader.index().tensors[KEY].chunks[:2]
+        reader.chunk_archive(KEY, b)  # headers parsed before counting
         whole = reader.read_region_array(KEY, a, a.box)  # whole chunk: checked on the bytes read
-        assert len(inline) == 1 and not streamed
+        assert len(compared) == 1
         reader.read_region_array(KEY, a, a.box)
-        assert len(inline) == 1
+        assert len(compared) == 1
+        reads = _count_reads(monkeypatch)
         rows = [Box((b.box.offsets[0] + r, 0), (1, 32)) for r in range(b.box.sizes[0])]
-        for r in rows:  # partial reads: one streamed pass, the first time
+        order = rows[1::2] + rows[::2]  # out of order: odd rows first
+        for i, r in enumerate(order):
+            assert reader.pending_checks([b]) == (0 < i)
             reader.read_region_array(KEY, b, r)
-        assert len(streamed) == 1 and len(inline) == 2
+        assert len(compared) == 2 and not streamed and not reader.pending_checks([b])
+        assert sum(reads) == b.box.numel * 4  # every byte once
+        assert reader.finish_checks() == 0
     with DCPReader(dcp_checkpoint("fsdp4")) as plain:
         assert (plain.read_region_array(KEY, a, a.box) == whole).all()
+
+
+def test_dcp_reader_finishes_what_no_read_covered(dcp_checkpoint_copy, monkeypatch):
+    """A chunk read only in part is completed by finish_checks, which reads just the gap; a damaged
+    byte in that gap fails there."""
+    from formats.base import Box
+
+    ckpt = dcp_checkpoint_copy("fsdp4")
+    with DCPReader(ckpt, verify=True) as reader:
+        b = reader.index().tensors[KEY].chunks[1]
+        reader.chunk_archive(KEY, b)
+        reads = _count_reads(monkeypatch)
+        reader.read_region_array(KEY, b, Box(b.box.offsets, (5, 32)))
+        assert reader.pending_checks([b])
+        assert reader.finish_checks() == 1 and not reader.pending_checks([b])
+        assert sum(reads) == b.box.numel * 4
+    flip_dcp_chunk(ckpt, KEY)  # a byte in the middle: rows not read below
+    with DCPReader(ckpt, verify=True) as reader:
+        b = reader.index().tensors[KEY].chunks[1]
+        reader.read_region_array(KEY, b, Box(b.box.offsets, (5, 32)))
+        with pytest.raises(CorruptCheckpointError, match="CRC-32 mismatch"):
+            reader.finish_checks()
+
+
+def test_store_reader_hashes_parts_in_order(store_copy, monkeypatch):
+    """A store chunk read in parts is hashed on the bytes read, in order: a part read ahead of the
+    bytes hashed so far first has the gap read; a damaged byte fails the read that completes it."""
+    from formats.base import Box
+    from formats.universal import store as store_module
+
+    reader = UniversalReader(store_copy, verify=True)
+    entry = reader.index().tensors[KEY]
+    chunk = entry.chunks[0]
+    n = chunk.box.sizes[0]
+    preads: list[int] = []
+    pread = store_module.UniversalReader._pread
+    monkeypatch.setattr(store_module.UniversalReader, "_pread",
+                        lambda self, record, c, into, offset: (preads.append(len(into)), pread(self, record, c, into, offset))[1])
+    row = chunk.box.sizes[1] * 4
+    first = Box(chunk.box.offsets, (n // 2, chunk.box.sizes[1]))
+    second = Box((chunk.box.offsets[0] + n // 2, chunk.box.offsets[1]), (n - n // 2, chunk.box.sizes[1]))
+    reader.read_region(KEY, chunk, first)
+    assert reader.pending_checks([chunk])
+    reader.read_region(KEY, chunk, second)
+    assert not reader.pending_checks([chunk]) and sum(preads) == n * row
+    preads.clear()
+    other = entry.chunks[1]
+    later = Box((other.box.offsets[0] + 1, other.box.offsets[1]), (other.box.sizes[0] - 1, other.box.sizes[1]))
+    reader.read_region(KEY, other, later)  # ahead: row 0 is read for the hash first
+    assert not reader.pending_checks([other]) and sum(preads) == other.box.numel * 4  # the gap + the rest
+    flip_byte(store_chunk_file(store_copy, KEY, 2), 3 * row + 1)
+    damaged = entry.chunks[2]
+    reader.read_region(KEY, damaged, Box(damaged.box.offsets, (2, damaged.box.sizes[1])))
+    with pytest.raises(CorruptCheckpointError, match="xxh3_64"):
+        reader.read_region(KEY, damaged, Box((damaged.box.offsets[0] + 2, damaged.box.offsets[1]),
+                                             (damaged.box.sizes[0] - 2, damaged.box.sizes[1])))
 
 
 def test_dcp_reader_checks_empty_0d_and_strided_chunks(tmp_path):
