@@ -10,7 +10,7 @@ worker's extra memory is one slab whatever the tensor's size.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -72,6 +72,27 @@ class _ViewBase:
     def close(self) -> None:
         self.reader.close()
 
+    def _source_keys(self, chunk: ChunkRef) -> tuple[str, ...] | None:
+        """The source tensors a view chunk is computed from (None: a source chunk shown as is)."""
+        return None
+
+    def pending_checks(self, chunks: Iterable[ChunkRef]) -> bool:
+        """Whether the source's check of a chunk behind ``chunks`` is still open (a computed
+        tensor's: any chunk of the tensors it is computed from)."""
+        pending = getattr(self.reader, "pending_checks", None)
+        if pending is None:
+            return False
+        behind: list[ChunkRef] = []
+        for c in chunks:
+            keys = self._source_keys(c)
+            behind += [c] if keys is None else [s for k in keys for s in self._src.tensors[k].chunks]
+        return pending(behind)
+
+    def finish_checks(self, workers: int = 1) -> int:
+        """Complete the source's open checks (:meth:`formats.dcp.DCPReader.finish_checks`)."""
+        finish = getattr(self.reader, "finish_checks", None)
+        return 0 if finish is None else finish(workers)
+
 
 def _slabs(box: Box, itemsize: int = 4) -> list[Box]:
     """``box`` split into C-order sub-boxes of at most one slab of ``itemsize``-byte work each."""
@@ -89,6 +110,7 @@ class DequantizedReader(_ViewBase):
         self._src = src
         self.pairs = find_pairs(src.tensors, block, mx_layout, where=f"{src.root}: ")
         by_data = {p.data: p for p in self.pairs.values()}
+        self._by_name = {p.name: p for p in self.pairs.values()}
         hidden = {p.scale for p in self.pairs.values()}
         tensors: dict[str, TensorEntry] = {}
         for key, e in src.tensors.items():
@@ -105,6 +127,13 @@ class DequantizedReader(_ViewBase):
             tensors[pair.name] = TensorEntry(pair.name, self.dtype, pair.shape, (chunk,), (pair.name,))
         info = {**src.info, "dequantized": {"dtype": self.dtype, "tensors": len(self.pairs)}}
         self._index = CheckpointIndex(src.format, src.root, tensors, src.objects, info)
+
+    def _source_keys(self, chunk: ChunkRef) -> tuple[str, ...] | None:
+        loc = chunk.locator
+        if isinstance(loc, tuple) and len(loc) == 2 and loc[0] == "dequantized":
+            pair = self._by_name[loc[1]]
+            return (pair.data, pair.scale)
+        return None
 
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` with ``region`` of ``key`` (dequantized slab by slab for a pair)."""
@@ -165,6 +194,12 @@ class QuantizingReader(_ViewBase):
         self._memo: dict[tuple[str, tuple[int, ...]], tuple[int, np.ndarray]] = {}
         self._memo_bytes = 0
         self._lock = threading.Lock()
+
+    def _source_keys(self, chunk: ChunkRef) -> tuple[str, ...] | None:
+        loc = chunk.locator
+        if isinstance(loc, tuple) and len(loc) == 2 and loc[0] == "quantized":
+            return (self.targets[loc[1]].source,)
+        return None
 
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` with ``region`` of ``key`` (quantized block by block for a target)."""

@@ -545,3 +545,31 @@ def test_over_long_file_name_in_hf_index(dcp_checkpoint, tmp_path):
     assert len(line) < 1000
     one_line_error(run_cli("import-hf", str(hf), str(tmp_path / "u")))
     assert os.path.isdir(hf)
+
+
+def test_reader_views_forward_the_source_checks():
+    """The executor completes a source's open checks through every view over it (renamed, dequantized,
+    quantized): a view that dropped them would leave chunks read in parts unchecked."""
+    from converter.run.mapped_reader import MappedReader
+    from converter.run.quant_reader import DequantizedReader, QuantizingReader
+    from formats.base import Box, ChunkRef
+
+    class Inner:
+        def __init__(self):
+            self.calls = []
+
+        def pending_checks(self, chunks):
+            self.calls.append(("pending", list(chunks)))
+            return True
+
+        def finish_checks(self, workers=1):
+            self.calls.append(("finish", workers))
+            return 7
+
+    src = ChunkRef(Box((0,), (4,)), "f", "loc")
+    for cls in (MappedReader, DequantizedReader, QuantizingReader):
+        view = object.__new__(cls)
+        view.reader = Inner()
+        assert view.finish_checks(3) == 7 and view.reader.calls == [("finish", 3)], cls
+        chunk = ChunkRef(src.box, "f", type("Loc", (), {"chunk": src})()) if cls is MappedReader else src
+        assert view.pending_checks([chunk]) and view.reader.calls[-1] == ("pending", [src]), cls
