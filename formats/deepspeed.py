@@ -43,10 +43,11 @@ import numpy as np
 
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry, full_box
 from formats.dcp.archive import (ArchiveTensor, SliceReader, TensorDesc, describe_tensor, open_archive,
-                                 read_region_array, read_region_into, resolve_tensor_global, storage_loader,
-                                 verify_crc)
+                                 read_region_array, read_region_into, storage_loader, verify_crc)
 from formats.dcp.archive_writer import TensorArchiveWriter, pickle_with_tensor, tensor_ref
-from formats.dcp.safe_pickle import SAFE_BUILTINS, Record, record_class, safe_loads
+from formats.dcp.safe_pickle import safe_loads
+from formats.deepspeed_pickle import record_int as _as_int
+from formats.deepspeed_pickle import resolve_global as _resolve
 from formats.dtypes import by_name, from_storage_array
 from formats.errors import (CheckpointNotFoundError, CorruptCheckpointError, InvalidCheckpointError,
                             UnsupportedError)
@@ -77,54 +78,7 @@ _ATOM_FILE = re.compile(r"(?P<state>[^/]+)\.pt")
 
 
 # ---------------------------------------------------------------------------------------------
-# safe unpickling of DeepSpeed's files
-
-
-def _rebuild_parameter(data: Any, *_: Any) -> Any:  # torch._utils._rebuild_parameter*: the data
-    return data
-
-
-def _rebuild_from_type(func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
-    # torch._tensor._rebuild_from_type_v2 (tensor subclasses, e.g. ZeRO-3's flat groups): only the
-    # inner tensor rebuild (an allowlisted stand-in) runs
-    return func(*args)
-
-
-def _device(kind: Any, index: Any = None) -> str:
-    """Stand-in for ``torch.device(type[, index])``: the device's name, ``"cuda:0"`` (inert data)."""
-    if type(kind) is not str or (index is not None and type(index) is not int):
-        raise TypeError(f"torch.device({kind!r}, {index!r})")
-    return kind if index is None else f"{kind}:{index}"
-
-
-class _TensorType:
-    """Stands for ``torch.Tensor`` / ``torch.nn.Parameter`` (never called)."""
-
-
-#: Globals outside torch's tensor machinery that DeepSpeed's pickles name: read as inert data.
-_DS_TORCH = {
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-    ("torch", "Tensor"): _TensorType,
-    ("torch._tensor", "Tensor"): _TensorType,
-    ("torch.nn.parameter", "Parameter"): _TensorType,
-    ("torch", "Size"): tuple,
-    ("torch", "device"): _device,
-    ("argparse", "Namespace"): record_class("argparse.Namespace"),
-}
-_RECORDS: dict[str, type[Record]] = {}
-
-
-def _resolve(module: str, name: str) -> Any:
-    """Stand-ins for the globals DeepSpeed's pickles may name; None (refused) for anything else."""
-    found = _DS_TORCH.get((module, name)) or SAFE_BUILTINS.get((module, name))
-    if found is not None:
-        return found
-    if module == "deepspeed" or module.startswith("deepspeed."):  # LossScaler, ZeroStageEnum, ...
-        kind = f"{module}.{name}"
-        return _RECORDS.setdefault(kind, record_class(kind))
-    return resolve_tensor_global(module, name)
+# parsing DeepSpeed's files (their stand-ins: formats/deepspeed_pickle.py)
 
 
 @dataclass(frozen=True)
@@ -242,12 +196,6 @@ def _model_states_file(root: Path) -> Path | None:
             return root / name
     found = sorted(root.glob("*model_states.pt"))
     return found[0] if found else None
-
-
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, Record) and len(value.args) == 1:  # an IntEnum (ZeroStageEnum) as a record
-        value = value.args[0]
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _param_shapes(ms: _Archive | None) -> list[OrderedDict]:
