@@ -48,6 +48,7 @@ TP_ROWWISE = "tp_rowwise"  # split on one dim >= 1 by TP (dim 1: row-wise Linear
 EXPERTS = "experts"  # grouped experts split on dim 0 by EP (x efsdp): torchtitan's sparse mesh
 CHUNKED = "chunked"  # storage chunks without rank information (universal store, HF)
 IRREGULAR = "irregular"  # boxes that match none of the above (or do not tile the tensor)
+ZERO_FLAT = "zero_flat"  # DeepSpeed ZeRO: ranges of flat partitions (index.info["partitioning"])
 
 
 @dataclass(frozen=True)
@@ -446,6 +447,8 @@ def detect_layout(index: CheckpointIndex, owners: bool = True) -> LayoutReport:
     """
     from converter.plan.megatron import stacked_layers
 
+    if index.info.get("partitioning") == ZERO_FLAT:
+        return _zero_layout(index, owners)
     stacked = stacked_layers(index)
     layer_stages = megatron_stages(index, stacked)
     if stacked:  # Megatron: dim 0 of a layer-stacked tensor is its layers; one layer shows the split
@@ -483,6 +486,20 @@ def detect_layout(index: CheckpointIndex, owners: bool = True) -> LayoutReport:
         mesh_guess = {"pp": len(layer_stages), **inner}
         summary = f"PP: {len(layer_stages)} stages ({spans}); " + summary
     return LayoutReport(summary, ws, layouts, mesh_guess, stages, notes)
+
+
+def _zero_layout(index: CheckpointIndex, owners: bool) -> LayoutReport:
+    """DeepSpeed ZeRO: each tensor cut in ranges of the ranks' flat partitions, not a DTensor
+    layout (the boxes are those ranges' rows, see :mod:`formats.deepspeed_zero.flat`)."""
+    ws = world_size(index)
+    stage = index.info.get("zero_stage")
+    layouts = {key: TensorLayout(key, {}, ZERO_FLAT if len(t.chunks) > 1 else WHOLE,
+                                 tuple((c.rank, c.box) for c in t.chunks) if owners else ())
+               for key, t in index.tensors.items()}
+    summary = (f"ZeRO-{stage}: flat partitions over {ws} data-parallel ranks" if stage and ws and ws > 1 else
+               f"ZeRO-{stage}: one data-parallel rank, every tensor whole" if stage else
+               "ZeRO-0: every tensor whole")
+    return LayoutReport(summary, ws, layouts, {"dp": ws} if ws and ws > 1 else {}, (), ())
 
 
 def _layout_bound_note(index: CheckpointIndex) -> tuple[str, ...]:

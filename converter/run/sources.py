@@ -1,6 +1,6 @@
 """Open any supported checkpoint by sniffing its directory: DCP (``.metadata`` + ``.distcp``, or
 the per-rank safetensors of DCP's ``HuggingFaceStorageWriter``), universal store, HF safetensors,
-DeepSpeed universal checkpoint."""
+DeepSpeed (universal checkpoints, and the folders ``save_checkpoint`` writes)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from formats.errors import CheckpointNotFoundError, IncompleteCheckpointError, I
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """"dcp", "dcp-safetensors" (DCP's per-rank safetensors storage), "universal", "hf" or
-    "deepspeed" (a local DeepSpeed universal checkpoint) for a local directory or a URL; a clear
-    error for anything else."""
+    """"dcp", "dcp-safetensors" (DCP's per-rank safetensors storage), "universal", "hf",
+    "deepspeed" (a local DeepSpeed universal checkpoint) or "deepspeed-zero" (a local DeepSpeed
+    ``save_checkpoint`` folder) for a local directory or a URL; a clear error for anything else."""
     from formats.storage import open_storage
 
     st = open_storage(path)
@@ -47,6 +47,12 @@ def _format_of(st, names: list[str]) -> str:  # noqa: ANN001 - a formats.storage
     p = st.root
     if is_universal_store(st):
         return "universal"
+    if st.is_local and ("latest" in names or any(n.endswith("_model_states.pt") for n in names)) \
+            and "zero" not in names:
+        from formats.deepspeed_zero import is_deepspeed_zero
+
+        if is_deepspeed_zero(p):  # before HF: a Trainer's checkpoint-N/ holds both; this has the fp32 masters
+            return "deepspeed-zero"
     if METADATA_NAME in names or rank_metadata_files(names):
         return "dcp"
     if "model.safetensors.index.json" not in names and is_per_rank_listing(names):
@@ -103,6 +109,10 @@ def _open(path: str | os.PathLike, trust_pickle: bool, verify: bool) -> Checkpoi
         from formats.dcp_safetensors import DCPSafetensorsReader
 
         return DCPSafetensorsReader(path, verify=verify)
+    if fmt == "deepspeed-zero":
+        from formats.deepspeed_zero import DeepSpeedZeroReader
+
+        return DeepSpeedZeroReader(path, verify=verify)
     if fmt == "deepspeed":
         from formats.deepspeed import DeepSpeedReader
 

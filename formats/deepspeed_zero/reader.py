@@ -1,0 +1,233 @@
+"""The reader of DeepSpeed checkpoints as ``engine.save_checkpoint`` writes them (ZeRO-0/1/2/3).
+
+Opening parses each file's zip directory and ``data.pkl`` (allowlisted; DeepSpeed's classes as
+inert records) and lays every tensor out as chunks of the flat partitions (:mod:`.zero`,
+:mod:`.model`); reading a region is then a ``pread`` of the bytes it spans. No ``torch.load``,
+no tensor data read before it is asked for, memory independent of the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from formats.base import Box, CheckpointIndex, ChunkRef
+from formats.dcp.archive import ArchiveTensor, SliceReader, read_region_array, read_region_into, verify_crc
+from formats.deepspeed_pickle import record_int
+from formats.deepspeed_zero.files import Parsed, TagFiles, find_tag_dir, list_tag_files, parse_file
+from formats.deepspeed_zero.index import VALUE_SLOT, IndexBuilder, c_strides
+from formats.deepspeed_zero.model import (add_buffers, add_frozen_from_module, add_objects, add_shared,
+                                          build_zero0)
+from formats.deepspeed_zero.zero import OSD, add_groups, build_zero3, build_zero12, frozen_zero3
+from formats.dtypes import by_name, from_storage_array
+from formats.errors import CheckpointNotFoundError, CorruptCheckpointError, PlanError, UnsupportedError
+from formats.fsutil import read_error
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT = "deepspeed-zero"
+
+
+def _check_supported(root: Path, files: TagFiles) -> None:
+    """Refuse layouts not read yet, naming what is there."""
+    mps = set(files.model) | {mp for mp, _ in files.zero3_model} | {mp for mp, _ in files.optim}
+    if mps - {0}:
+        raise UnsupportedError(f"{root}: model-parallel ranks mp_rank_{sorted(mps)[-1]:02d} (tensor parallelism); "
+                               "not supported yet: convert with ds_to_universal.py and import-ds")
+    if files.layers:
+        raise UnsupportedError(f"{root}: pipeline layer files ({next(iter(files.layers.values()))}); not supported "
+                               "yet: convert with ds_to_universal.py and import-ds")
+    if files.experts or files.expp_optim:
+        name = next(iter({**files.experts, **files.expp_optim}.values()))
+        raise UnsupportedError(f"{root}: MoE expert files ({name}); not supported yet")
+    if len(files.optim_prefixes) > 1:
+        raise CorruptCheckpointError(f"{root}: optimizer files of two kinds ({', '.join(sorted(p or 'zero_' for p in files.optim_prefixes))}"
+                                     "...): the folder mixes two saves; keep the files of one")
+
+
+def _by_rank(root: Path, names: dict[int, str], what: str) -> list[str]:
+    ranks = sorted(names)
+    if ranks != list(range(len(ranks))):
+        missing = next(r for r in range(len(ranks) + 1) if r not in names)
+        raise CheckpointNotFoundError(f"{root}: no {what} file of data-parallel rank {missing} (have ranks "
+                                      f"{ranks[0]}..{ranks[-1]}); copy every rank's file of the save")
+    return [names[r] for r in ranks]
+
+
+class DeepSpeedZeroReader:
+    """A :class:`formats.base.CheckpointReader` over a DeepSpeed ``save_checkpoint`` tag folder."""
+
+    def __init__(self, path: str | os.PathLike, verify: bool = False) -> None:
+        """``path``: the tag folder (``global_step<N>/``) or the folder whose ``latest`` names it.
+        ``verify``: check each storage's zip CRC-32 once, before its first read."""
+        self.root = find_tag_dir(path)
+        self._verify = verify
+        self._verified: set[int] = set()
+        self._lock = threading.Lock()
+        self._verify_lock = threading.Lock()
+        self._fds: dict[str, tuple[int, int]] = {}
+        files = list_tag_files(self.root)
+        _check_supported(self.root, files)
+        b = IndexBuilder()
+        left_out: list[str] = []
+        self._read_files: set[str] = set()
+        stage, world = self._build(b, files, left_out)
+        self._slots, self._values, self._objects = b.slots, b.values, b.object_values
+        info = {"partitioning": "zero_flat", "zero_stage": stage, "world_size": world,
+                "dtype_prefix": next(iter(files.optim_prefixes), None), "version": self._ds_version,
+                "left_out": left_out, "files": sorted(self._read_files)}
+        self._index = CheckpointIndex(FORMAT, str(self.root), b.tensors, b.objects, info)
+
+    def _parse(self, name: str, what: str) -> Parsed:
+        self._read_files.add(name)
+        return parse_file(self.root, name, what)
+
+    def _build(self, b: IndexBuilder, files: TagFiles, left_out: list[str]) -> tuple[int, int]:
+        """Lay out every tensor and object; (ZeRO stage, data-parallel ranks)."""
+        optim_names = _by_rank(self.root, {dp: n for (_, dp), n in files.optim.items()}, "*_optim_states.pt")
+        optims = [self._parse(n, "the optimizer partitions") for n in optim_names]
+        osd = optims[0].value.get(OSD) if optims and isinstance(optims[0].value, dict) else None
+        if optims and isinstance(osd, dict) and "fp32_flat_groups" in osd:
+            stage, world = 3, len(optims)
+            models = _by_rank(self.root, {dp: n for (_, dp), n in files.zero3_model.items()}, "zero_pp_rank_*_model_states.pt")
+            model = self._parse(models[0], "the model states")
+            groups = build_zero3(b, model, optims)
+            if model.value.get("frozen_param_shapes"):
+                frozen_zero3(b, [model] + [self._parse(n, "the model states") for n in models[1:]], world)
+        else:
+            name = files.model.get(0)
+            if name is None:
+                raise CheckpointNotFoundError(f"{self.root}: no mp_rank_00_model_states.pt; copy the whole tag folder")
+            model = self._parse(name, "the model states")
+            if not optims:
+                stage, world = 0, 1
+                groups = build_zero0(b, model)
+            elif isinstance(osd, dict) and "single_partition_of_fp32_groups" in osd:
+                stage, world = record_int(osd.get("zero_stage")) or 1, len(optims)
+                groups = build_zero12(b, model, optims)
+                add_frozen_from_module(b, model)
+            else:
+                raise UnsupportedError(f"{optims[0].path}: neither ZeRO-1/2 partitions (single_partition_of_fp32_groups) "
+                                       "nor ZeRO-3 ones (fp32_flat_groups); an optimizer this reader does not know")
+        if stage:
+            add_buffers(b, model)
+            add_shared(b, model)
+        add_groups(b, groups, optims[0].name if optims else model.name)
+        add_objects(b, model, optims[0] if optims else None, left_out)
+        self._ds_version = model.value.get("ds_version") if isinstance(model.value.get("ds_version"), str) else None
+        return stage, world
+
+    # -- CheckpointReader ----------------------------------------------------------------------
+
+    def index(self) -> CheckpointIndex:
+        return self._index
+
+    def _fd(self, file: str, key: str) -> tuple[int, int]:
+        """The open file (fd, size) of ``file``, opened once."""
+        with self._lock:
+            found = self._fds.get(file)
+            if found is None:
+                path = self.root / file
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError:
+                    raise CheckpointNotFoundError(f"{path}: file disappeared (key {key!r})") from None
+                except OSError as e:
+                    raise read_error(path, e, f"key {key!r}") from None
+                found = self._fds[file] = (fd, os.fstat(fd).st_size)
+            return found
+
+    def _stored(self, key: str, chunk: ChunkRef, region: Box) -> tuple[ArchiveTensor, SliceReader, Box]:
+        if not chunk.box.contains(region) or region.ndim != chunk.box.ndim:
+            raise PlanError(f"key {key!r}: region {region.to_json()} is not inside chunk {chunk.box.to_json()}")
+        entry = self._index.tensors[key]
+        slot_id, offset, *stride = chunk.locator
+        slot = self._slots[slot_id]
+        isz = by_name(entry.dtype).itemsize
+        at = ArchiveTensor(entry.dtype, chunk.box.sizes, stride[0] if stride else c_strides(entry.shape), offset,
+                           slot.nbytes // isz, slot.data_start, slot.nbytes, slot.crc)
+        where = f"{self.root / slot.file}: key {key!r}"
+        fd, size = self._fd(slot.file, key)
+        read = SliceReader(fd, 0, size, where)
+        if self._verify and slot_id not in self._verified:
+            with self._verify_lock:
+                if slot_id not in self._verified:
+                    verify_crc(at, read, where)
+                    self._verified.add(slot_id)
+        return at, read, region.relative_to(chunk.box)
+
+    @property
+    def storages(self) -> list[str]:
+        """The file of each tensor storage the index reads (a storage's number is its position)."""
+        return [s.file for s in self._slots]
+
+    def check_storage(self, number: int) -> int:
+        """Read storage ``number`` whole, in bounded blocks, against its zip CRC-32 (a
+        CorruptCheckpointError naming the file when it differs); the bytes read."""
+        slot = self._slots[number]
+        path = self.root / slot.file
+        fd, size = self._fd(slot.file, slot.file)
+        at = ArchiveTensor("uint8", (slot.nbytes,), (1,), 0, slot.nbytes, slot.data_start, slot.nbytes, slot.crc)
+        verify_crc(at, SliceReader(fd, 0, size, str(path)), f"{path}: storage at byte {slot.data_start}")
+        with self._verify_lock:
+            self._verified.add(number)
+        return slot.nbytes
+
+    def _value(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
+        entry = self._index.tensors[key]
+        index = chunk.locator[1]
+        if index < 0:  # a tensor without elements
+            return np.empty(region.sizes, dtype=by_name(entry.dtype).numpy_dtype)
+        return np.require(self._values[index][region.slices()], requirements="C")
+
+    def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
+        """A new contiguous tensor holding ``region`` (global coords, inside ``chunk.box``)."""
+        from formats.dcp.archive import as_tensor
+
+        return as_tensor(self.read_region_array(key, chunk, region), self._index.tensors[key].dtype)
+
+    def read_region_array(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
+        """``region`` as a new C-contiguous bit array (storage dtype of :mod:`formats.dtypes`)."""
+        if chunk.locator[0] == VALUE_SLOT:
+            return self._value(key, chunk, region)
+        at, read, local = self._stored(key, chunk, region)
+        return read_region_array(at, read, local.offsets, local.sizes)
+
+    def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
+        """Fill ``out`` with the bits of ``region`` in C order (straight from the file)."""
+        if chunk.locator[0] == VALUE_SLOT:
+            memoryview(out).cast("B")[:] = self._value(key, chunk, region).tobytes()
+            return
+        at, read, local = self._stored(key, chunk, region)
+        read_region_into(at, read, local.offsets, local.sizes, out)
+
+    def read_object_bytes(self, key: str) -> bytes:
+        """The object as ``torch.save`` bytes (plain data only)."""
+        import io
+
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self._objects[key], buf)
+        return buf.getvalue()
+
+    def load_object(self, key: str, trust_pickle: bool = False) -> Any:
+        return self._objects[key]
+
+    def close(self) -> None:
+        """Close the open files (reopened if read again)."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd, _ in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
