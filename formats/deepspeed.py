@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry, full_box
-from formats.dcp.archive import (ArchiveTensor, SliceReader, TensorDesc, describe_tensor, open_archive,
-                                 read_region_array, read_region_into, storage_loader, verify_crc)
+from formats.dcp.archive import (ArchiveTensor, SliceReader, TensorDesc, describe_tensor, read_region_array,
+                                 read_region_into, verify_crc)
 from formats.dcp.archive_writer import TensorArchiveWriter, pickle_with_tensor, tensor_ref
-from formats.dcp.safe_pickle import safe_loads
 from formats.deepspeed_pickle import record_int as _as_int
-from formats.deepspeed_pickle import resolve_global as _resolve
+from formats.deepspeed_pickle import load_archive, torch_save_bytes
+from formats.deepspeed_pickle import resolve_global as _resolve  # noqa: F401 - the allowlist, tested by name
 from formats.dtypes import by_name, from_storage_array
 from formats.errors import (CheckpointNotFoundError, CorruptCheckpointError, InvalidCheckpointError,
                             UnsupportedError)
@@ -96,21 +96,8 @@ class _Archive:
 
 def _load_archive(path: Path, what: str) -> _Archive:
     """Parse ``path`` (a ``torch.save`` zip) without loading tensor data; errors name the file."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: missing ({what}); the DeepSpeed universal checkpoint is "
-                                      "incomplete: rerun ds_to_universal.py") from None
-    except OSError as e:
-        raise read_error(path, e, what) from None
-    try:
-        size = os.fstat(fd).st_size
-        entries, prefix, pkl = open_archive(SliceReader(fd, 0, size, str(path)), str(path))
-    finally:
-        os.close(fd)
-    if len(pkl) > MAX_PICKLE_BYTES:
-        raise CorruptCheckpointError(f"{path}: data.pkl of {len(pkl)} bytes is too large for {what}")
-    value = safe_loads(pkl, f"{path} ({what})", _resolve, storage_loader(str(path)))
+    value, entries, prefix = load_archive(path, what, "the DeepSpeed universal checkpoint is incomplete: rerun "
+                                          "ds_to_universal.py", MAX_PICKLE_BYTES)
     return _Archive(path, value, entries, prefix)
 
 
@@ -470,13 +457,7 @@ class DeepSpeedReader:
             os.close(fd)
 
     def read_object_bytes(self, key: str) -> bytes:
-        import io
-
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(self._values[key], buf)
-        return buf.getvalue()
+        return torch_save_bytes(self._values[key])
 
     def load_object(self, key: str, trust_pickle: bool = False) -> Any:
         return self._values[key]
@@ -561,23 +542,13 @@ class AtomWriter:
             pass
 
 
-def _torch_save_bytes(value: Any) -> bytes:
-    import io
-
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
 def optimizer_state_bytes(param_groups: Sequence[Mapping[str, Any]], steps: Sequence[Any]) -> bytes:
     """``zero/optimizer_state.pt``: what the ZeRO-1/2 loader (``ds_version``, ``param_groups``) and
     the ZeRO-3 loader (``optimizer_state_dict.state[0].step``, its ``param_groups``) read.
     ``steps``: one 0-d tensor per group (None where the group has no optimizer state)."""
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [i]} for i, g in enumerate(param_groups)]
     state = {i: {STEP: s} for i, s in enumerate(steps) if s is not None}
-    return _torch_save_bytes({
+    return torch_save_bytes({
         "ds_version": WRITTEN_DS_VERSION,
         "param_groups": groups,
         "optimizer_state_dict": {"state": state, "param_groups": groups},
@@ -591,7 +562,7 @@ def model_states_bytes(param_shapes: Sequence[Mapping[str, Sequence[int]]], glob
     empty ``module`` (the loader restores weights from ``zero/``, never from here)."""
     import torch
 
-    return _torch_save_bytes({
+    return torch_save_bytes({
         "module": OrderedDict(),
         "buffer_names": [],
         "optimizer": None,

@@ -1,4 +1,5 @@
-"""The allowlist for DeepSpeed's ``torch.save`` pickles: inert stand-ins, nothing of DeepSpeed runs.
+"""DeepSpeed's ``torch.save`` files parsed through an allowlist: inert stand-ins, nothing of
+DeepSpeed runs.
 
 DeepSpeed's checkpoint files (``*_model_states.pt``, ``*_optim_states.pt``, the universal
 checkpoint's ``optimizer_state.pt``) pickle torch tensors and Parameters, ``torch.Size``,
@@ -11,10 +12,14 @@ called); any other global is refused.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
-from formats.dcp.archive import resolve_tensor_global
-from formats.dcp.safe_pickle import SAFE_BUILTINS, Record, record_class
+from formats.dcp.archive import Entry, SliceReader, open_archive, resolve_tensor_global, storage_loader
+from formats.dcp.safe_pickle import SAFE_BUILTINS, Record, record_class, safe_loads
+from formats.errors import CheckpointNotFoundError, CorruptCheckpointError
+from formats.fsutil import read_error
 
 
 def _rebuild_parameter(data: Any, *_: Any) -> Any:  # torch._utils._rebuild_parameter*: the data
@@ -69,3 +74,33 @@ def record_int(value: Any) -> int | None:
     if isinstance(value, Record) and len(value.args) == 1:
         value = value.args[0]
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def load_archive(path: Path, what: str, missing: str, max_pickle: int) -> tuple[Any, dict[str, Entry], str]:
+    """Parse the ``torch.save`` zip ``path`` without reading tensor data: (its value through the
+    allowlist, tensors as descriptions; its zip entries; its record prefix). A missing file is a
+    CheckpointNotFoundError saying ``missing`` (how to get it); every error names the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: missing ({what}); {missing}") from None
+    except OSError as e:
+        raise read_error(path, e, what) from None
+    try:
+        entries, prefix, pkl = open_archive(SliceReader(fd, 0, os.fstat(fd).st_size, str(path)), str(path))
+    finally:
+        os.close(fd)
+    if len(pkl) > max_pickle:
+        raise CorruptCheckpointError(f"{path}: data.pkl of {len(pkl)} bytes is too large for {what}")
+    return safe_loads(pkl, f"{path} ({what})", resolve_global, storage_loader(str(path))), entries, prefix
+
+
+def torch_save_bytes(value: Any) -> bytes:
+    """``torch.save`` of a plain value, as bytes (an object entry's stored form)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()

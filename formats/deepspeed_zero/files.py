@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from formats.dcp.archive import ArchiveTensor, Entry, SliceReader, describe_tensor, open_archive, storage_loader
-from formats.dcp.safe_pickle import safe_loads
-from formats.deepspeed_pickle import resolve_global
+from formats.dcp.archive import ArchiveTensor, Entry, describe_tensor
+from formats.deepspeed_pickle import load_archive
 from formats.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidCheckpointError
-from formats.fsutil import read_error, short
+from formats.fsutil import short
 
 LATEST = "latest"
 #: Longest tag ``latest`` may name (a file name's limit on common file systems).
@@ -155,20 +154,6 @@ class Parsed:
 
 def parse_file(root: Path, name: str, what: str) -> Parsed:
     """Parse ``root/name`` (a ``torch.save`` zip) without reading tensor data; errors name the file."""
-    path = root / name
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: missing ({what}); the checkpoint is incomplete: copy the whole "
-                                      "tag folder save_checkpoint wrote") from None
-    except OSError as e:
-        raise read_error(path, e, what) from None
-    try:
-        size = os.fstat(fd).st_size
-        entries, prefix, pkl = open_archive(SliceReader(fd, 0, size, str(path)), str(path))
-    finally:
-        os.close(fd)
-    if len(pkl) > MAX_PICKLE_BYTES:
-        raise CorruptCheckpointError(f"{path}: data.pkl of {len(pkl)} bytes is too large for {what}")
-    value = safe_loads(pkl, f"{path} ({what})", resolve_global, storage_loader(str(path)))
+    value, entries, prefix = load_archive(root / name, what, "the checkpoint is incomplete: copy the whole tag "
+                                          "folder save_checkpoint wrote", MAX_PICKLE_BYTES)
     return Parsed(root, name, value, entries, prefix)

@@ -17,6 +17,7 @@ import numpy as np
 
 from formats.base import ChunkRef, ObjectEntry, TensorEntry, full_box
 from formats.dcp.archive import ArchiveTensor, TensorDesc
+from formats.dcp.archive_writer import contiguous_strides as c_strides
 from formats.deepspeed_zero.files import Parsed
 from formats.deepspeed_zero.flat import Piece, flat_boxes
 from formats.errors import CorruptCheckpointError
@@ -44,15 +45,6 @@ class Flat:
     numel: int
     dtype: str
     file: str
-
-
-def c_strides(shape: Shape) -> Shape:
-    """The element strides of a C-order tensor of ``shape``."""
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(out))
 
 
 def is_dense(at: ArchiveTensor) -> bool:

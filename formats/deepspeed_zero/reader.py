@@ -17,13 +17,13 @@ import numpy as np
 
 from formats.base import Box, CheckpointIndex, ChunkRef
 from formats.dcp.archive import ArchiveTensor, SliceReader, read_region_array, read_region_into, verify_crc
-from formats.deepspeed_pickle import record_int
+from formats.deepspeed_pickle import record_int, torch_save_bytes
 from formats.deepspeed_zero.files import Parsed, TagFiles, find_tag_dir, list_tag_files, parse_file
 from formats.deepspeed_zero.index import VALUE_SLOT, IndexBuilder, c_strides
 from formats.deepspeed_zero.model import (add_buffers, add_frozen_from_module, add_objects, add_shared,
                                           build_zero0)
 from formats.deepspeed_zero.zero import OSD, add_groups, build_zero3, build_zero12, frozen_zero3
-from formats.dtypes import by_name, from_storage_array
+from formats.dtypes import by_name
 from formats.errors import CheckpointNotFoundError, CorruptCheckpointError, PlanError, UnsupportedError
 from formats.fsutil import read_error
 
@@ -208,13 +208,7 @@ class DeepSpeedZeroReader:
 
     def read_object_bytes(self, key: str) -> bytes:
         """The object as ``torch.save`` bytes (plain data only)."""
-        import io
-
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(self._objects[key], buf)
-        return buf.getvalue()
+        return torch_save_bytes(self._objects[key])
 
     def load_object(self, key: str, trust_pickle: bool = False) -> Any:
         return self._objects[key]

@@ -10,7 +10,6 @@ are DeepSpeed's: ``get_fp32_state_dict_from_zero_checkpoint`` for every fp32 wei
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

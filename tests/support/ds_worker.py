@@ -67,6 +67,30 @@ def _engine(deepspeed: Any, args: ModelArgs, seed: int, stage: int, world: int, 
     return engine
 
 
+def compare_state(live: dict[str, Any], expected: dict[str, Any], errors: list[str]) -> int:
+    """Append a line to ``errors`` for each weight or optimizer state of ``expected`` that ``live``
+    lacks or holds with other bits; the number compared."""
+    checked = 0
+    for key, want in expected.items():
+        if not key.startswith(("model.", "optim.state.")):
+            continue
+        got = live.get(key)
+        checked += 1
+        if got is None or not bits_equal(got, want):
+            errors.append(f"{key}: got {None if got is None else (got.dtype, tuple(got.shape))}, want "
+                          f"{(want.dtype, tuple(want.shape))}{'' if got is None else ' (bits differ)'}")
+    return checked
+
+
+def full_state_of(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """``model.<fqn>`` / ``optim.state.<fqn>.<state>`` of torch's full state dicts."""
+    live: dict[str, Any] = {f"model.{k}": v for k, v in model_sd.items()}
+    for fqn, states in optim_sd["state"].items():
+        for name, value in states.items():
+            live[f"optim.state.{fqn}.{name}"] = value
+    return live
+
+
 def live_state(engine: Any) -> dict[str, Any]:
     """DeepSpeed's full fp32 master weights and Adam states (collective under ZeRO-3), per FQN,
     plus each group's step and hyperparameters."""
@@ -123,15 +147,7 @@ def load_and_check(rank: int, world: int, stage: int, args_json: dict, load_dir:
     live = live_state(engine)
     expected = torch.load(expected_path, weights_only=False)
     errors = [] if path is not None else [f"load_checkpoint({load_dir}) returned None"]
-    checked = 0
-    for key, want in expected.items():
-        if not key.startswith(("model.", "optim.state.")):
-            continue
-        got = live.get(key)
-        checked += 1
-        if got is None or not bits_equal(got, want):
-            errors.append(f"{key}: got {None if got is None else (got.dtype, tuple(got.shape))}, want "
-                          f"{(want.dtype, tuple(want.shape))}{'' if got is None else ' (bits differ)'}")
+    checked = compare_state(live, expected, errors)
     want_step = expected.get("step")
     if want_step is not None and not (live["steps_equal"] and bits_equal(torch.as_tensor(live["step"]),
                                                                            torch.as_tensor(want_step))):
@@ -182,19 +198,10 @@ def fsdp2_load_and_check(rank: int, world: int, args_json: dict, ckpt_dir: str, 
     optim = grouped_optimizer(model, groups)
     train_steps(model, optim, 1, seed=7)  # optimizer state exists, with other values: the load must win
     load_into(FixtureSpec("deepspeed", tuple(layout.items()), args), model, optim, ckpt_dir)
-    model_sd, optim_sd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
-    live: dict[str, Any] = {f"model.{k}": v for k, v in model_sd.items()}
-    for fqn, states in optim_sd["state"].items():
-        for name, value in states.items():
-            live[f"optim.state.{fqn}.{name}"] = value
+    live = full_state_of(*get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True)))
     expected = torch.load(expected_path, weights_only=False)
-    errors, checked = [], 0
-    for key, want in expected.items():
-        if key.startswith(("model.", "optim.state.")):
-            checked += 1
-            got = live.get(key)
-            if got is None or not bits_equal(got, want):
-                errors.append(f"{key}: differs or missing")
+    errors: list[str] = []
+    checked = compare_state(live, expected, errors)
     want_step = expected.get("step")
     steps = [v for k, v in live.items() if k.endswith(".step")]
     if want_step is not None and not (steps and all(bits_equal(s, want_step) for s in steps)):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ds_worker import STATES, _init_deepspeed, _loss, grouped_optimizer
+from ds_worker import STATES, _init_deepspeed, _loss, compare_state, full_state_of, grouped_optimizer
 from models import ModelArgs, build_model, make_batch
 from oracle import bits_equal
 
@@ -139,19 +139,6 @@ def train_and_save(rank: int, world: int, case: dict, out_dir: str, steps: int =
         (Path(out_dir) / "next.json").write_text(json.dumps({"loss": loss}))
 
 
-def _compare(live: dict, expected: dict, errors: list[str]) -> int:
-    checked = 0
-    for key, want in expected.items():
-        if not key.startswith(("model.", "optim.state.")):
-            continue
-        got = live.get(key)
-        checked += 1
-        if got is None or not bits_equal(got, want):
-            errors.append(f"{key}: got {None if got is None else (got.dtype, tuple(got.shape))}, want "
-                          f"{(want.dtype, tuple(want.shape))}{'' if got is None else ' (bits differ)'}")
-    return checked
-
-
 def load_and_check(rank: int, world: int, case: dict, load_dir: str, expected_path: str, report_dir: str) -> None:
     """A ZeRO engine of ``case`` (its stage, ``world`` ranks) loads the universal checkpoint
     ``load_dir``; its full state must equal ``expected_path`` bit for bit; the report holds the
@@ -163,7 +150,7 @@ def load_and_check(rank: int, world: int, case: dict, load_dir: str, expected_pa
     live = live_state(engine, case["stage"])
     expected = torch.load(expected_path, weights_only=False)
     errors = [] if path is not None else [f"load_checkpoint({load_dir}) returned None"]
-    checked = _compare(live, expected, errors)
+    checked = compare_state(live, expected, errors)
     want_step = expected.get("step")
     if want_step is not None and not bits_equal(torch.as_tensor(live["step"]), torch.as_tensor(want_step)):
         errors.append(f"step: got {live['step']!r}, want {want_step!r}")
@@ -197,14 +184,10 @@ def fsdp2_load_and_check(rank: int, world: int, case: dict, ckpt_dir: str, expec
     optim = grouped_optimizer(model, case["groups"])
     train_steps(model, optim, 1, seed=7)  # optimizer state exists, with other values: the load must win
     load_into(FixtureSpec("deepspeed", (("dp", world),), args), model, optim, ckpt_dir)
-    model_sd, optim_sd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
-    live: dict[str, Any] = {f"model.{k}": v for k, v in model_sd.items()}
-    for fqn, states in optim_sd["state"].items():
-        for name, value in states.items():
-            live[f"optim.state.{fqn}.{name}"] = value
+    live = full_state_of(*get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True)))
     expected = torch.load(expected_path, weights_only=False)
     errors: list[str] = []
-    checked = _compare(live, expected, errors)
+    checked = compare_state(live, expected, errors)
     want_step = expected.get("step")
     steps = [v for k, v in live.items() if k.endswith(".step")]
     if want_step is not None and not (steps and all(bits_equal(s, want_step) for s in steps)):
