@@ -36,9 +36,9 @@ from converter.plan.selection import Selection, select_entries
 from converter.run.destination import option_value, write_output_record
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
 from converter.run.sinks import dcp_output
-from converter.run.sources import open_checkpoint
+from converter.run.sources import framework_files, open_checkpoint
 from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
-from formats.dcp.framework_files import read_framework_files, write_framework_files
+from formats.dcp.framework_files import write_framework_files
 from formats.dcp.metadata import gc_paused
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_dtype
@@ -271,7 +271,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             object_specs, notes = [o for o in object_specs if o[0] not in unbound], [*notes, *bound_notes]
             index = replace(index, objects={k: o for k, o in index.objects.items() if k not in unbound},
                             tensors={k: t for k, t in index.tensors.items() if k not in unbound})
-            framework = read_framework_files(src, options.trust_pickle) if index.format in ("dcp", "universal") else {}
+            framework = framework_files(reader, src, options.trust_pickle)
             layout = replace(layout, chunks=_chunks_of(layout.chunks, index.tensors), warnings=layout.warnings + tuple(notes))
             tasks = _plan(index, layout, options)
             header = {"--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan),

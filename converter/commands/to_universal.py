@@ -13,9 +13,9 @@ from converter.plan.selection import Selection, select_entries
 from converter.plan.source_layout import LayoutReport, SourceHint, detect_layout, source_hints
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
 from converter.run.sinks import universal_output
-from converter.run.sources import open_checkpoint
+from converter.run.sources import framework_files, open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
-from formats.dcp.framework_files import read_framework_files, write_framework_files
+from formats.dcp.framework_files import write_framework_files
 from formats.objects import object_label, preview_value, read_checked_object
 from formats.storage import source_label
 from formats.universal import DEFAULT_BACKEND, UniversalReader, UniversalWriter
@@ -94,7 +94,7 @@ def _plan(reader: CheckpointReader, src: str | os.PathLike, dst: str | os.PathLi
 
     def check() -> None:  # every non-tensor entry read and checked before the destination is touched
         objects.update(_checked_objects(reader, index, options.trust_pickle))
-        framework.update(read_framework_files(src, options.trust_pickle) if index.format == "dcp" else {})
+        framework.update(framework_files(reader, src, options.trust_pickle) if index.format != "universal" else {})
 
     def write_objects(writer: UniversalWriter, out: Path) -> None:
         _copy_objects(index, objects, writer, refs)

@@ -13,8 +13,9 @@ from formats.errors import CheckpointNotFoundError, IncompleteCheckpointError, I
 
 def detect_format(path: str | os.PathLike) -> str:
     """"dcp", "dcp-safetensors" (DCP's per-rank safetensors storage), "universal", "hf",
-    "deepspeed" (a local DeepSpeed universal checkpoint) or "deepspeed-zero" (a local DeepSpeed
-    ``save_checkpoint`` folder) for a local directory or a URL; a clear error for anything else."""
+    "deepspeed" (a local DeepSpeed universal checkpoint), "deepspeed-zero" (a local DeepSpeed
+    ``save_checkpoint`` folder) or "megatron-legacy" (Megatron-LM's ``mp_rank_*`` folders) for a
+    local directory or a URL; a clear error for anything else."""
     from formats.storage import open_storage
 
     st = open_storage(path)
@@ -67,6 +68,10 @@ def _format_of(st, names: list[str]) -> str:  # noqa: ANN001 - a formats.storage
 
         if is_deepspeed_universal(p):
             return "deepspeed"
+    from formats.megatron.folders import is_legacy_checkpoint
+
+    if is_legacy_checkpoint(names):
+        return "megatron-legacy"
     if not names:
         raise InvalidCheckpointError(f"{p}: directory is empty; pass a DCP checkpoint directory (with .metadata)")
     if any(n.endswith(".distcp") for n in names):
@@ -117,6 +122,24 @@ def _open(path: str | os.PathLike, trust_pickle: bool, verify: bool) -> Checkpoi
         from formats.deepspeed import DeepSpeedReader
 
         return DeepSpeedReader(path, verify=verify)
+    if fmt == "megatron-legacy":
+        from formats.megatron.legacy import LegacyReader
+
+        return LegacyReader(path, trust_pickle=trust_pickle, verify=verify)
     from formats.hf import HFReader  # type: ignore[import-not-found]
 
     return HFReader(path, verify=verify)
+
+
+def framework_files(reader: CheckpointReader, src: str | os.PathLike, trust_pickle: bool = False) -> dict[str, bytes]:
+    """The framework files a conversion of ``reader``'s checkpoint carries beside DCP's own
+    (``formats.dcp.framework_files``): read from a DCP or universal source, made by a reader that
+    presents another format as torch_dist (Megatron legacy: ``metadata.json``)."""
+    made = getattr(reader, "framework_files", None)
+    if callable(made):
+        return made()
+    if reader.index().format in ("dcp", "universal"):
+        from formats.dcp.framework_files import read_framework_files
+
+        return read_framework_files(src, trust_pickle)
+    return {}

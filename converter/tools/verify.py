@@ -144,7 +144,8 @@ def verify(path: str | os.PathLike, *, quick: bool = False, trust_pickle: bool =
     start = time.perf_counter()
     fmt = detect_format(path)
     run = {"dcp": _verify_dcp, "universal": _verify_universal, "hf": _verify_hf, "deepspeed": _verify_deepspeed,
-           "dcp-safetensors": _verify_dcp_safetensors, "deepspeed-zero": _verify_deepspeed_zero}[fmt]
+           "dcp-safetensors": _verify_dcp_safetensors, "deepspeed-zero": _verify_deepspeed_zero,
+           "megatron-legacy": _verify_megatron_legacy}[fmt]
     found = _Findings()
     from formats.storage import is_remote
 
@@ -650,6 +651,41 @@ def _verify_deepspeed_zero(root: Path, found: _Findings, quick: bool, trust_pick
         return []
     found.checks += ["every tensor storage read and checked against its zip CRC-32"]
     return [_guard(lambda n=n: reader.check_storage(n), "crc", file=file) for n, file in enumerate(reader.storages)]
+
+
+def _verify_megatron_legacy(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:
+    """A Megatron-LM legacy checkpoint: every rank file parsed (allowlisted pickle), every tensor
+    covered by the rank folders' shards (TP, PP, experts) and the optimizer buffers matching the
+    model's; then (not quick) every record of every file against its zip CRC-32 and every
+    non-tensor entry through the allowlist."""
+    from formats.megatron.legacy import LegacyReader
+    from formats.objects import check_object_bytes
+
+    found.checks += [
+        "every model_optim_rng.pt / distrib_optim.pt: a torch.save zip whose data.pkl unpickles through the allowlist",
+        "every tensor covered by the rank folders' shards; distrib_optim.pt buffers match megatron's buffer layout",
+    ]
+    try:
+        reader = LegacyReader(root, trust_pickle=trust_pickle)
+    except CkptConvError as e:
+        found.problems.append(Problem("structure", str(e)))
+        return []
+    index = reader.index()
+    files = index.info["files"]
+    found.counts.update(tensors=len(index.tensors), chunks=sum(len(e.chunks) for e in index.tensors.values()),
+                        objects=len(index.objects), files=len(files))
+    if quick:
+        return []
+    found.checks += ["every record of every file read and checked against its zip CRC-32",
+                     "every non-tensor entry's globals against the allowlist"]
+    tasks = [_guard(lambda rel=rel: reader.check_file(rel), "crc", file=rel) for rel in files]
+
+    def check_object(key: str) -> int:
+        data = reader.read_object_bytes(key)
+        check_object_bytes(data, f"{root}: key {key!r}", trust_pickle)
+        return len(data)
+
+    return tasks + [_guard(lambda key=key: check_object(key), "object", key) for key in index.objects]
 
 
 def _read_chunk(reader: Any, key: str, entry: Any, chunk: ChunkRef) -> int:

@@ -443,3 +443,38 @@ class TensorArchiveWriter:
         parts += [rec.central_header(crc) for rec, crc in zip(recs, crcs)]
         parts.append(self._layout.end_records())
         return b"".join(parts)
+
+
+# ----------------------------------------------------------------------------- whole small archives
+
+
+def torch_save_records(pkl: bytes, storages: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """The records ``torch.save`` writes for a ``data.pkl`` whose storages are ``data/0``,
+    ``data/1``, ... (in this order), with their contents; the serialization id last."""
+    records = [(b"data.pkl", pkl), (b".format_version", _FORMAT_VERSION),
+               (b".storage_alignment", _STORAGE_ALIGNMENT), (b"byteorder", _BYTEORDER)]
+    records += [(f"data/{i}".encode(), bytes(data)) for i, data in enumerate(storages)]
+    records.append((b"version", _VERSION))
+    combined = 0
+    for _, body in records:
+        if body:
+            combined = _hash_combine(combined, zlib.crc32(body))
+    # torch's first half hashes the record names with std::hash; torch.load never reads the id
+    records.append((b".data/serialization_id", f"{0:020d}{combined:020d}".encode()))
+    return records
+
+
+def write_torch_archive(pkl: bytes, storages: list[bytes]) -> bytes:
+    """A complete ``torch.save`` archive (in memory) of ``data.pkl`` ``pkl`` and its storages:
+    STORED records, data 64-byte aligned, data descriptors and zip64 end records as torch writes
+    them; ``torch.load`` reads it."""
+    parts, layouts, cursor = [], [], 0
+    for name, body in torch_save_records(pkl, storages):
+        rec = _RecordLayout(_PREFIX + name, cursor, len(body))
+        crc = zlib.crc32(body)
+        parts += [rec.local_header(), body, rec.descriptor(crc)]
+        layouts.append((rec, crc))
+        cursor = rec.end
+    central = [rec.central_header(crc) for rec, crc in layouts]
+    layout = ArchiveLayout(tuple(r for r, _ in layouts), cursor, sum(map(len, central)))
+    return b"".join(parts + central) + layout.end_records()

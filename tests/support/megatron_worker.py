@@ -70,24 +70,31 @@ def _optimizer_tensors(opt) -> list[tuple[str, object]]:
 
 
 def _load(spec, path: str, seed: int, rng: bool):
+    """(model chunks, optimizer, loaded common values) after megatron's own ``dist_checkpointing.load``
+    of ``path`` and ``load_state_dict`` on every model chunk and the optimizer, as Megatron-LM does."""
     from megatron.core import dist_checkpointing
 
-    model, ddp, opt = ms.build(spec, seed)
+    models, ddps, opt = ms.build_chunks(spec, seed)
     for o in getattr(opt, "chained_optimizers", [opt]):  # as Megatron-LM before a load: states exist
         if hasattr(o, "_init_optimizer_states_with_dummy_values"):  # the plain optimizers init on is_loading
             o._init_optimizer_states_with_dummy_values()
-    sd = ms.sharded_state_dict(spec, model, opt, iteration=0, loading=True, rng=rng)
+    sd = ms.sharded_state_dict(spec, models if len(models) > 1 else models[0], opt, iteration=0, loading=True, rng=rng)
     loaded = dist_checkpointing.load(sd, path)
-    model.load_state_dict(loaded["model"])
+    for i, m in enumerate(models):
+        m.load_state_dict(loaded["model" if len(models) == 1 else f"model{i}"])
     opt.load_state_dict(loaded["optimizer"])
-    return model, opt, loaded
+    return models, opt, loaded
+
+
+def _model_state(models) -> dict:
+    return {f"{i}/{k}": v for i, m in enumerate(models) for k, v in m.state_dict().items()}
 
 
 def _compare(job: dict, spec) -> dict:
-    ref_model, ref_opt, ref = _load(spec, job["reference"], 11, job.get("rng", False))
-    got_model, got_opt, got = _load(spec, job["converted"], 22, job.get("rng", False))
+    ref_models, ref_opt, ref = _load(spec, job["reference"], 11, job.get("rng", False))
+    got_models, got_opt, got = _load(spec, job["converted"], 22, job.get("rng", False))
     bad, compared = [], 0
-    ref_sd, got_sd = ref_model.state_dict(), got_model.state_dict()
+    ref_sd, got_sd = _model_state(ref_models), _model_state(got_models)
     for key in sorted(set(ref_sd) | set(got_sd)):
         if key.endswith("_extra_state"):
             continue
@@ -98,7 +105,7 @@ def _compare(job: dict, spec) -> dict:
         compared += 1
         if not _same(a, b):
             bad.append(label)
-    for key in ("iteration", "checkpoint_version", "args", "content_metadata", "rng_state"):
+    for key in job.get("common", ("iteration", "checkpoint_version", "args", "content_metadata", "rng_state")):
         if key in ref or key in got:
             compared += 1
             if not _same(ref.get(key), got.get(key)):
@@ -125,22 +132,33 @@ def _forward(job: dict, spec) -> dict:
     return {"shape": list(logits.shape)}
 
 
+def _save(job: dict, spec) -> None:
+    """Train and save: ``format`` "torch_dist" (default) into ``ckpt``; "legacy" (Megatron-LM's
+    ``--ckpt-format torch``) into ``legacy``; "both": the same trained state into both."""
+    from megatron.core import dist_checkpointing
+
+    models, ddps, opt = ms.build_chunks(spec, 1234)
+    ms.train_steps(spec, models, ddps, opt, job["steps"])
+    fmt = job.get("format", "torch_dist")
+    if fmt in ("torch_dist", "both"):
+        os.makedirs(job["ckpt"], exist_ok=True)
+        sd = ms.sharded_state_dict(spec, models if len(models) > 1 else models[0], opt, iteration=job["steps"],
+                                   loading=False, rng=True)
+        dist_checkpointing.save(sd, job["ckpt"], content_metadata=sd.pop("content_metadata"))
+    if fmt in ("legacy", "both"):
+        ms.save_legacy(job["legacy"], spec, models, opt, job["steps"])
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     rank = int(os.environ["RANK"])
     spec = ms.GPTSpec(**job["spec"])
-    ms.init_parallel(job["tp"], job["pp"])
+    ms.init_parallel(job["tp"], job["pp"], job.get("vpp", 1), job.get("ep", 1), job.get("etp"))
     import torch.distributed as dist
 
     report: dict = {"rank": rank}
     if job["mode"] == "save":
-        from megatron.core import dist_checkpointing
-
-        model, ddp, opt = ms.build(spec, 1234)
-        ms.train_steps(spec, model, ddp, opt, job["steps"])
-        os.makedirs(job["ckpt"], exist_ok=True)
-        sd = ms.sharded_state_dict(spec, model, opt, iteration=job["steps"], loading=False, rng=True)
-        dist_checkpointing.save(sd, job["ckpt"], content_metadata=sd.pop("content_metadata"))
+        _save(job, spec)
     elif job["mode"] == "compare":
         report.update(_compare(job, spec))
     elif job["mode"] == "forward":

@@ -1,0 +1,85 @@
+"""Megatron-LM legacy checkpoints converted by ckptconv and loaded by megatron-core 0.19.2's own
+``dist_checkpointing.load`` into real GPTModels with their DistributedOptimizers, bit-exact (``-m slow``:
+multi-process gloo runs of megatron's own code).
+
+Each source is one training run saved twice from the same state: in Megatron-LM's legacy format
+(``megatron_support.save_legacy``) and by megatron's torch_dist ``dist_checkpointing.save``. ckptconv
+converts the LEGACY one (through the universal store) to torch_dist on a target layout; megatron then
+loads the torch_dist save (megatron reshards its own checkpoints on load: the oracle) and the
+conversion into two models on that layout, and every model parameter, fp32 main param, Adam state
+and step, param group, iteration and checkpoint_version must be equal bit for bit on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+import megatron_support as ms
+from cli_runner import run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.framework]
+
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "megatron" / "legacy_tp2_pp2_vpp2"
+MOE = ms.GPTSpec(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,
+                 vocab_size=32, seq_len=8, num_experts=4, moe_ffn_hidden_size=12)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    reason = ms.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    return _Sources(tmp_path_factory.mktemp("legacy"))
+
+
+class _Sources(dict):
+    """(legacy folder, torch_dist folder, spec) per name; saved by megatron on first use."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__({"tp2,pp2,vpp2": (FIXTURE / "legacy", FIXTURE / "torch_dist", ms.SMALL)})
+        self.root = root
+
+    def __missing__(self, name: str):
+        base = self.root / name.replace(",", "_")
+        if name == "tp2,dp2":
+            ms.save_checkpoint(base / "torch_dist", 2, 1, 2, ms.SMALL, work=base / "run", legacy=base / "legacy")
+            spec = ms.SMALL
+        elif name == "moe,ep2,dp2":
+            ms.save_checkpoint(base / "torch_dist", 1, 1, 2, MOE, work=base / "run", ep=2, legacy=base / "legacy")
+            spec = MOE
+        else:
+            raise KeyError(name)
+        self[name] = (base / "legacy", base / "torch_dist", spec)
+        return self[name]
+
+
+CASES = [  # (source, target mesh, layout megatron loads with)
+    ("tp2,pp2,vpp2", "tp2,pp2", dict(tp=2, pp=2, dp=1, vpp=2)),  # same layout
+    ("tp2,pp2,vpp2", "tp2", dict(tp=2, pp=1, dp=1)),  # PP2 x VPP2 -> PP1
+    ("tp2,pp2,vpp2", "dp2", dict(tp=1, pp=1, dp=2)),  # TP2 -> TP1, PP and DP change
+    ("tp2,dp2", "tp2,dp2", dict(tp=2, pp=1, dp=2)),  # the optimizer sharded over DP 2 in the flat buffers
+    ("tp2,dp2", "pp2,tp2", dict(tp=2, pp=2, dp=1)),
+    ("moe,ep2,dp2", "dp2", dict(tp=1, pp=1, dp=2, ep=2)),  # experts over EP 2, their own optimizer
+]
+
+
+@pytest.mark.parametrize("src,mesh,load", CASES, ids=[f"{s}-to-{m}" for s, m, _ in CASES])
+def test_megatron_loads_the_converted_legacy_checkpoint_bit_exact(sources, tmp_path, src, mesh, load):
+    legacy, dist, spec = sources[src]
+    t0 = time.time()
+    code, _, err = run_cli("to-universal", str(legacy), str(tmp_path / "store"))
+    assert code == 0, err
+    out = tmp_path / "out"
+    code, _, err = run_cli("from-universal", str(tmp_path / "store"), str(out), "--mesh", mesh)
+    assert code == 0, err
+    t1 = time.time()
+    reports = ms.load_and_compare(dist, out, work=tmp_path / "load", spec=spec,
+                                  common=("iteration", "checkpoint_version"), **load)
+    for rep in reports:
+        assert rep["mismatch"] == [], (rep["rank"], rep["mismatch"][:5])
+        assert rep["compared"] >= 20 and rep["iteration"] == 2
+    print(f"\nlegacy {src} -> {mesh}: convert {t1 - t0:.1f} s, megatron load+compare {time.time() - t1:.1f} s, "
+          f"{len(reports)} ranks, {sum(r['compared'] for r in reports)} values compared")
