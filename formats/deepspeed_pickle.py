@@ -16,20 +16,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from formats.dcp.archive import Entry, SliceReader, open_archive, resolve_tensor_global, storage_loader
-from formats.dcp.safe_pickle import SAFE_BUILTINS, Record, record_class, safe_loads
-from formats.errors import CheckpointNotFoundError, CorruptCheckpointError
+from formats.dcp.archive import Entry, resolve_tensor_global
+from formats.dcp.safe_pickle import SAFE_BUILTINS, Record, record_class
+from formats.errors import CheckpointNotFoundError
 from formats.fsutil import read_error
-
-
-def _rebuild_parameter(data: Any, *_: Any) -> Any:  # torch._utils._rebuild_parameter*: the data
-    return data
-
-
-def _rebuild_from_type(func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
-    # torch._tensor._rebuild_from_type_v2 (tensors with attributes, e.g. ZeRO-3's flat groups with
-    # their ds_id): only the inner tensor rebuild (an allowlisted stand-in) runs
-    return func(*args)
+from formats.torch_file import read_torch_file, rebuild_from_type, rebuild_parameter
 
 
 def _device(kind: Any, index: Any = None) -> str:
@@ -45,9 +36,9 @@ class _TensorType:
 
 #: Globals outside torch's tensor machinery that DeepSpeed's pickles name: read as inert data.
 _DS_TORCH = {
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch._utils", "_rebuild_parameter"): rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type,
     ("torch", "Tensor"): _TensorType,
     ("torch._tensor", "Tensor"): _TensorType,
     ("torch.nn.parameter", "Parameter"): _TensorType,
@@ -87,12 +78,10 @@ def load_archive(path: Path, what: str, missing: str, max_pickle: int) -> tuple[
     except OSError as e:
         raise read_error(path, e, what) from None
     try:
-        entries, prefix, pkl = open_archive(SliceReader(fd, 0, os.fstat(fd).st_size, str(path)), str(path))
+        tf = read_torch_file(fd, path.name, str(path), os.fstat(fd).st_size, resolve_global, max_pickle, what)
     finally:
         os.close(fd)
-    if len(pkl) > max_pickle:
-        raise CorruptCheckpointError(f"{path}: data.pkl of {len(pkl)} bytes is too large for {what}")
-    return safe_loads(pkl, f"{path} ({what})", resolve_global, storage_loader(str(path))), entries, prefix
+    return tf.value, tf.entries, tf.prefix
 
 
 def torch_save_bytes(value: Any) -> bytes:

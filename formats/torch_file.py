@@ -79,12 +79,15 @@ def pickled_class(module: str, name: str) -> type[PickledObject]:
     return cls
 
 
-def _rebuild_parameter(data: Any, *_: Any) -> Any:  # torch._utils._rebuild_parameter*: the data
+def rebuild_parameter(data: Any, *_: Any) -> Any:
+    """Stand-in for ``torch._utils._rebuild_parameter*``: the (described) data itself."""
     return data
 
 
-def _rebuild_from_type(func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
-    return func(*args)  # torch._tensor._rebuild_from_type_v2: only the inner (allowlisted) rebuild runs
+def rebuild_from_type(func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
+    """Stand-in for ``torch._tensor._rebuild_from_type_v2`` (tensors with attributes, e.g. ZeRO-3's flat
+    groups with their ds_id): only the inner (allowlisted) tensor rebuild runs."""
+    return func(*args)
 
 
 def _numpy_globals() -> dict[tuple[str, str], Any]:
@@ -114,9 +117,9 @@ def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
 _PLAIN = {
     **SAFE_BUILTINS,
     ("argparse", "Namespace"): argparse.Namespace,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch._utils", "_rebuild_parameter"): rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type,
     ("torch", "Size"): tuple,
     ("_codecs", "encode"): _encode,
 }
@@ -160,15 +163,15 @@ class TorchFile:
 
 
 def read_torch_file(fd: Any, name: str, where: str, size: int, resolve: Callable[[str, str], Any],
-                    max_pickle: int = MAX_FILE_PICKLE_BYTES) -> TorchFile:
+                    max_pickle: int = MAX_FILE_PICKLE_BYTES, what: str = "") -> TorchFile:
     """Parse the ``torch.save`` file open as ``fd`` (an OS fd or a ``formats.storage.RandomFile``)
     of ``size`` bytes: zip directory and ``data.pkl`` through ``resolve`` (:func:`file_resolver`),
-    nothing else read."""
+    nothing else read. ``what`` names the file's role in messages."""
     entries, prefix, pkl = open_archive(SliceReader(fd, 0, size, where), where)
     if len(pkl) > max_pickle:
-        raise CorruptCheckpointError(f"{where}: data.pkl of {len(pkl)} bytes is over the {max_pickle} byte limit "
-                                     "for a checkpoint file's structure")
-    value = safe_loads(pkl, f"{where} (data.pkl)", resolve, storage_loader(where))
+        raise CorruptCheckpointError(f"{where}: data.pkl of {len(pkl)} bytes is too large for "
+                                     f"{what or 'a checkpoint file'} (over the {max_pickle} byte limit)")
+    value = safe_loads(pkl, f"{where} ({what or 'data.pkl'})", resolve, storage_loader(where))
     return TorchFile(name, where, size, value, entries, prefix)
 
 
