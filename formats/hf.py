@@ -217,6 +217,24 @@ def natural_key(name: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name))
 
 
+#: Files of a model directory that hold weights (in any format) or index them: never companions.
+_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx|tmp)|.*\.index\.json")
+
+
+def companion_files(root: str | os.PathLike) -> list[str]:
+    """The non-weight files of a local model directory (config.json, generation_config.json,
+    tokenizer files, chat templates, custom modeling code, README, ...): its top-level files
+    (links to files too: a hub cache snapshot is links), hidden ones excepted, that hold no
+    weights and no index."""
+    out = []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.name.startswith(".") or not entry.is_file():
+            continue
+        if not _WEIGHT_FILE.fullmatch(entry.name):
+            out.append(entry.name)
+    return out
+
+
 def is_hf_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` (local or URL) is a directory holding safetensors files or an HF index."""
     st = open_storage(path)
@@ -489,9 +507,22 @@ def build_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None
     return struct.pack("<Q", len(text)) + text, offsets
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """A given file layout (another checkpoint's, ``export-hf --like``): each file's name and its
+    tensors in file order, each file's ``__metadata__``, and whether an index is written."""
+
+    files: tuple[tuple[str, tuple[str, ...]], ...]
+    metadata: Mapping[str, Mapping[str, str] | None] = field(default_factory=dict)
+    index: bool = True
+    #: the index's ``metadata`` fields other than ``total_size`` (kept as they are)
+    index_metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
 def plan_files(specs: Sequence[TensorSpec], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-               metadata: Mapping[str, str] | None = FORMAT_METADATA) -> list[FilePlan]:
-    """Every output file with its tensors, header and offsets (pure)."""
+               metadata: Mapping[str, str] | None = FORMAT_METADATA, layout: ShardLayout | None = None) -> list[FilePlan]:
+    """Every output file with its tensors, header and offsets (pure): huggingface_hub's split and
+    safetensors' tensor order, or exactly ``layout`` (every spec in one of its files)."""
     for s in specs:
         if s.st_dtype not in _DTYPE_RANK:
             raise UnsupportedError(f"tensor {s.name!r}: dtype {s.dtype} cannot be written to safetensors by torch; "
@@ -500,6 +531,8 @@ def plan_files(specs: Sequence[TensorSpec], max_shard_bytes: int = DEFAULT_MAX_S
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise ConfigError(f"two tensors would both be written as {dup!r}; fix the key map")
+    if layout is not None:
+        return _layout_files(specs, layout)
     groups = split_shards(specs, max_shard_bytes) if specs else [[]]
     plans = []
     for name, group in zip(shard_names(len(groups)), groups):
@@ -509,10 +542,39 @@ def plan_files(specs: Sequence[TensorSpec], max_shard_bytes: int = DEFAULT_MAX_S
     return plans
 
 
-def index_json(plans: Sequence[FilePlan]) -> bytes:
-    """The ``model.safetensors.index.json`` bytes, formatted as transformers writes it."""
+def _layout_files(specs: Sequence[TensorSpec], layout: ShardLayout) -> list[FilePlan]:
+    by_name = {s.name: s for s in specs}
+    placed = [n for _, names in layout.files for n in names]
+    if sorted(placed) != sorted(by_name):
+        extra = sorted(set(by_name) - set(placed)) or sorted(set(placed) - set(by_name))
+        raise ConfigError(f"the file layout and the tensors differ ({extra[0]!r}); internal error")
+    plans = []
+    for name, names in layout.files:
+        ordered = [by_name[n] for n in names]
+        header, rel = build_header(ordered, layout.metadata.get(name, FORMAT_METADATA))
+        plans.append(FilePlan(name, tuple(ordered), header, {k: len(header) + v for k, v in rel.items()}))
+    return plans
+
+
+def layout_of(index: CheckpointIndex) -> ShardLayout:
+    """The file layout of an HF checkpoint read by :class:`HFReader`: its files in index order,
+    each file's tensors in data-offset order, its ``__metadata__``, whether it has an index."""
+    files: dict[str, list[tuple[int, str]]] = {}
+    for name, e in index.tensors.items():
+        file, begin = e.chunks[0].locator
+        files.setdefault(file, []).append((begin, name))
+    meta = index.info.get("file_metadata") or {}
+    order = sorted(files, key=natural_key)
+    extra = {k: v for k, v in (index.info.get("index_metadata") or {}).items() if k != "total_size"}
+    return ShardLayout(tuple((f, tuple(n for _, n in sorted(files[f]))) for f in order),
+                       {f: meta.get(f) for f in order}, bool(index.info.get("sharded")), extra)
+
+
+def index_json(plans: Sequence[FilePlan], metadata: Mapping[str, Any] | None = None) -> bytes:
+    """The ``model.safetensors.index.json`` bytes, formatted as transformers writes it (extra
+    ``metadata`` fields beside ``total_size``)."""
     doc = {
-        "metadata": {"total_size": sum(t.nbytes for p in plans for t in p.tensors)},
+        "metadata": {**(metadata or {}), "total_size": sum(t.nbytes for p in plans for t in p.tensors)},
         "weight_map": {t.name: p.name for p in plans for t in p.tensors},
     }
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
@@ -533,9 +595,11 @@ class HFWriter:
 
     def __init__(self, root: str | os.PathLike, specs: Sequence[TensorSpec],
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 metadata: Mapping[str, str] | None = FORMAT_METADATA) -> None:
+                 metadata: Mapping[str, str] | None = FORMAT_METADATA, layout: ShardLayout | None = None) -> None:
         self.root = Path(root)
-        self.plans = plan_files(specs, max_shard_bytes, metadata)
+        self.plans = plan_files(specs, max_shard_bytes, metadata, layout)
+        self._write_index = layout.index if layout is not None else len(self.plans) > 1
+        self._index_metadata = dict(layout.index_metadata) if layout is not None else {}
         self._where: dict[str, tuple[FilePlan, int, int]] = {
             t.name: (p, p.offsets[t.name], t.nbytes) for p in self.plans for t in p.tensors
         }
@@ -546,7 +610,8 @@ class HFWriter:
 
     @property
     def sharded(self) -> bool:
-        return len(self.plans) > 1
+        """Whether an index is written (several files, or a layout that has one)."""
+        return self._write_index
 
     def _tmp(self, plan: FilePlan) -> Path:
         return self.root / f"{plan.name}.tmp"
@@ -608,7 +673,7 @@ class HFWriter:
         fsync_dir(self.root)
         names = [p.name for p in self.plans]
         if self.sharded:
-            atomic_write_bytes(self.root / INDEX_FILE, index_json(self.plans))
+            atomic_write_bytes(self.root / INDEX_FILE, index_json(self.plans, self._index_metadata))
             names.append(INDEX_FILE)
         return names
 

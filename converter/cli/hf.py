@@ -26,8 +26,8 @@ MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k 
 @click.argument("src", type=click.Path())
 @click.argument("out", type=click.Path())
 @click.option("--map", "key_map", default="identity", show_default=True, help=MAP_HELP)
-@click.option("--max-shard-size", type=SIZE, default="5GB", show_default=True,
-              help="Largest shard file (huggingface_hub's rule: greedy in key order; bigger tensors alone).")
+@click.option("--max-shard-size", type=SIZE, default=None,
+              help="Largest shard file (default 5GB; huggingface_hub's rule: greedy in key order; bigger tensors alone).")
 @click.option("--dtype", default=None, help="Cast floating-point weights: bf16, fp16, fp32, fp64 (or bfloat16, float16, ...); float8/int kept.")
 @click.option("--config", default=None,
               help="config.json to write into OUT: a path or inline JSON; the Llama map completes it from the "
@@ -36,14 +36,18 @@ MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k 
               help="Write the linear weights as block-scaled FP8 (e4m3 + float32 weight_scale_inv per block, "
                    "DeepSeek-V3's hub form; block from --config's quantization_config.weight_block_size, "
                    "default 128x128). Weights already FP8 with their scales are written as they are.")
+@click.option("--like", "like", type=click.Path(), default=None, metavar="BASE_HF_DIR",
+              help="Lay the export out as this base model directory: its shard files (names, which tensor in which), "
+                   "each tensor's dtype, FP8 where it has it, and its non-weight files (config, generation config, "
+                   "tokenizer, ...); a tensor the base lacks or has and the checkpoint lacks is an error.")
 @run_options
-def export_hf_cmd(src: str, out: str, key_map: str, max_shard_size: int, dtype: str | None,
-                  config: str | None, quantize: str | None, **kw: Any) -> None:
+def export_hf_cmd(src: str, out: str, key_map: str, max_shard_size: int | None, dtype: str | None,
+                  config: str | None, quantize: str | None, like: str | None, **kw: Any) -> None:
     """Write the model weights of SRC (universal store or DCP) as Hugging Face safetensors in OUT."""
     from converter.api import export_hf
 
     report_result(export_hf(src, out, key_map=key_map, max_shard_size=max_shard_size, dtype=dtype, config=config,
-                      options=make_options(**kw), quantize=quantize))
+                      options=make_options(**kw), quantize=quantize, like=like))
 
 
 @click.command("import-hf")

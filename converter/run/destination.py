@@ -31,7 +31,7 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -165,6 +165,7 @@ def foreign_entries(out: Path) -> tuple[list[str], bool]:
     # an export-ds tag folder is ckptconv's only beside its output record or journal (a DeepSpeed
     # universal checkpoint that ds_to_universal.py wrote looks the same)
     recorded = (out / OUTPUT_RECORD).is_file() or (out / JOURNAL_NAME).is_file()
+    extra = recorded_files(out)
     for entry in sorted(os.scandir(out), key=lambda e: e.name):
         name = entry.name
         if _SIG_RE.fullmatch(name) and not (name == "zarr.json" and entry.is_symlink()):  # (a link alone: no sign)
@@ -184,7 +185,7 @@ def foreign_entries(out: Path) -> tuple[list[str], bool]:
             foreign.append(name + "/")
         elif entry.is_symlink() and name in _OWN_DIRS[UNIVERSAL]:
             continue  # a link where ckptconv puts a folder: unlinked, never followed
-        elif not _FILE_RE.fullmatch(name):
+        elif not _FILE_RE.fullmatch(name) and not (name in extra and not entry.is_symlink()):
             foreign.append(name)
     return foreign, signed
 
@@ -491,13 +492,29 @@ def _check_overlap(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return d
 
 
-def write_output_record(out: Path, header: Mapping[str, Any]) -> None:
-    """Mark the DCP output in ``out`` as ckptconv's (before its completion marker)."""
+def write_output_record(out: Path, header: Mapping[str, Any], files: Sequence[str] = ()) -> None:
+    """Mark the output in ``out`` as ckptconv's (before its completion marker); ``files``: the
+    top-level files it writes beyond its format's own (an ``export-hf --like`` copies the base's
+    tokenizer and config files and uses its shard names), which ``--overwrite`` may then remove."""
     from formats.fsutil import atomic_write_bytes
 
     # what wrote it, not from where: two runs of one conversion stay byte-identical
-    record = {"written_by": "ckptconv", "op": header.get("op"), "tool": header.get("tool")}
+    record: dict[str, Any] = {"written_by": "ckptconv", "op": header.get("op"), "tool": header.get("tool")}
+    if files:
+        record["files"] = sorted(set(files))
     atomic_write_bytes(out / OUTPUT_RECORD, json.dumps(record, sort_keys=True, default=str).encode())
+
+
+def recorded_files(out: Path) -> frozenset[str]:
+    """The extra top-level files the output record in ``out`` names (plain names, no paths)."""
+    try:
+        doc = json.loads((out / OUTPUT_RECORD).read_bytes())
+    except (OSError, ValueError):
+        return frozenset()
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, list):
+        return frozenset()
+    return frozenset(f for f in files if isinstance(f, str) and f and "/" not in f and f not in (".", ".."))
 
 
 def unrecorded_checkpoint(names: list[str]) -> list[str]:

@@ -160,16 +160,23 @@ def dcp_output(writer: Any, before_commit: Callable[[], None] | None = None,
 
 
 def hf_output(writer: Any, dtypes: Mapping[str, str], planned_bytes: int,
-              before_commit: Callable[[], None] | None = None) -> Output:
+              before_commit: Callable[[], None] | None = None,
+              before_prepare: Callable[[], None] | None = None) -> Output:
     """Hugging Face safetensors (:class:`formats.hf.HFWriter`): files sized by rank 0, each tensor
-    cast to ``dtypes[name]``; ``before_commit`` runs just before the index (or single file) is
-    published. The result counts the planned bytes (resumed or not)."""
+    cast to ``dtypes[name]``; ``before_prepare`` runs before the files are created,
+    ``before_commit`` just before the index (or single file) is published. The result counts the
+    planned bytes (resumed or not)."""
 
     def commit() -> None:
         if before_commit is not None:
             before_commit()
         writer.commit()
 
-    return Output(sink=HFSink(writer, dtypes), commit=commit, prepare=lambda resume: writer.start(resume=resume),
+    def prepare(resume: bool) -> None:
+        if before_prepare is not None:
+            before_prepare()
+        writer.start(resume=resume)
+
+    return Output(sink=HFSink(writer, dtypes), commit=commit, prepare=prepare,
                   adopt=lambda task, info: writer.adopt(task.key), close=writer.close,
                   bytes_written=lambda stats: planned_bytes)

@@ -79,7 +79,8 @@ def write_shards(out: Path, tensors: dict[str, torch.Tensor], files: int, config
     for name, group in zip(names, groups):
         save_file(group, out / name, metadata={"format": "pt"})
     size = sum(v.numel() * v.element_size() for v in tensors.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": size}, "weight_map": wmap}))
+    index = {"metadata": {"total_size": size}, "weight_map": wmap}  # formatted as transformers writes it
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (out / "config.json").write_text(json.dumps(config))
 
 
