@@ -23,6 +23,11 @@ WORKERS = max(2, min(8, (os.cpu_count() or 2)))
 #: Fault injection for the resume tests: SIGKILL this process once this many bytes were written
 #: by the executor (0 = off). Set through the environment only.
 FAULT_KILL_AFTER_BYTES = int(os.environ.get("CKPTCONV_FAULT_KILL_AFTER_BYTES", "0") or 0)
+#: Fault injection for the resume tests: SIGKILL this process when the conversion reaches this
+#: point (""/unset = off): ``planned`` (before the destination is touched), ``prepared`` (the
+#: destination locked and journaled, no data yet), ``committed`` (the completion marker written,
+#: the journals not yet removed). Set through the environment only.
+FAULT_KILL_AT = os.environ.get("CKPTCONV_FAULT_KILL_AT", "")
 #: Seconds between plain progress lines when stderr is not a terminal (env for tests and logs).
 PROGRESS_LINE_SECONDS = float(os.environ.get("CKPTCONV_PROGRESS_SECONDS", "5.0") or 5.0)
 #: Fault injection for the interrupt and lock tests: each worker sleeps this long before every

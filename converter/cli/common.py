@@ -40,7 +40,8 @@ def run_options(f):
         click.option("--workers", type=int, default=None, help="I/O worker threads (default: CPU count, 2..8)."),
         click.option("--memory-budget", type=SIZE, default=None, help="Bytes of buffers in flight, e.g. 512MiB (default 512MiB)."),
         click.option("--overwrite", is_flag=True, help="Replace a previous ckptconv output (complete or partial) at DST; anything else there is refused."),
-        click.option("--resume", is_flag=True, help="Continue an interrupted conversion into the same destination (same source and options)."),
+        click.option("--resume", is_flag=True, help="Idempotent: continue an interrupted conversion into the same destination (same source "
+                     "and options), start it when DST is missing or empty, exit 0 when it is already complete there."),
         click.option("--trust-pickle", is_flag=True, help="Allow non-tensor entries that need arbitrary classes (runs their pickle code)."),
         click.option("--dry-run", is_flag=True, help="Print the plan, write nothing."),
         click.option("--progress/--no-progress", default=None, help="Progress on stderr: a bar on a terminal, else a line every 5 s and one at 100 % "
@@ -100,6 +101,9 @@ def report_result(result: ConversionResult) -> None:
     if result.plan is not None:
         click.echo(result.plan)
         click.echo(dry_run_line(result))
+        return
+    if result.already_complete:
+        click.echo(f"{result.dst}: already complete (this same conversion finished there before); nothing written")
         return
     click.echo(result_line(result))
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from converter.plan.atoms import AtomRef, group_atoms
 from converter.config import RunOptions
-from converter.run.destination import conversion_header, guarded, write_output_record
+from converter.run.destination import guarded
 from converter.run.executor import os_errors_as_storage_errors
 from converter.run.pipeline import Conversion, ConversionResult, Output, run_conversion
 from converter.plan.copy_tasks import Piece, WriteTask, describe, plan_tensor
@@ -222,7 +222,7 @@ def export_ds(src: str | os.PathLike, dst: str | os.PathLike, *, tag: str | None
 def _plan(reader: Any, src: str | os.PathLike, dst: str | os.PathLike, tag: str | None,
           options: RunOptions) -> Conversion:
     """The conversion: one write task per atom file (the same plan for the dry run and the run);
-    the commit writes the optimizer state, both model-states files, the output record and, last,
+    the commit writes the optimizer state, both model-states files and, last,
     ``latest_universal``."""
     index = reader.index()
     paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
@@ -246,7 +246,6 @@ def _plan(reader: Any, src: str | os.PathLike, dst: str | os.PathLike, tag: str 
             states = model_states_bytes(shapes, int(first) if first is not None else 0)
             for name in MODEL_STATES_FILES:
                 atomic_write_bytes(folder / name, states)
-            write_output_record(out, conversion_header("export-ds", src, index, header_options))
             atomic_write_bytes(out / LATEST_UNIVERSAL, plan.tag.encode())  # the completion marker
 
         return Output(sink=_AtomSink(out, by_rel), commit=commit, bytes_written=lambda stats: total)

@@ -117,7 +117,8 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
                 if base is not None:
                     write_output_record(out, {"op": "export-hf", "tool": __version__}, own_files)
 
-            return hf_output(HFWriter(out, specs, max_bytes, layout=layout), dtypes, total, write_config, record)
+            return hf_output(HFWriter(out, specs, max_bytes, layout=layout), dtypes, total, write_config, record,
+                             record_files=own_files)
 
         header = {"--map": option_value(key_map), "--dtype": dtype, "--max-shard-size": max_bytes,
                   "--config": option_value(cfg), **({"--quantize": quantize} if quantize else {}),

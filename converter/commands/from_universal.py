@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from converter import __version__
 from converter.config import RunOptions
 from converter.plan.atoms import AtomRef, group_atoms
 from converter.plan.copy_tasks import WriteTask, plan_boxes, target_nbytes, total_target_nbytes
@@ -33,7 +32,7 @@ from converter.plan.megatron import plan_layout_bound
 from converter.plan.mesh import Mesh, parse_mesh
 from converter.plan.placement_rules import HeadCounts, TensorPlacement, check_head_split, get_plan, plan_all, replicated
 from converter.plan.selection import Selection, select_entries
-from converter.run.destination import option_value, write_output_record
+from converter.run.destination import option_value
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
 from converter.run.sinks import dcp_output
 from converter.run.sources import framework_files, open_checkpoint
@@ -314,9 +313,8 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
         objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
         planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
         writer = DCPWriter(out, layout.chunks, objects, planner_data, mesh.world_size)
-        return dcp_output(writer, lambda: write_output_record(out, {"op": "from-universal", "tool": __version__}),
-                          # Megatron's metadata.json / common.pt, as they are
-                          extra_files=lambda: write_framework_files(out, framework or {}))
+        # Megatron's metadata.json / common.pt, as they are
+        return dcp_output(writer, extra_files=lambda: write_framework_files(out, framework or {}))
 
     planned = ConversionResult(str(dst), len(index.tensors), len(object_specs), total_target_nbytes(tasks),
                                0.0, warnings=layout.warnings, mesh=str(mesh), world_size=mesh.world_size)

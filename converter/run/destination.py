@@ -9,8 +9,11 @@ Every conversion (``to-universal``, ``from-universal``, ``export-hf``, ``import-
   process) and simply taken over. Under torchrun rank 0 holds it for the job.
 * **Identity.** The journal header (:func:`conversion_header`) records the operation, the source
   (path, a fingerprint of its index, and name/size/mtime of its top-level files) and the options
-  that shape the output. ``--resume`` continues only the same conversion: another source, other
-  options or a complete output is refused with one line saying what differs.
+  that shape the output; the commit keeps it in the output record ``<dst>/.written-by-ckptconv.json``
+  (written just before the completion marker). ``--resume`` is idempotent: it starts the conversion in a missing
+  or empty destination, continues the same conversion's partial output, and finds a complete output
+  of the same conversion already done (exit 0, nothing written); another source, other options, or
+  a complete output of another conversion are refused with one line saying what differs.
 * **Overwrite.** ``--overwrite`` removes only what ckptconv would have written there (a universal
   store, a DCP checkpoint, an HF export, complete or partial: :func:`foreign_entries`), never
   following a link; anything else is refused, naming what was found.
@@ -21,6 +24,7 @@ Every conversion (``to-universal``, ``from-universal``, ``export-hf``, ``import-
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import datetime as _dt
 import functools
@@ -42,9 +46,13 @@ from formats.errors import DestinationError, clip
 F = TypeVar("F", bound=Callable[..., Any])
 
 LOCK_NAME = ".ckptconv-lock"
-#: Written into a DCP output just before its .metadata: what tells ckptconv's own DCP outputs from
-#: a checkpoint torch or a training job wrote (which --overwrite never deletes). HF exports carry
-#: none (they are exactly the files HF writes), so --overwrite replaces any HF file set.
+#: What :func:`prepare` found: start the conversion, continue a partial one, or nothing to do.
+START, RESUME, COMPLETE = "start", "resume", "complete"
+#: Written into every output just before its completion marker: what tells ckptconv's own DCP
+#: outputs from a checkpoint torch or a training job wrote (which --overwrite never deletes), and
+#: the conversion that wrote it (its journal header: source identity and options), which lets
+#: ``--resume`` find that same conversion complete. (--overwrite replaces any HF file set, with
+#: the record or without.)
 OUTPUT_RECORD = ".written-by-ckptconv.json"
 RANK_DIR_RE = re.compile(r"\.ckptconv-rank-\d+")
 
@@ -68,7 +76,8 @@ _OWN_FILES = {
          _TMP.format(name=r"(config\.json|model\.safetensors\.index\.json)")],
     DEEPSPEED: [r"latest_universal", _TMP.format(name=r"latest_universal")],
 }
-_COMMON_FILES = [re.escape(JOURNAL_NAME), re.escape(LOCK_NAME), re.escape(OUTPUT_RECORD)]
+_COMMON_FILES = [re.escape(JOURNAL_NAME), re.escape(LOCK_NAME), re.escape(OUTPUT_RECORD),
+                 _TMP.format(name=re.escape(OUTPUT_RECORD))]
 _OWN_DIRS = {UNIVERSAL: ("tensors", "objects")}
 #: Entries whose presence says "ckptconv (or a DCP save) wrote this directory" (a store's root
 #: zarr.json file too: what an interrupted --overwrite leaves once the marker and journal are gone).
@@ -439,21 +448,26 @@ MAX_HEADER_BYTES = 64 << 20
 
 
 def _read_header(out: Path) -> Any:
-    """The header of the journal in ``out``; None if absent or unreadable. A link or anything but
-    a regular file is never read (a source directory may be hostile), nor more than
-    :data:`MAX_HEADER_BYTES`."""
+    """The header of the journal in ``out``; None if absent or unreadable (:func:`_read_bookkeeping`)."""
+    return _read_bookkeeping(out / JOURNAL_NAME, "header", first_line=True)
+
+
+def _read_bookkeeping(path: Path, field: str, first_line: bool = False) -> Any:
+    """``field`` of the JSON document in the file ``path`` (its first line only with
+    ``first_line``); None if absent or unreadable. A link or anything but a regular file is never
+    read (a source directory may be hostile), nor more than :data:`MAX_HEADER_BYTES`."""
     import stat
 
     try:
-        fd = os.open(out / JOURNAL_NAME, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
         with os.fdopen(os.dup(fd), "rb") as f:
-            line = f.readline(MAX_HEADER_BYTES)
-        return json.loads(line)["header"]
+            data = f.readline(MAX_HEADER_BYTES) if first_line else f.read(MAX_HEADER_BYTES)
+        return json.loads(data)[field]
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
     finally:
@@ -493,13 +507,16 @@ def _check_overlap(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 
 def write_output_record(out: Path, header: Mapping[str, Any], files: Sequence[str] = ()) -> None:
-    """Mark the output in ``out`` as ckptconv's (before its completion marker); ``files``: the
-    top-level files it writes beyond its format's own (an ``export-hf --like`` copies the base's
-    tokenizer and config files and uses its shard names), which ``--overwrite`` may then remove."""
+    """Mark the output in ``out`` as ckptconv's and name the conversion ``header`` (its journal
+    header, less the rank) that wrote it; written just before the output's completion marker.
+    ``files``: the top-level files it writes beyond its format's own (an ``export-hf --like``
+    copies the base's tokenizer and config files and uses its shard names), which ``--overwrite``
+    may then remove."""
     from formats.fsutil import atomic_write_bytes
 
-    # what wrote it, not from where: two runs of one conversion stay byte-identical
     record: dict[str, Any] = {"written_by": "ckptconv", "op": header.get("op"), "tool": header.get("tool")}
+    if "source" in header:  # a whole journal header (an early record before the data names no conversion)
+        record["conversion"] = _strip_rank(dict(header))
     if files:
         record["files"] = sorted(set(files))
     atomic_write_bytes(out / OUTPUT_RECORD, json.dumps(record, sort_keys=True, default=str).encode())
@@ -558,11 +575,14 @@ def _check_no_links(out: Path) -> None:
 
 
 def prepare(src: str | os.PathLike, dst: str | os.PathLike, header: Mapping[str, Any], *, overwrite: bool,
-            resume: bool, world: int = 1) -> Path:
-    """Lock ``dst`` and make it ready for the conversion ``header`` (run on rank 0 only).
+            resume: bool, world: int = 1) -> tuple[Path, str]:
+    """Lock ``dst`` and make it ready for the conversion ``header`` (run on rank 0 only):
+    ``(out, what to do)``, one of :data:`START`, :data:`RESUME`, :data:`COMPLETE`.
 
-    * resume: ``dst`` must hold the journal of the same conversion (same operation, source,
-      output options and world size) and no complete output;
+    * resume: a missing or empty ``dst`` starts the conversion; the journal of the same conversion
+      (same operation, source, output options and world size) continues it; a complete output of
+      the same conversion (its :data:`OUTPUT_RECORD`) is :data:`COMPLETE` (a journal left by a
+      run stopped after its marker is dropped); anything else is refused;
     * overwrite: ``dst`` may hold only a ckptconv output (complete or partial), which is removed;
     * otherwise ``dst`` must be empty or absent.
 
@@ -572,15 +592,13 @@ def prepare(src: str | os.PathLike, dst: str | os.PathLike, header: Mapping[str,
     out = _check_overlap(src, dst)
     if out.exists() and not out.is_dir():
         raise DestinationError(f"{dst}: exists and is not a directory; choose a new path")
-    if resume and not out.is_dir():
-        raise DestinationError(f"{dst}: nothing to resume (no such directory); run without --resume")
     if out.is_dir():
         _check_contents(out, dst, header, overwrite, resume, world, locked=False)
     out.mkdir(parents=True, exist_ok=True)
     lock = acquire_lock(out)
     held = _HELD.get()
     try:
-        _check_contents(out, dst, header, overwrite, resume, world, locked=True)
+        what = _check_contents(out, dst, header, overwrite, resume, world, locked=True)
     except BaseException:
         lock.release()
         raise
@@ -588,26 +606,56 @@ def prepare(src: str | os.PathLike, dst: str | os.PathLike, header: Mapping[str,
         lock.release()
     else:
         held.append(lock)
-    return out
+    return out, what
 
 
 def _check_contents(out: Path, dst: Any, header: Mapping[str, Any], overwrite: bool, resume: bool, world: int,
-                    locked: bool) -> None:
-    """Refuse what ``out`` holds, or (``locked``, overwrite) clear it."""
+                    locked: bool) -> str:
+    """Refuse what ``out`` holds, or (``locked``, overwrite) clear it; what to do there."""
     if not locked and (holder := lock_holder(out)) is not None:
         raise DestinationError(
             f"{dst}: another ckptconv run is writing here ({holder}); wait for it to finish or stop it, then rerun"
         )
     if resume:
-        if not _empty_except_lock(out):
-            _refuse_foreign(out, dst, "--resume")
-        _check_resume(out, dst, header, world)
-    elif not _empty_except_lock(out):
+        if _nothing_written(out):
+            return START
+        _refuse_foreign(out, dst, "--resume")
+        what = _check_resume(out, dst, header, world)
+        if what == COMPLETE and locked:
+            _drop_stale_journals(out)
+        return what
+    if not _empty_except_lock(out):
         if not overwrite:
             _refuse_non_empty(out, dst)
         _refuse_foreign(out, dst, "--overwrite")
         if locked:
             _clear(out)
+    return START
+
+
+def _nothing_written(out: Path) -> bool:
+    """Whether ``out`` holds nothing a conversion wrote: only the lock, torchrun rank folders
+    without a journal, or an empty journal (a run stopped before its journal's first line, which
+    precedes every output file)."""
+    for entry in os.scandir(out):
+        if entry.name == LOCK_NAME:
+            continue
+        if entry.name == JOURNAL_NAME and entry.is_file(follow_symlinks=False) and entry.stat().st_size == 0:
+            continue
+        if RANK_DIR_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            continue  # rank journals without rank 0's: nothing was written yet
+        return False
+    return True
+
+
+def _drop_stale_journals(out: Path) -> None:
+    """Remove the journals a run stopped between its commit and their removal left beside its
+    complete output (what the commit would have removed next)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(out / JOURNAL_NAME)
+    for entry in os.scandir(out):
+        if RANK_DIR_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _refuse_non_empty(out: Path, dst: Any) -> None:
@@ -635,12 +683,22 @@ def _written_from(out: Path, marker: str) -> str:
         return ""
 
 
-def _check_resume(out: Path, dst: Any, header: Mapping[str, Any], world: int) -> None:
+def _recorded_conversion(out: Path) -> Any:
+    """The conversion header :func:`write_output_record` kept in ``out`` (None: none, or unreadable)."""
+    return _read_bookkeeping(out / OUTPUT_RECORD, "conversion")
+
+
+def _check_resume(out: Path, dst: Any, header: Mapping[str, Any], world: int) -> str:
     marker = complete_marker(out)
     if marker is not None:
+        done = _recorded_conversion(out)
+        why = (f"its {OUTPUT_RECORD} names no conversion: an older ckptconv or another tool wrote it" if done is None
+               else header_difference(done, header))
+        if why is None:
+            return COMPLETE
         raise DestinationError(
-            f"{dst}: already holds a complete {_kind_of_marker(marker)} ({marker}{_written_from(out, marker)}): "
-            "nothing to resume; pass --overwrite instead of --resume to convert again"
+            f"{dst}: already holds a complete {_kind_of_marker(marker)} ({marker}{_written_from(out, marker)}) of "
+            f"another conversion ({why}): nothing to resume; pass --overwrite instead of --resume to convert again"
         )
     if not (out / JOURNAL_NAME).is_file():
         raise DestinationError(
@@ -660,18 +718,22 @@ def _check_resume(out: Path, dst: Any, header: Mapping[str, Any], world: int) ->
             f"{dst}: cannot resume: the interrupted run there was a different conversion ({why}); rerun it "
             "exactly as before, or pass --overwrite to start over"
         )
+    return RESUME
 
 
 def open_destination(src: str | os.PathLike, dst: str | os.PathLike, header: Mapping[str, Any],
-                     options: Any) -> tuple[Path, Any]:
-    """Prepare ``dst`` (rank 0) and open this rank's resume journal: ``(out, journal)``."""
+                     options: Any) -> tuple[Path, Any, str]:
+    """Prepare ``dst`` (rank 0) and open this rank's resume journal: ``(out, journal, what)``,
+    ``what`` as :func:`prepare` found it (every rank learns it; no journal when :data:`COMPLETE`)."""
     from converter.run import distributed
 
     dist = distributed.current()
-    out = dist.on_leader(lambda: prepare(src, dst, header, overwrite=options.overwrite, resume=options.resume,
-                                         world=dist.world), Path(dst).resolve())
-    journal = dist.journal(out, dict(header), resume=options.resume)
-    return out, journal
+    out, what = dist.from_leader(lambda: prepare(src, dst, header, overwrite=options.overwrite,
+                                                 resume=options.resume, world=dist.world))
+    if what == COMPLETE:
+        return out, None, what
+    journal = dist.journal(out, dict(header), resume=what == RESUME)
+    return out, journal, what
 
 
 def unfinished_message(path: Path) -> str | None:

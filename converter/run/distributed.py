@@ -59,6 +59,13 @@ def assign(tasks: Sequence[WriteTask], world: int) -> list[int]:
     return owners
 
 
+def _has_journal(where: Path) -> bool:
+    try:
+        return (where / JOURNAL_NAME).stat().st_size > 0
+    except FileNotFoundError:
+        return False
+
+
 def share(tasks: Sequence[WriteTask], rank: int, world: int) -> list[WriteTask]:
     """Pure: the tasks rank ``rank`` of ``world`` writes, in plan order."""
     if world <= 1:
@@ -130,6 +137,11 @@ class Dist:
         result = self.collective(fn, leader_only=True)
         return result if self.leader else others
 
+    def from_leader(self, fn: Callable[[], T]) -> T:
+        """Rank 0 runs ``fn``; every rank waits and gets its result (which must pickle)."""
+        result = self.collective(fn, leader_only=True)
+        return self.gather(result if self.leader else None)[0] if self.active else result  # type: ignore[return-value]
+
     def leader_first(self, leader: Callable[[], Any], others: Callable[[], Any]) -> None:
         """Rank 0 runs ``leader`` (e.g. create and size files), then the others run ``others``
         (e.g. open them without truncating); each step agreed."""
@@ -142,7 +154,9 @@ class Dist:
         """This rank's resume journal (opened on every rank, outcome agreed).
 
         Resuming needs the world size of the interrupted run (each rank's share depends on it):
-        :func:`converter.run.destination.prepare` checked that on rank 0.
+        :func:`converter.run.destination.prepare` checked that on rank 0. A rank whose journal is
+        missing or empty (the run stopped before that rank wrote its header line, and so before
+        it wrote any data) starts a new one.
         """
 
         def open_journal() -> Journal:
@@ -152,8 +166,9 @@ class Dist:
                 hdr = {**header, "world": self.world, "rank": self.rank}
                 if not self.leader:
                     where = where / RANK_DIR.format(self.rank)
-                    if not resume:
-                        where.mkdir(exist_ok=True)
+                    where.mkdir(exist_ok=True)
+            if resume and not (self.leader or _has_journal(where)):
+                return Journal(where, hdr)
             return Journal.resume(where, hdr) if resume else Journal(where, hdr)
 
         return self.collective(open_journal)  # type: ignore[return-value]

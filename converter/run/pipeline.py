@@ -9,13 +9,15 @@ The pipeline then does, identically for every conversion::
     journal header (operation, source identity, output options)
     check (e.g. every non-tensor entry read and checked: a refused one leaves nothing behind)
     destination: lock, refuse / overwrite / resume            (run.destination, rank 0)
+       (--resume of a conversion already complete: its result, nothing written)
     open the output (a writer for ``out``)                     Conversion.open_output
     prepare it (rank 0 first: create and size files)           Output.prepare
     adopt the tasks the journal says are done (--resume)       Output.adopt
     write the non-tensor entries (rank 0)                      Output.write_objects
     execute this rank's share of the tasks (journaled)         run.distributed / run.executor
-    publish (rank 0, after every rank succeeded): adopt every rank's tasks, commit the output
-        (its completion marker last), drop the journals        Output.commit
+    publish (rank 0, after every rank succeeded): adopt every rank's tasks, record the
+        conversion (.written-by-ckptconv.json), commit the output (its completion marker last),
+        drop the journals                                      Output.commit
     the result
 
 Under torchrun every rank plans identically and runs the same pipeline (:mod:`converter.run.distributed`);
@@ -33,7 +35,16 @@ from typing import Any, TypeVar
 
 from converter.plan.copy_tasks import WriteTask
 from converter.run import distributed
-from converter.run.destination import KIND_OF_OP, UNIVERSAL, conversion_header, guarded, open_destination
+from converter.run.destination import (
+    COMPLETE,
+    KIND_OF_OP,
+    RESUME,
+    UNIVERSAL,
+    conversion_header,
+    guarded,
+    open_destination,
+    write_output_record,
+)
 from converter.run.executor import ExecStats, TaskSink, os_errors_as_storage_errors
 from converter.run.journal import task_id
 from converter.run.remote import remote_destination
@@ -56,6 +67,7 @@ class ConversionResult:
     preview: dict | None = None  # from-universal --dry-run: the target plan (schemas/target-plan.schema.json)
     mesh: str | None = None  # from-universal: the target mesh
     world_size: int | None = None  # from-universal: ranks of the target job
+    already_complete: bool = False  # --resume found this conversion's complete output: nothing written
 
 
 def _nothing() -> None:
@@ -74,7 +86,8 @@ class Output:
     entries (rank 0); ``commit`` publishes the output, its completion marker last (rank 0);
     ``close`` releases the writer (after a failure, and on the other ranks after the commit);
     ``bytes_written(stats)`` is the result's byte count (every rank calls it; default: the bytes
-    the executor wrote).
+    the executor wrote); ``record_files`` are the top-level files it writes beyond its format's
+    own (named in the output record, so ``--overwrite`` may remove them).
     """
 
     sink: TaskSink
@@ -85,6 +98,7 @@ class Output:
     close: Callable[[], None] = _nothing
     needs_info: bool = False
     bytes_written: Callable[[ExecStats], int] | None = None
+    record_files: tuple[str, ...] = ()  # top-level files beyond the format's own, named in the output record
 
 
 @dataclass(frozen=True)
@@ -134,11 +148,15 @@ def run_conversion(conv: Conversion, options: Any) -> ConversionResult:
     header = conversion_header(conv.op, conv.src, conv.index, conv.header_options)
     if conv.check is not None:
         conv.check()
-    out, journal = open_destination(conv.src, conv.dst, header, options)
+    _fault("planned")
+    out, journal, what = open_destination(conv.src, conv.dst, header, options)
+    _fault("prepared")
+    if what == COMPLETE:  # --resume of a conversion that already finished: nothing to do
+        return dataclasses.replace(conv.planned, dst=str(out), bytes=0, seconds=0.0, already_complete=True)
     output = conv.open_output(out)
     try:
         # rank 0 creates and sizes every file; the other ranks then open them without truncating
-        dist.leader_first(lambda: output.prepare(options.resume), lambda: output.prepare(True))
+        dist.leader_first(lambda: output.prepare(what == RESUME), lambda: output.prepare(True))
         for task in conv.tasks:
             if journal.is_done(task):
                 output.adopt(task, journal.info(task))
@@ -154,7 +172,9 @@ def run_conversion(conv: Conversion, options: Any) -> ConversionResult:
             if dist.active:  # every rank wrote its share: count the others' as written
                 for task in conv.tasks:
                     output.adopt(task, info[task_id(task)] if gather else None)
+            write_output_record(out, header, output.record_files)  # before the marker: a complete output names its conversion
             output.commit()
+            _fault("committed")
             dist.remove_journals(journal, out)
 
         dist.on_leader(publish)
@@ -165,6 +185,16 @@ def run_conversion(conv: Conversion, options: Any) -> ConversionResult:
         raise
     journal.remove()
     return dataclasses.replace(conv.planned, dst=str(out), bytes=written, seconds=stats.seconds)
+
+
+def _fault(point: str) -> None:
+    """SIGKILL this process at ``point`` when the resume tests ask for it (``knobs.FAULT_KILL_AT``)."""
+    from converter import knobs
+
+    if knobs.FAULT_KILL_AT == point:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def conversion_command(op: str) -> Callable[[F], F]:

@@ -10,7 +10,7 @@ import datetime as _dt
 import math
 import threading
 from pathlib import Path
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -136,12 +136,10 @@ def universal_output(out: Path, tensors: Mapping[str, TensorEntry], refs: Mappin
                   write_objects=None if write_objects is None else lambda: write_objects(writer), needs_info=True)
 
 
-def dcp_output(writer: Any, before_commit: Callable[[], None] | None = None,
-               extra_files: Callable[[], None] | None = None) -> Output:
+def dcp_output(writer: Any, extra_files: Callable[[], None] | None = None) -> Output:
     """A DCP checkpoint (:class:`formats.dcp.writer.DCPWriter`): rank files sized by rank 0, chunks
     cast to the target dtype; ``extra_files`` runs after the non-tensor entries are written (rank
-    0); ``before_commit`` runs just before ``.metadata`` is written. The result counts every rank's
-    bytes in the target dtype."""
+    0). The result counts every rank's bytes in the target dtype."""
     sink = RankChunkSink(writer)
 
     def write_objects() -> None:
@@ -149,23 +147,19 @@ def dcp_output(writer: Any, before_commit: Callable[[], None] | None = None,
         if extra_files is not None:
             extra_files()
 
-    def commit() -> None:
-        if before_commit is not None:
-            before_commit()
-        writer.commit()
-
-    return Output(sink=sink, commit=commit, prepare=lambda resume: writer.prepare(resume=resume),
+    return Output(sink=sink, commit=writer.commit, prepare=lambda resume: writer.prepare(resume=resume),
                   adopt=lambda task, info: writer.adopt_chunk(task.target), write_objects=write_objects,
                   close=writer.close, bytes_written=lambda stats: sum(distributed.current().gather(sink.written)))
 
 
 def hf_output(writer: Any, dtypes: Mapping[str, str], planned_bytes: int,
               before_commit: Callable[[], None] | None = None,
-              before_prepare: Callable[[], None] | None = None) -> Output:
+              before_prepare: Callable[[], None] | None = None, record_files: Sequence[str] = ()) -> Output:
     """Hugging Face safetensors (:class:`formats.hf.HFWriter`): files sized by rank 0, each tensor
     cast to ``dtypes[name]``; ``before_prepare`` runs before the files are created,
-    ``before_commit`` just before the index (or single file) is published. The result counts the
-    planned bytes (resumed or not)."""
+    ``before_commit`` just before the index (or single file) is published; ``record_files``: the
+    output's files beyond HF's own (:attr:`Output.record_files`). The result counts the planned
+    bytes (resumed or not)."""
 
     def commit() -> None:
         if before_commit is not None:
@@ -179,4 +173,4 @@ def hf_output(writer: Any, dtypes: Mapping[str, str], planned_bytes: int,
 
     return Output(sink=HFSink(writer, dtypes), commit=commit, prepare=prepare,
                   adopt=lambda task, info: writer.adopt(task.key), close=writer.close,
-                  bytes_written=lambda stats: planned_bytes)
+                  bytes_written=lambda stats: planned_bytes, record_files=tuple(record_files))

@@ -327,9 +327,10 @@ def _verify_universal(root: Path, found: _Findings, quick: bool, trust_pickle: b
 
 def _strays(root: Path, meta: Any, index: Any) -> list[str]:
     """Files the store's metadata does not account for (left over from an interrupted write?)."""
+    from converter.run.destination import OUTPUT_RECORD
     from formats.universal import METADATA_FILE, TENSORS_DIR
 
-    known = {METADATA_FILE}
+    known = {METADATA_FILE, OUTPUT_RECORD}  # the record names the conversion that wrote the store
     if meta.backend == "zarr":
         known |= {"zarr.json", f"{TENSORS_DIR}/zarr.json"} | {f"{r.array}/zarr.json" for r in meta.tensors.values()}
     known |= {c.file for e in index.tensors.values() for c in e.chunks}

@@ -99,16 +99,15 @@ def command(op: str, work: dict, dst: Path, *extra: str) -> list[str]:
     return ["import-hf", "--chunk-size", "16KiB", *extra, work["hf"], dst]
 
 
-def convert(op: str, work: dict, dst: Path, options: RunOptions, src: Path | None = None, **kw) -> None:
-    """The same conversions through the Python API."""
+def convert(op: str, work: dict, dst: Path, options: RunOptions, src: Path | None = None, **kw):
+    """The same conversions through the Python API; their result."""
     if op == "to-universal":
-        api.to_universal(src or work["src"], dst, options, chunk_bytes=kw.get("chunk_bytes", 16 << 10))
-    elif op == "from-universal":
-        api.from_universal(src or work["uni"], dst, kw.get("mesh", "dp2"), dtype=kw.get("dtype"), options=options)
-    elif op == "export-hf":
-        api.export_hf(src or work["uni"], dst, max_shard_size="100KB", dtype=kw.get("dtype"), options=options)
-    else:
-        api.import_hf(src or work["hf"], dst, options=options, chunk_bytes=kw.get("chunk_bytes", 16 << 10))
+        return api.to_universal(src or work["src"], dst, options, chunk_bytes=kw.get("chunk_bytes", 16 << 10))
+    if op == "from-universal":
+        return api.from_universal(src or work["uni"], dst, kw.get("mesh", "dp2"), dtype=kw.get("dtype"), options=options)
+    if op == "export-hf":
+        return api.export_hf(src or work["uni"], dst, max_shard_size="100KB", dtype=kw.get("dtype"), options=options)
+    return api.import_hf(src or work["hf"], dst, options=options, chunk_bytes=kw.get("chunk_bytes", 16 << 10))
 
 
 def interrupted(op: str, work: dict, dst: Path, monkeypatch, **kw) -> None:
@@ -133,19 +132,70 @@ OPS = ["to-universal", "from-universal", "export-hf", "import-hf"]
 # ------------------------------------------------------------------------------ --resume
 
 
+#: Per operation: an option that makes another conversion of the same source.
+OTHER_OPTIONS = {"to-universal": {"chunk_bytes": 32 << 10}, "from-universal": {"mesh": "dp4"},
+                 "export-hf": {"dtype": "bf16"}, "import-hf": {"chunk_bytes": 32 << 10}}
+
+
 @pytest.mark.parametrize("op", OPS)
-def test_resume_refuses_a_complete_output(work, tmp_path, op):
-    """The issue's reproducer: --resume onto a complete output (of another checkpoint, for
-    to-universal) printed "wrote ... 0.0 MB" and exited 0."""
+def test_resume_of_a_complete_output_is_done_or_refused(work, tmp_path, op):
+    """--resume is idempotent: onto the complete output of the same conversion it does nothing and
+    says so (exit 0); onto a complete output of another conversion (other options, another source
+    for to-universal) or one without a completion record it is refused, naming what differs.
+    (The first issue's reproducer: --resume onto another checkpoint's store printed "wrote ...".)"""
     dst = tmp_path / "out"
-    if op == "to-universal":
-        api.to_universal(work["other"], dst, RunOptions(workers=2))
-    else:
-        convert(op, work, dst, RunOptions(workers=2))
+    convert(op, work, dst, RunOptions(workers=2))
     before = tree_bytes(dst)
-    with pytest.raises(DestinationError, match="already holds a complete .*nothing to resume.*--overwrite"):
-        convert(op, work, dst, RunOptions(resume=True))
+    assert ".written-by-ckptconv.json" in before and ".ckptconv-journal.jsonl" not in before
+    again = convert(op, work, dst, RunOptions(resume=True))
+    assert again.already_complete and again.bytes == 0 and tree_bytes(dst) == before
+    with pytest.raises(DestinationError, match="already holds a complete .*of another conversion .*it ran with "
+                                               ".*nothing to resume.*--overwrite"):
+        convert(op, work, dst, RunOptions(resume=True), **OTHER_OPTIONS[op])
     assert tree_bytes(dst) == before
+    record = dst / ".written-by-ckptconv.json"
+    record.write_text(json.dumps({"written_by": "ckptconv", "op": op, "tool": "0.1.0"}))  # as older versions wrote it
+    with pytest.raises(DestinationError, match="written-by-ckptconv.json names no conversion.*nothing to resume.*--overwrite"):
+        convert(op, work, dst, RunOptions(resume=True))
+    if op == "to-universal":
+        other = tmp_path / "other"
+        api.to_universal(work["other"], other, RunOptions(workers=2))
+        with pytest.raises(DestinationError, match="of another conversion .*this run converts"):
+            convert(op, work, other, RunOptions(resume=True))
+
+
+def test_resume_drops_the_journal_a_run_stopped_after_its_marker_left(work, tmp_path, monkeypatch):
+    """Stopped between the commit and the journal's removal: the output is complete; --resume
+    finds it done and drops the leftover journal."""
+    from converter.run.journal import Journal
+
+    dst = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(Journal, "remove", lambda self: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            convert("from-universal", work, dst, RunOptions(workers=2))
+    assert (dst / ".metadata").is_file() and (dst / ".ckptconv-journal.jsonl").is_file()
+    again = convert("from-universal", work, dst, RunOptions(resume=True))
+    assert again.already_complete and not (dst / ".ckptconv-journal.jsonl").exists()
+
+
+@pytest.mark.parametrize("state", ["missing", "empty", "lock only", "empty journal", "rank folders"])
+def test_resume_starts_where_nothing_was_written(work, tmp_path, state):
+    """A retry loop's first --resume, or one after a stop before the journal's first line: the
+    conversion starts (and its output equals a plain run's)."""
+    ref, dst = tmp_path / "ref", tmp_path / "out"
+    convert("from-universal", work, ref, RunOptions(workers=2))
+    if state != "missing":
+        dst.mkdir()
+    if state == "lock only":
+        (dst / ".ckptconv-lock").write_text("{}")
+    if state == "empty journal":
+        (dst / ".ckptconv-journal.jsonl").touch()
+    if state == "rank folders":
+        (dst / ".ckptconv-rank-1").mkdir()
+    result = convert("from-universal", work, dst, RunOptions(resume=True))
+    assert not result.already_complete and result.bytes > 0
+    assert output_files(dst) == output_files(ref)
 
 
 def test_resume_onto_a_complete_store_cli(work, tmp_path):

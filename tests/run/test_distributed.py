@@ -120,6 +120,7 @@ def run_worker(nproc: int, out: Path, cmds: list[list[str]], *extra: str) -> lis
 
 
 def tree_bytes(root: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
+    skip = (*skip, ".written-by-ckptconv.json")  # the record names the source path (a copy's differs)
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and p.name not in skip}
 

@@ -1,10 +1,15 @@
-"""Interrupted conversions: SIGKILL at many points, refuse without --resume, resume bit-identical."""
+"""Interrupted conversions: SIGKILL at many points, refuse without --resume, resume bit-identical;
+``--resume`` is idempotent, so a shell retry loop (``until ckptconv ... --resume; do :; done``)
+killed at random points (before the destination exists, mid-copy, after the marker) ends with
+the uninterrupted run's output."""
 
 from __future__ import annotations
 
 import json
 import os
 import pickle
+import random
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -86,8 +91,8 @@ def test_to_universal_resumes_bit_identical(source, reference, tmp_path, kill_af
     if second_kill.returncode == -9:
         done = ckptconv(*args, "--resume")
         assert done.returncode == 0, done.stderr
-    again = ckptconv(*args, "--resume")  # a complete store: nothing to resume, say so
-    assert again.returncode == 2 and "complete" in again.stderr and "--overwrite" in again.stderr
+    again = ckptconv(*args, "--resume")  # the same conversion is complete: nothing to do, say so
+    assert again.returncode == 0 and "already complete" in again.stdout, again.stderr
     assert universal_without_timestamp(dst) == universal_without_timestamp(reference[0])
 
 
@@ -128,3 +133,80 @@ def test_export_hf_resumes_bit_identical(reference, tmp_path, kill_after):
     done = ckptconv(*base, str(dst), "--resume")
     assert done.returncode == 0, done.stderr
     assert tree_bytes(dst) == tree_bytes(ref)
+
+
+def kill_points(seed: int, attempts: int) -> list[str]:
+    """The env assignment that kills each attempt of a retry loop: first ``planned`` (the
+    destination does not exist yet), then ``prepared`` and byte counts whose sum stays below the
+    conversion's bytes (so every attempt is killed where it says) in a random order, then
+    ``committed`` (after the marker); the last attempt is not killed (it finds the output complete)."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, TOTAL), attempts - 3))
+    middle = ["CKPTCONV_FAULT_KILL_AT=prepared", *(f"CKPTCONV_FAULT_KILL_AFTER_BYTES={b - a}"
+                                                  for a, b in zip([0, *cuts], cuts))]
+    rng.shuffle(middle)
+    return ["CKPTCONV_FAULT_KILL_AT=planned", *middle, "CKPTCONV_FAULT_KILL_AT=committed", "CKPTCONV_FAULT_KILL_AT="]
+
+
+def retry_loop(args: tuple[str, ...], points: list[str]) -> subprocess.CompletedProcess:
+    """``until ckptconv ARGS --resume; do ...; done`` in bash, attempt i killed at ``points[i]``;
+    it fails (exit 99) when an attempt exits other than by that SIGKILL (137) or 0."""
+    cmd = " ".join(map(shlex.quote, [sys.executable, "-m", "converter", *args, "--resume"]))
+    script = f"""
+points=({" ".join(map(shlex.quote, points))}); i=0
+until env "${{points[$i]}}" {cmd}; do
+  rc=$?; [ $rc -eq 137 ] || {{ echo "attempt $i exited $rc" >&2; exit 99; }}
+  i=$((i+1)); [ $i -lt ${{#points[@]}} ] || exit 98
+done
+echo "attempts $((i+1))"
+"""
+    env = {**os.environ, "CKPTCONV_JOURNAL_FLUSH_SECONDS": "0"}
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=900, env=env)
+
+
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=SLOW), pytest.param(2, marks=SLOW)])
+def test_a_retry_loop_killed_at_random_points_ends_bit_identical(source, reference, tmp_path, seed):
+    """The issue's loop: a preemption before the destination exists, mid-copy or after the
+    marker never makes --resume fail; the loop ends with the uninterrupted run's output, and one
+    more --resume says it is already complete."""
+    uni, out = tmp_path / "uni", tmp_path / "out"
+    to_args = ("to-universal", "--chunk-size", "256KiB", str(source), str(uni))
+    from_args = ("from-universal", "--memory-budget", "2MiB", "--mesh", "tp2,dp3", str(reference[0]), str(out))
+    for args, attempts in ((to_args, 5), (from_args, 6)):
+        points = kill_points(seed, attempts)
+        loop = retry_loop(args, points)
+        assert loop.returncode == 0, loop.stderr
+        assert loop.stdout.strip().endswith(f"attempts {len(points)}")  # each kill point hit once
+        assert "already complete" in loop.stdout  # the attempt after the kill past the marker
+        again = ckptconv(*args, "--resume")
+        assert again.returncode == 0 and "already complete" in again.stdout, again.stderr
+    assert universal_without_timestamp(uni) == universal_without_timestamp(reference[0])
+    assert dcp_without_save_id(out) == dcp_without_save_id(reference[1])
+    assert not list(uni.glob(".ckptconv-journal*")) and not list(out.glob(".ckptconv-journal*"))
+
+
+@pytest.mark.slow
+def test_a_retry_loop_killed_at_random_times_ends_bit_identical(source, reference, tmp_path):
+    """SIGKILL after a random delay (start-up, planning, mid-copy, commit, or not at all), as a
+    preemption would: every attempt is --resume; the last one finishes, bit-identical."""
+    rng = random.Random(7)
+    out = tmp_path / "out"
+    args = ("from-universal", "--memory-budget", "2MiB", "--mesh", "tp2,dp3", str(reference[0]), str(out))
+    env = {**os.environ, "CKPTCONV_JOURNAL_FLUSH_SECONDS": "0", "CKPTCONV_FAULT_SLOW_PIECE_SECONDS": "0.02"}
+    codes = []
+    for _ in range(12):
+        proc = subprocess.Popen([sys.executable, "-m", "converter", *args, "--resume"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            stdout, stderr = proc.communicate(timeout=rng.uniform(0.2, 6.0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        codes.append(proc.returncode)
+        assert proc.returncode in (0, -9), stderr
+        if proc.returncode == 0:
+            break
+    else:
+        done = ckptconv(*args, "--resume")
+        assert done.returncode == 0, done.stderr
+    assert dcp_without_save_id(out) == dcp_without_save_id(reference[1])
