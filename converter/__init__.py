@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "RunOptions", "ConversionResult", "Selection", "detect_format", "open_checkpoint", "parse_size",
     "to_universal", "from_universal", "export_hf", "import_hf", "import_ds", "export_ds", "verify", "VerifyReport",
-    "diff", "DiffReport",
+    "diff", "DiffReport", "consolidate",
 ]
 
 

@@ -20,9 +20,10 @@ from converter.tools.verify import VerifyReport, verify
 from converter.tools.diff import DiffReport, diff
 from converter.commands.export_ds import export_ds
 from converter.commands.import_ds import import_ds
+from converter.commands.consolidate import consolidate
 
 __all__ = [
     "RunOptions", "ConversionResult", "Selection", "detect_format", "open_checkpoint", "parse_size",
     "to_universal", "from_universal", "export_hf", "import_hf", "import_ds", "export_ds", "verify", "VerifyReport",
-    "diff", "DiffReport",
+    "diff", "DiffReport", "consolidate",
 ]

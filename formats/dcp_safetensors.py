@@ -16,6 +16,11 @@ the same chunks and global shapes, validated (in bounds, disjoint, covering ever
 per tensor; every damaged header or sharding entry is a one-line error naming the file and key),
 each chunk's rank from its file name. Regions are read as :class:`formats.hf.HFReader` reads them:
 one ``pread`` of the rows they span.
+
+Writing the form is pure layout here (:func:`plan_shard_files`: every rank's files, headers and
+offsets as torch's writer makes them; :func:`plan_consolidated` and :func:`consolidated_index`:
+the hub-shaped files of torch's ``consolidate_safetensors_files``); the bytes are streamed by
+:class:`formats.hf.SafetensorsFilesWriter`.
 """
 
 from __future__ import annotations
@@ -23,15 +28,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from formats.base import Box, CheckpointIndex, ChunkRef, Shape, TensorEntry
 from formats.dcp.reader import check_cover, guess_path
-from formats.errors import CorruptCheckpointError, InvalidCheckpointError, PlanError
+from formats.errors import ConfigError, CorruptCheckpointError, InvalidCheckpointError, PlanError
 from formats.fsutil import loads_json, short, source_path
-from formats.hf import HFReader, StEntry, StHeader, natural_key, read_header
+from formats.hf import (FilePlan, HFReader, StEntry, StHeader, TensorSpec, build_header, read_header,
+                        split_shards, writer_order)
 
 #: ``__metadata__`` keys torch's HF storage writes (``torch.distributed.checkpoint._hf_utils``).
 SHARDING_KEY = "DCP_SHARDING_INFO"
@@ -77,7 +84,8 @@ def sharding_of(header: StHeader, where: str) -> dict[str, Shape]:
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{where}: __metadata__ {SHARDING_KEY} is not a JSON object; {fix}")
     out: dict[str, Shape] = {}
-    for name, e in header.tensors.items():
+    for name in sorted(header.tensors, key=_order_in(doc)):  # the order the rank saved them in
+        e = header.tensors[name]
         entry = doc.get(name)
         if not isinstance(entry, dict) or OFFSETS_KEY not in entry:
             raise CorruptCheckpointError(
@@ -89,6 +97,64 @@ def sharding_of(header: StHeader, where: str) -> dict[str, Shape]:
                 f"{where}: tensor {name!r} ({e.dtype} {list(e.shape)}) has bad {OFFSETS_KEY} "
                 f"{short(repr(offsets), 80)} (need {len(e.shape)} non-negative integers); {fix}")
         out[name] = tuple(offsets)
+    return out
+
+
+def _order_in(doc: Mapping[str, Any]) -> Any:
+    """Sort key: a name's position among ``doc``'s keys (names it lacks last)."""
+    pos = {k: i for i, k in enumerate(doc)}
+    return lambda name: pos.get(name, len(pos))
+
+
+#: Ready keys weighed by their prefix with the previous key; more are taken in first-seen order.
+_SCAN = 256
+
+
+def state_dict_order(orders: Sequence[Sequence[str]]) -> list[str]:
+    """The saving job's key order, recovered from each file's keys in the order its rank saved
+    them (``DCP_SHARDING_INFO`` is written in the rank's state-dict order): a linear order keeping
+    every file's order (a merge of the sequences: Kahn's algorithm over the keys). Where the files
+    leave the order open (a key only one rank saved, between keys it does not hold), the next key
+    is the one sharing the longest dotted prefix with the key before it (DCP flattens nested
+    dicts depth first: siblings are contiguous), then one from a later file (it was deduplicated
+    away from the earlier ranks: it sits before their next key), then the first seen. A cycle (files
+    that disagree) leaves the rest in first-seen order. Identical sequences (FSDP ranks) count once."""
+    distinct = list(dict.fromkeys(map(tuple, orders)))
+    first: dict[str, tuple[int, int]] = {}
+    for i, seq in enumerate(distinct):
+        for j, key in enumerate(seq):
+            first.setdefault(key, (i, j))
+    succ: dict[str, set[str]] = {k: set() for k in first}
+    indegree = dict.fromkeys(first, 0)
+    for seq in distinct:
+        for a, b in zip(seq, seq[1:]):
+            if b not in succ[a]:
+                succ[a].add(b)
+                indegree[b] += 1
+    parts = {k: k.split(".") for k in first}
+    ready = [k for k, d in indegree.items() if d == 0]
+    out: list[str] = []
+    prev: list[str] = []
+    while ready:
+        def rank(k: str) -> tuple[int, int, int]:
+            shared = 0
+            for x, y in zip(prev, parts[k]):
+                if x != y:
+                    break
+                shared += 1
+            return (-shared, -first[k][0], first[k][1])
+
+        key = min(ready, key=rank) if len(ready) <= _SCAN else min(ready, key=first.__getitem__)
+        ready.remove(key)
+        out.append(key)
+        prev = parts[key]
+        for b in succ[key]:
+            indegree[b] -= 1
+            if indegree[b] == 0:
+                ready.append(b)
+    if len(out) < len(first):
+        done = set(out)
+        out += sorted((k for k in first if k not in done), key=first.__getitem__)
     return out
 
 
@@ -121,8 +187,10 @@ class DCPSafetensorsReader(HFReader):
     """Reads the per-rank form of DCP's safetensors storage (see the module docstring).
 
     Every chunk is one tensor of one file: ``ChunkRef(box at its saved offsets, file, (file,
-    name), rank from the file name)``. Keys are in natural name order (the files keep no state
-    dict order); object paths are guessed from the dotted keys (DCP's planner data is not saved):
+    name), rank from the file name)``. Keys are in the saving job's state-dict order, recovered from
+    the order each rank wrote its sharding entries (:func:`state_dict_order`), so DCP's dedup on the
+    same mesh picks the same owners again; object paths are guessed from the dotted keys (DCP's
+    planner data is not saved):
     ``model.<fqn>`` and ``optim.state.<fqn>.<name>`` keep their roots, anything else is one name.
     """
 
@@ -136,17 +204,20 @@ class DCPSafetensorsReader(HFReader):
         chunks: dict[str, list[tuple[Box, str, StEntry]]] = {}
         sizes: dict[str, int] = {}
         versions: set[str] = set()
+        orders: list[list[str]] = []  # each file's keys in the order its rank saved them
         for f in files:
             header = self._header(f)
             where = str(self.root / f)
             sizes[f] = header.size
             if header.metadata and isinstance(header.metadata.get(VERSION_KEY), str):
                 versions.add(header.metadata[VERSION_KEY])
-            for name, offsets in sharding_of(header, where).items():
+            sharding = sharding_of(header, where)
+            orders.append(list(sharding))
+            for name, offsets in sharding.items():
                 e = header.tensors[name]
                 chunks.setdefault(name, []).append((Box(offsets, e.shape), f, e))
                 self._at[(f, name)] = e
-        tensors = {key: self._entry_of(key, chunks[key]) for key in sorted(chunks, key=natural_key)}
+        tensors = {key: self._entry_of(key, chunks[key]) for key in state_dict_order(orders)}
         ranks = {r for r in map(rank_of_file, files) if r is not None}
         info: dict[str, Any] = {
             "version": min(versions) if versions else None,
@@ -214,3 +285,95 @@ def sharding_metadata(offsets: Mapping[str, Sequence[int]]) -> dict[str, str]:
     (in the file's write order): the sharding JSON exactly as ``json.dumps`` writes it."""
     info = json.dumps({name: {OFFSETS_KEY: [int(o) for o in offs]} for name, offs in offsets.items()})
     return {SHARDING_KEY: info, VERSION_KEY: HF_DCP_VERSION, "format": "pt"}
+
+
+# ---------------------------------------------------------------------------------------------
+# writing the form: pure layouts (the bytes are streamed by formats.hf.SafetensorsFilesWriter)
+
+
+def plan_shard_files(chunks: Iterable[Any], file_index: Mapping[str, int] | None = None,
+                     files: int = 1) -> list[FilePlan]:
+    """The per-rank files torch's ``HuggingFaceStorageWriter(save_distributed=True,
+    fqn_to_index_mapping=file_index)`` writes for ``chunks`` (each with ``key``, ``dtype``, ``box``
+    and the ``rank`` whose file holds it, in the ranks' state-dict order): one file per (rank, file
+    index) that holds anything, named :func:`shard_file_name`; tensors laid out as safetensors'
+    writer lays them (dtype rank descending, then name), ``__metadata__`` as torch writes it (the
+    sharding JSON in write order). Pure; files in rank, then file-index order."""
+    groups: dict[tuple[int, int], list[Any]] = {}
+    for c in chunks:
+        groups.setdefault((c.rank, 1 if file_index is None else file_index[c.key]), []).append(c)
+    plans = []
+    for (rank, f), group in sorted(groups.items()):
+        name = shard_file_name(rank, f, files)
+        seen: set[str] = set()
+        for c in group:
+            if c.key in seen:
+                raise ConfigError(f"{name}: rank {rank} holds two chunks of {c.key!r}; a rank's file holds one per tensor")
+            seen.add(c.key)
+        meta = sharding_metadata({c.key: c.box.offsets for c in group})
+        ordered = writer_order(TensorSpec(c.key, c.dtype, tuple(c.box.sizes)) for c in group)
+        header, rel = build_header(ordered, meta)
+        plans.append(FilePlan(name, tuple(ordered), header, {k: len(header) + v for k, v in rel.items()}))
+    return plans
+
+
+def consolidated_name(file_index: int, files: int) -> str:
+    """torch's name for consolidated file ``file_index`` of ``files`` (``_gen_file_name`` without a
+    shard index): ``model-00001-of-00001.safetensors`` even for one file."""
+    return f"model-{file_index:05d}-of-{files:05d}{SUFFIX}"
+
+
+def plan_consolidated(specs: Sequence[TensorSpec], file_index: Mapping[str, int]) -> list[FilePlan]:
+    """The hub-shaped files torch's ``consolidate_safetensors_files(fqn_to_index_mapping=...)``
+    writes: files in the order their index first appears, each file's tensors in ``specs`` order;
+    its header as torch writes it (``json.dumps`` with default separators, ``shape``, ``dtype``,
+    ``data_offsets`` per tensor, no ``__metadata__``, no padding). Pure."""
+    from formats.dtypes import by_name
+
+    files = max(file_index.values(), default=1)
+    by_file: dict[int, list[TensorSpec]] = {}
+    for s in specs:
+        by_file.setdefault(file_index[s.name], []).append(s)
+    plans = []
+    for f, group in by_file.items():
+        doc, offsets, cursor = {}, {}, 0
+        for s in group:
+            n = s.nbytes
+            doc[s.name] = {"shape": list(s.shape), "dtype": by_name(s.dtype).safetensors, "data_offsets": [cursor, cursor + n]}
+            offsets[s.name] = cursor
+            cursor += n
+        text = json.dumps(doc).encode("utf-8")
+        header = struct.pack("<Q", len(text)) + text
+        plans.append(FilePlan(consolidated_name(f, files), tuple(group), header,
+                              {k: len(header) + v for k, v in offsets.items()}))
+    return plans
+
+
+def consolidated_index(plans: Sequence[FilePlan]) -> bytes:
+    """``model.safetensors.index.json`` exactly as torch's consolidation writes it (``json.dump``
+    with ``indent=2``, the weight map in file then tensor order, no trailing newline)."""
+    doc = {"metadata": {"total_size": sum(t.nbytes for p in plans for t in p.tensors)},
+           "weight_map": {t.name: p.name for p in plans for t in p.tensors}}
+    return json.dumps(doc, indent=2).encode("utf-8")
+
+
+def file_split(specs: Sequence[TensorSpec], max_bytes: int | None) -> dict[str, int]:
+    """Each tensor's consolidated file index (from 1): all in file 1 (torch's default, no
+    ``fqn_to_index_mapping``), or huggingface_hub's greedy split at ``max_bytes`` in ``specs``
+    order."""
+    if max_bytes is None:
+        return {s.name: 1 for s in specs}
+    return {s.name: i + 1 for i, group in enumerate(split_shards(list(specs), max_bytes)) for s in group}
+
+
+def consolidated_order(chunks: Iterable[Any]) -> list[str]:
+    """The keys of ``chunks`` in the order ``dcp.save``'s metadata lists them, which is the order
+    torch's ``HuggingFaceStorageWriter`` consolidates in: rank by rank, each rank's items in its
+    state-dict order (``chunks`` in state-dict order, each with its owner ``rank``): a key comes
+    where the lowest rank holding a chunk of it saves it."""
+    first: dict[str, tuple[int, int]] = {}
+    for i, c in enumerate(chunks):
+        was = first.get(c.key)
+        if was is None or c.rank < was[0]:
+            first[c.key] = (c.rank, was[1] if was is not None else i)
+    return sorted(first, key=first.__getitem__)

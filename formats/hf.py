@@ -584,37 +584,34 @@ def index_json(plans: Sequence[FilePlan], metadata: Mapping[str, Any] | None = N
 # writer: I/O
 
 
-class HFWriter:
-    """Streams tensors into safetensors files laid out by :func:`plan_files`.
+class SafetensorsFilesWriter:
+    """Streams tensors into the safetensors files ``plans`` lays out (headers already built).
 
     ``start`` creates every ``<file>.tmp`` with its header, sized to its final length; then
-    :meth:`write` ``pwrite``s any byte range of any tensor (thread-safe, ranges written once);
-    ``commit`` checks that every byte was written, fsyncs, renames each file into place and writes
-    the index last. ``abort`` removes the temp files.
+    :meth:`write_at` ``pwrite``s any byte range of any tensor of any file (thread-safe, ranges
+    written once); ``commit`` checks that every byte was written, fsyncs, renames each file into
+    place and writes ``index`` (name, bytes), if any, last. ``abort`` removes the temp files.
+    Tensors are addressed by ``(file, name)``: one name may lie in several files.
     """
 
-    def __init__(self, root: str | os.PathLike, specs: Sequence[TensorSpec],
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 metadata: Mapping[str, str] | None = FORMAT_METADATA, layout: ShardLayout | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, plans: Sequence[FilePlan],
+                 index: tuple[str, bytes] | None = None) -> None:
         self.root = Path(root)
-        self.plans = plan_files(specs, max_shard_bytes, metadata, layout)
-        self._write_index = layout.index if layout is not None else len(self.plans) > 1
-        self._index_metadata = dict(layout.index_metadata) if layout is not None else {}
-        self._where: dict[str, tuple[FilePlan, int, int]] = {
-            t.name: (p, p.offsets[t.name], t.nbytes) for p in self.plans for t in p.tensors
+        self.plans = list(plans)
+        self.index = index
+        self._where: dict[tuple[str, str], tuple[FilePlan, int, int]] = {
+            (p.name, t.name): (p, p.offsets[t.name], t.nbytes) for p in self.plans for t in p.tensors
         }
-        self._itemsize = {t.name: by_name(t.dtype).itemsize for p in self.plans for t in p.tensors}
         self._fds: dict[str, int] = {}
-        self._written: dict[str, int] = {name: 0 for name in self._where}
+        self._written: dict[tuple[str, str], int] = dict.fromkeys(self._where, 0)
         self._lock = threading.Lock()
-
-    @property
-    def sharded(self) -> bool:
-        """Whether an index is written (several files, or a layout that has one)."""
-        return self._write_index
 
     def _tmp(self, plan: FilePlan) -> Path:
         return self.root / f"{plan.name}.tmp"
+
+    def names(self) -> list[str]:
+        """Every file this writer publishes, the index last."""
+        return [p.name for p in self.plans] + ([self.index[0]] if self.index is not None else [])
 
     def start(self, resume: bool = False) -> None:
         """Create every temp file: header written, sized to its final length.
@@ -622,11 +619,12 @@ class HFWriter:
         ``resume`` keeps the bytes of an interrupted run (files it already renamed into place go
         back to their temp names until the commit).
         """
+        self.root.mkdir(parents=True, exist_ok=True)
         if resume:
             for plan in self.plans:
                 if (self.root / plan.name).exists() and not self._tmp(plan).exists():
                     os.replace(self.root / plan.name, self._tmp(plan))
-        for name in [p.name for p in self.plans] + [INDEX_FILE]:
+        for name in [p.name for p in self.plans] + [self.index[0] if self.index is not None else INDEX_FILE]:
             if (self.root / name).exists():
                 raise DestinationError(f"{self.root / name}: already exists; choose an empty directory")
         trunc = 0 if resume else os.O_TRUNC
@@ -636,33 +634,29 @@ class HFWriter:
             pwrite_all(fd, memoryview(plan.header), 0)
             os.ftruncate(fd, plan.size)
 
-    def write(self, name: str, byte_offset: int, data: memoryview) -> None:
-        """Write ``data`` at ``byte_offset`` within tensor ``name``'s bytes."""
-        plan, begin, nbytes = self._where[name]
+    def write_at(self, file: str, name: str, byte_offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``byte_offset`` within the bytes of tensor ``name`` of ``file``."""
+        plan, begin, nbytes = self._where[(file, name)]
         if byte_offset < 0 or byte_offset + len(data) > nbytes:
-            raise PlanError(f"tensor {name!r}: write of {len(data)} bytes at {byte_offset} is outside its {nbytes} bytes")
+            raise PlanError(f"tensor {name!r} of {file}: write of {len(data)} bytes at {byte_offset} is outside "
+                            f"its {nbytes} bytes")
         pwrite_all(self._fds[plan.name], data, begin + byte_offset)
         with self._lock:
-            self._written[name] += len(data)
+            self._written[(file, name)] += len(data)
 
-    def write_tensor(self, name: str, element_offset: int, tensor: Any) -> None:
-        """Write a contiguous run of elements of ``name`` starting at flat index ``element_offset``.
-
-        ``tensor`` is a bit array (numpy, storage dtype) or a torch tensor of the tensor's dtype.
-        """
-        if is_torch_tensor(tensor):
-            tensor = tensor.detach()
-        raw = raw_bytes(tensor)
-        itemsize = self._itemsize[name]
-        self.write(name, element_offset * itemsize, raw)
+    def adopt_at(self, file: str, name: str) -> None:
+        """Count tensor ``name`` of ``file`` as written by an interrupted run (resume)."""
+        with self._lock:
+            self._written[(file, name)] = self._where[(file, name)][2]
 
     def commit(self) -> list[str]:
-        """fsync, rename every file into place, then publish the index (sharded only)."""
+        """fsync, rename every file into place, then publish the index (if any)."""
         short = [n for n, w in self._written.items() if w != self._where[n][2]]
         if short:
+            file, name = short[0]
             raise CorruptCheckpointError(
-                f"internal error: tensor {short[0]!r} got {self._written[short[0]]} of {self._where[short[0]][2]} bytes"
-            )
+                f"internal error: tensor {name!r} of {file} got {self._written[short[0]]} of "
+                f"{self._where[short[0]][2]} bytes")
         for plan in self.plans:
             fd = self._fds.pop(plan.name)
             try:
@@ -671,16 +665,9 @@ class HFWriter:
                 os.close(fd)
             os.replace(self._tmp(plan), self.root / plan.name)
         fsync_dir(self.root)
-        names = [p.name for p in self.plans]
-        if self.sharded:
-            atomic_write_bytes(self.root / INDEX_FILE, index_json(self.plans, self._index_metadata))
-            names.append(INDEX_FILE)
-        return names
-
-    def adopt(self, name: str) -> None:
-        """Count tensor ``name`` as written by an interrupted run (resume)."""
-        with self._lock:
-            self._written[name] = self._where[name][2]
+        if self.index is not None:
+            atomic_write_bytes(self.root / self.index[0], self.index[1])
+        return self.names()
 
     def sync(self) -> None:
         """fdatasync every temp file (before the journal records finished tensors)."""
@@ -695,10 +682,44 @@ class HFWriter:
 
     def abort(self) -> None:
         """Close and remove the temp files (published files are left alone)."""
-        for name, fd in list(self._fds.items()):
-            os.close(fd)
-            self._fds.pop(name)
+        self.close()
         for plan in self.plans:
             self._tmp(plan).unlink(missing_ok=True)
 
 
+class HFWriter(SafetensorsFilesWriter):
+    """Streams tensors into HF safetensors files laid out by :func:`plan_files` (or exactly as a
+    given ``layout``); tensors are addressed by name (each lies in one file); the index is written
+    for a sharded output (or where the layout has one)."""
+
+    def __init__(self, root: str | os.PathLike, specs: Sequence[TensorSpec],
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 metadata: Mapping[str, str] | None = FORMAT_METADATA, layout: ShardLayout | None = None) -> None:
+        plans = plan_files(specs, max_shard_bytes, metadata, layout)
+        write_index = layout.index if layout is not None else len(plans) > 1
+        extra = dict(layout.index_metadata) if layout is not None else {}
+        super().__init__(root, plans, (INDEX_FILE, index_json(plans, extra)) if write_index else None)
+        self._file_of = {t.name: p.name for p in self.plans for t in p.tensors}
+        self._itemsize = {t.name: by_name(t.dtype).itemsize for p in self.plans for t in p.tensors}
+
+    @property
+    def sharded(self) -> bool:
+        """Whether an index is written (several files, or a layout that has one)."""
+        return self.index is not None
+
+    def write(self, name: str, byte_offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``byte_offset`` within tensor ``name``'s bytes."""
+        self.write_at(self._file_of[name], name, byte_offset, data)
+
+    def write_tensor(self, name: str, element_offset: int, tensor: Any) -> None:
+        """Write a contiguous run of elements of ``name`` starting at flat index ``element_offset``.
+
+        ``tensor`` is a bit array (numpy, storage dtype) or a torch tensor of the tensor's dtype.
+        """
+        if is_torch_tensor(tensor):
+            tensor = tensor.detach()
+        self.write(name, element_offset * self._itemsize[name], raw_bytes(tensor))
+
+    def adopt(self, name: str) -> None:
+        """Count tensor ``name`` as written by an interrupted run (resume)."""
+        self.adopt_at(self._file_of[name], name)

@@ -174,6 +174,21 @@ def _missing_key(message: str) -> list[str]:
               help="Megatron entries saved per (pp, tp) grid cell (rng_state, the dp_reshardable optimizer state, ...) when "
                    "the target's pp/tp differ from the source's: drop them with a warning (Megatron-LM skips RNG states "
                    "after a TP/PP change and loads without that optimizer state with --no-load-optim), keep them, or refuse.")
+@click.option("--format", "out_format", type=click.Choice(["dcp", "dcp-safetensors"]), default="dcp", show_default=True,
+              help="DCP storage form: dcp (.metadata + __<rank>_0.distcp, FileSystemWriter) or dcp-safetensors "
+                   "(per-rank shard-<R>-model-<F>-of-<N>.safetensors, HuggingFaceStorageWriter(save_distributed=True); "
+                   "load with HuggingFaceStorageReader). Tensors only.")
+@click.option("--consolidate", is_flag=True,
+              help="With --format dcp-safetensors: the per-rank files go to DST/sharded/ and the hub-shaped files torch's "
+                   "consolidate_safetensors_files makes of them (model-0000F-of-0000N.safetensors + index) are written "
+                   "to DST in the same run.")
+@click.option("--max-shard-size", default=None, metavar="SIZE",
+              help="With --format dcp-safetensors: split the keys into files of at most SIZE (e.g. 5GB; torch's "
+                   "fqn_to_index_mapping; default one file).")
+@click.option("--fqn-index", default=None, metavar="FILE",
+              help="With --format dcp-safetensors: torch's fqn_to_index_mapping, from a hub model.safetensors.index.json "
+                   "(or its folder; each file's number is the index, as torchtitan reads it) or JSON {key: index}: the "
+                   "file of every key and the consolidated order.")
 @click.option("--json", "as_json", is_flag=True,
               help="With --dry-run: print the target plan as JSON (schemas/target-plan.schema.json).")
 @click.option("--layout", "layout_key", default=None, metavar="KEY",
@@ -185,9 +200,10 @@ def _missing_key(message: str) -> list[str]:
 @run_options
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
                        dtype: str | None, drop_dataloader: bool, config: str | None, layout_objects: str,
+                       out_format: str, consolidate: bool, max_shard_size: str | None, fqn_index: str | None,
                        as_json: bool, layout_key: str | None, svg_file: str | None, keys: tuple[str, ...],
                        model_only: bool, optim_only: bool, **kw: Any) -> None:
-    """Write from SRC (universal store or DCP) the DCP checkpoint a job on --mesh would save."""
+    """Write from SRC (universal store or any checkpoint) the DCP checkpoint a job on --mesh would save."""
     from converter.api import from_universal
 
     selection = make_selection(keys, model_only, optim_only)
@@ -204,7 +220,8 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
 
     result = from_universal(src, dst, mesh, plan=plan_name, mesh_order=mesh_order, dtype=dtype,
                             options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader,
-                            config=config, layout_objects=layout_objects,
+                            config=config, layout_objects=layout_objects, format=out_format,
+                            consolidate=consolidate, max_shard_size=max_shard_size, fqn_index=fqn_index,
                             # the text lists a few chunks per key; --json / --layout all
                             preview_chunks=None if as_json or layout_key is not None else PREVIEW_CHUNK_LINES)
     if result.preview is not None and (as_json or layout_key is not None):

@@ -1,5 +1,6 @@
-"""``ckptconv export-hf`` and ``ckptconv import-hf`` (registered on the main group by
-:func:`register`; they call :func:`converter.api.export_hf` / :func:`converter.api.import_hf`)."""
+"""``ckptconv export-hf``, ``ckptconv import-hf`` and ``ckptconv consolidate`` (registered on the
+main group by :func:`register`; they call :func:`converter.api.export_hf` /
+:func:`converter.api.import_hf` / :func:`converter.api.consolidate`)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,26 @@ def import_hf_cmd(hf_dir: str, uni: str, key_map: str, config: str | None, prefi
                       chunk_bytes=chunk_size, backend=backend, dequantize=dequantize))
 
 
+@click.command("consolidate")
+@click.argument("src", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--max-shard-size", type=SIZE, default=None,
+              help="Split the keys into files of at most SIZE (huggingface_hub's rule; default one file, torch's default).")
+@click.option("--fqn-index", default=None, metavar="FILE",
+              help="torch's fqn_to_index_mapping: a hub model.safetensors.index.json (or its folder; each file's number "
+                   "is the index, as torchtitan reads it) or JSON {key: index}: the file of every key and the order.")
+@run_options
+def consolidate_cmd(src: str, out: str, max_shard_size: int | None, fqn_index: str | None, **kw: Any) -> None:
+    """Write SRC (DCP's per-rank safetensors, sharded/, or any checkpoint) as the hub-shaped files torch's
+    consolidate_safetensors_files writes, byte for byte, streamed."""
+    from converter.api import consolidate
+
+    report_result(consolidate(src, out, max_shard_size=max_shard_size, fqn_index=fqn_index,
+                              options=make_options(**kw)))
+
+
 def register(cli: click.Group) -> None:
     """Add the HF commands to the ``ckptconv`` group."""
     cli.add_command(export_hf_cmd)
     cli.add_command(import_hf_cmd)
+    cli.add_command(consolidate_cmd)

@@ -8,6 +8,11 @@
 3. plan + execute: pieces of every rank chunk are filled from the source chunks and streamed
    into that rank's ``__<rank>_0.distcp`` (:func:`converter.run.pipeline.run_conversion`);
    ``.metadata`` is written last, atomically.
+
+``format="dcp-safetensors"`` writes the same chunks in DCP's other storage form, the per-rank
+safetensors files of ``HuggingFaceStorageWriter(save_distributed=True)``, and with ``consolidate``
+also the hub-shaped files torch's consolidation makes of them, in the same run
+(:mod:`converter.plan.dcp_safetensors`).
 """
 
 from __future__ import annotations
@@ -32,14 +37,19 @@ from converter.plan.megatron import plan_layout_bound
 from converter.plan.mesh import Mesh, parse_mesh
 from converter.plan.placement_rules import HeadCounts, TensorPlacement, check_head_split, get_plan, plan_all, replicated
 from converter.plan.selection import Selection, select_entries
-from converter.run.destination import option_value
+from converter.plan.dcp_safetensors import (FORMATS, StorageLayout, consolidation_tasks, load_fqn_index, plan_storage,
+                                             tensors_only_warning)
+from converter.run.destination import FROM_UNIVERSAL_ST, option_value, write_complete_marker
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
-from converter.run.sinks import dcp_output
+from converter.run.sinks import dcp_output, dcp_safetensors_output
 from converter.run.sources import framework_files, open_checkpoint
 from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.framework_files import write_framework_files
 from formats.dcp.metadata import gc_paused
 from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
+from formats.dcp_safetensors import FORMAT as ST_FORMAT
+from formats.errors import ConfigError
+from formats.hf import SafetensorsFilesWriter
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_dtype
 from formats.objects import read_checked_object
 from formats.storage import source_label
@@ -76,11 +86,13 @@ def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dic
 def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mesh, plan_name: str,
                   tp_splits: Mapping[str, int | None], replicated: set[str],
                   dtype_override: str | None = None, keep: Collection[str] | None = None,
-                  heads: HeadCounts | None = None) -> TargetLayout:
+                  heads: HeadCounts | None = None, dedup: str = "least-loaded") -> TargetLayout:
     """Pure: the target chunks (key, box, owner rank) for every tensor of ``index`` on ``mesh``
     (only the tensors in ``keep`` when given: parameters are still planned from the whole
     ``index``, so a selected optimizer state follows its parameter's placement). With ``heads``
-    known, a TP degree that does not divide them is refused."""
+    known, a TP degree that does not divide them is refused. ``dedup``: which holder's file keeps
+    a box several ranks hold: ``least-loaded`` (:class:`OwnerPicker`) or ``torch`` (exactly what
+    ``dcp.save``'s dedup picks, :func:`torch_dedup_owners`)."""
     params = {
         ref.atom: tuple(index.tensors[k].shape)
         for k, ref in refs.items()
@@ -94,6 +106,7 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
     owners = OwnerPicker(mesh.world_size, exact=_huge(index))
     chunks: list[ChunkSpec] = []
     by_key: dict[str, TensorPlacement] = {}
+    later: list[tuple[str, str, tuple[int, ...], BoxGroups]] = []  # dedup="torch": owners after the loop
     for key, entry in index.tensors.items():
         if keep is not None and key not in keep:
             continue
@@ -101,9 +114,60 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
         dtype = by_name(_target_dtype(entry, refs.get(key), dtype_override)).name
         itemsize, shape = by_name(dtype).itemsize, tuple(int(n) for n in entry.shape)
         groups = owners.groups(placement, shape, mesh)
+        if dedup == "torch":
+            later.append((key, dtype, shape, groups))
+            continue
         # layout boxes: Python ints
         chunks += ChunkSpec.many(key, dtype, shape, groups.boxes, owners.pick(groups, itemsize))
+    if later:
+        picked = torch_dedup_owners([(g, math.prod(shape) * by_name(dtype).itemsize) for _, dtype, shape, g in later],
+                                    mesh.world_size)
+        for (key, dtype, shape, groups), ranks in zip(later, picked):
+            chunks += ChunkSpec.many(key, dtype, shape, groups.boxes, ranks)
     return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key)
+
+
+def torch_dedup_owners(tensors: list[tuple[BoxGroups, int]], world: int) -> list[list[int]]:
+    """The owner rank of every box of every tensor (``(groups, global bytes)`` in state-dict order)
+    exactly as torch's ``dedup_save_plans`` picks it (``dcp.save``'s default planner): write items
+    are taken rank by rank, each rank's in state-dict order; an item held by several ranks is decided
+    where it first appears (at its lowest holder) and goes to the holder with the fewest bytes so
+    far (ties: the lowest rank); every item adds its tensor's GLOBAL size (0 counts 1) to its
+    owner's bytes. So at a decision in rank ``r``'s turn, rank ``r`` has its own single-holder items
+    of earlier keys, and higher ranks only what earlier decisions gave them (their own items come in
+    their turn): replicated boxes go to the ranks after the first. Decisions only loop in Python;
+    the single-holder items are summed in numpy."""
+    owners: list[list[int | None]] = []
+    decisions: list[tuple[int, int, int]] = []  # (lowest holder, key index, box index)
+    for k, (g, _) in enumerate(tensors):
+        own: list[int | None] = []
+        for b, h in enumerate(g.holders):
+            if len(h) == 1:
+                own.append(h[0])
+            else:
+                own.append(None)
+                decisions.append((min(h), k, b))
+        owners.append(own)
+    if decisions:
+        deciders = sorted({r for r, _, _ in decisions})
+        col = np.full(world + 1, -1, dtype=np.int64)
+        col[deciders] = np.arange(len(deciders))
+        own_bytes = np.zeros((len(tensors), len(deciders)), dtype=np.int64)
+        for k, (g, nbytes) in enumerate(tensors):
+            single = np.array([h[0] for h in g.holders if len(h) == 1], dtype=np.int64)
+            cols = col[single]
+            np.add.at(own_bytes[k], cols[cols >= 0], nbytes or 1)
+        before = np.cumsum(own_bytes, axis=0) - own_bytes  # a decider's own bytes of earlier keys
+        base = np.zeros(world, dtype=np.int64)  # bytes given by decisions so far
+        for r, k, b in sorted(decisions):
+            g, nbytes = tensors[k]
+            holders = np.array(sorted(g.holders[b]), dtype=np.int64)
+            loads = base[holders]
+            loads[0] += before[k, col[r]]  # holders[0] is r: its own earlier items count too
+            owner = int(holders[int(np.argmin(loads))])  # first minimum: the lowest rank
+            base[owner] += nbytes or 1
+            owners[k][b] = owner
+    return owners  # type: ignore[return-value]
 
 
 def _huge(index: CheckpointIndex) -> bool:
@@ -226,7 +290,9 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                    drop_dataloader: bool = False,
                    config: str | os.PathLike | Mapping | None = None,
                    preview_chunks: int | None = None,
-                   layout_objects: str = "drop") -> ConversionResult:
+                   layout_objects: str = "drop", format: str = "dcp", consolidate: bool = False,
+                   max_shard_size: int | str | None = None,
+                   fqn_index: str | os.PathLike | Mapping[str, int] | None = None) -> ConversionResult:
     """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``.
 
     ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
@@ -240,8 +306,21 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     ShardedObjects (``rng_state``, ...) when the target layout differs from the saved one
     (:mod:`converter.plan.megatron`); framework files beside the source (Megatron's ``metadata.json``,
     ``common.pt``) are copied as they are.
+    ``format``: ``dcp`` (``.metadata`` + ``__<rank>_0.distcp``) or ``dcp-safetensors`` (DCP's
+    per-rank safetensors storage, ``HuggingFaceStorageWriter``'s form; tensors only: non-tensor
+    entries are left out with a warning). ``consolidate`` (dcp-safetensors): the per-rank files go
+    to ``sharded/`` and the hub-shaped files torch's consolidation makes are written beside them;
+    ``max_shard_size`` (dcp-safetensors; bytes or text like ``5GB``) splits the keys into files
+    (torch's ``fqn_to_index_mapping``; default one file); ``fqn_index`` (dcp-safetensors) is that
+    mapping itself: a hub ``model.safetensors.index.json`` (path, or the folder holding it) or
+    ``{key: file index}`` (JSON path or mapping), as torchtitan passes it; it also orders the
+    consolidated files.
     """
     options = options or RunOptions()
+    max_shard_bytes = _check_format(format, consolidate, max_shard_size)
+    if fqn_index is not None and (format != ST_FORMAT or max_shard_bytes is not None):
+        raise ConfigError("--fqn-index is for --format dcp-safetensors, without --max-shard-size (it is the split)")
+    mapping = None if fqn_index is None else load_fqn_index(fqn_index)
     target_mesh = parse_mesh(mesh, mesh_order)
     if dtype is not None:
         dtype = cast_dtype(dtype)
@@ -260,7 +339,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             selected = select_entries(index, selection or Selection(), refs)
             heads = _head_counts(src, config)
             layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors,
-                                   heads=heads)
+                                   heads=heads, dedup="torch" if format == ST_FORMAT else "least-loaded")
             index = selected.restrict(index)  # the whole index planned the parameters; write the selection
             # every entry checked (CRC, zip records, pickle globals) before the destination is touched
             object_specs, index, notes = plan_objects(index, lambda k: read_checked_object(reader, k, options.trust_pickle),
@@ -270,7 +349,9 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             object_specs, notes = [o for o in object_specs if o[0] not in unbound], [*notes, *bound_notes]
             index = replace(index, objects={k: o for k, o in index.objects.items() if k not in unbound},
                             tensors={k: t for k, t in index.tensors.items() if k not in unbound})
-            framework = framework_files(reader, src, options.trust_pickle)
+            if format == ST_FORMAT:
+                object_specs, notes = [], [*notes, *tensors_only_warning([k for k, *_ in object_specs])]
+            framework = framework_files(reader, src, options.trust_pickle) if format == "dcp" else {}
             layout = replace(layout, chunks=_chunks_of(layout.chunks, index.tensors), warnings=layout.warnings + tuple(notes))
             tasks = _plan(index, layout, options)
             header = {"--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan),
@@ -278,11 +359,34 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                       "--keys": None if selection is None or selection.everything else selection.to_json(),
                       "--drop-dataloader-state": bool(drop_dataloader), "--config": option_value(config),
                       **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {})}
-            conversion = _conversion(src, dst, index, reader, layout, tasks, object_specs, header, plan,
-                                     preview_chunks, framework)
+            if format == ST_FORMAT:
+                header.update({"--format": format, "--consolidate": consolidate, "--max-shard-size": max_shard_bytes,
+                               "--fqn-index": option_value(fqn_index)})
+                conversion = _st_conversion(src, dst, index, reader, layout, tasks, header, plan, preview_chunks,
+                                            consolidate, max_shard_bytes, options, mapping)
+            else:
+                conversion = _conversion(src, dst, index, reader, layout, tasks, object_specs, header, plan,
+                                         preview_chunks, framework)
         return run_conversion(conversion, options)
     finally:
         reader.close()
+
+
+def _check_format(format: str, consolidate: bool, max_shard_size: int | str | None) -> int | None:
+    """Reject format options that do not go together (before any I/O); the max shard bytes."""
+    from converter.config import parse_size
+
+    if format not in FORMATS:
+        raise ConfigError(f"--format {format!r}: choose one of {', '.join(FORMATS)}")
+    if format != ST_FORMAT and (consolidate or max_shard_size is not None):
+        raise ConfigError(f"{'--consolidate' if consolidate else '--max-shard-size'} is for --format {ST_FORMAT} "
+                          "(DCP's safetensors storage); a .distcp checkpoint has one file per rank")
+    if max_shard_size is None:
+        return None
+    n = parse_size(max_shard_size)
+    if n < 1:
+        raise ConfigError(f"--max-shard-size must be positive (got {max_shard_size!r})")
+    return n
 
 
 def _chunks_of(chunks: tuple[ChunkSpec, ...], keys: Collection[str]) -> tuple[ChunkSpec, ...]:
@@ -319,6 +423,55 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
     planned = ConversionResult(str(dst), len(index.tensors), len(object_specs), total_target_nbytes(tasks),
                                0.0, warnings=layout.warnings, mesh=str(mesh), world_size=mesh.world_size)
     return Conversion("from-universal", src, dst, index, reader, tasks, header, open_output, planned, describe)
+
+
+def _st_conversion(src: str | os.PathLike, dst: str | os.PathLike, index: CheckpointIndex, reader: CheckpointReader,
+                   layout: TargetLayout, tasks: list[WriteTask], header: dict[str, Any], plan_name: str,
+                   preview_chunks: int | None, consolidate: bool, max_shard_bytes: int | None,
+                   options: RunOptions, fqn_index: Mapping[str, int] | None = None) -> Conversion:
+    """The planned conversion to DCP's per-rank safetensors storage (and, ``consolidate``, its
+    hub-shaped files): the same target chunks, in the files :func:`plan_storage` lays out."""
+    storage = plan_storage(layout.chunks, consolidate, max_shard_bytes, fqn_index)  # the layout's boxes are distinct
+    whole = consolidation_tasks(index, storage, options.effective_piece_bytes)
+    mesh = layout.mesh
+
+    def describe() -> tuple[str, dict]:
+        from converter.plan.dry_run import build_preview, render_preview
+
+        with gc_paused():
+            doc = build_preview(source_label(src), str(dst), plan_name, layout, tasks, index, [],
+                                chunk_lines=preview_chunks, rank_file_of=storage.rank_file_text,
+                                files=storage.n_files)
+            return render_preview(doc) + _consolidated_text(storage), doc
+
+    def open_output(out: Path) -> Output:
+        shards = SafetensorsFilesWriter(out / storage.shard_dir if storage.shard_dir else out, storage.shards)
+        hub = None if storage.consolidated is None else SafetensorsFilesWriter(out, storage.consolidated,
+                                                                                 storage.index)
+        marker = {"format": ST_FORMAT, "world_size": mesh.world_size, "mesh": str(mesh),
+                  "files": [f"{storage.shard_dir}/{p.name}" if storage.shard_dir else p.name for p in storage.shards],
+                  "consolidated": [p.name for p in storage.consolidated or ()]}
+        return dcp_safetensors_output(shards, storage, hub, total_target_nbytes(tasks) + total_target_nbytes(whole),
+                                      lambda: write_complete_marker(out, marker))
+
+    planned = ConversionResult(str(dst), len(index.tensors), 0, total_target_nbytes(tasks) + total_target_nbytes(whole),
+                               0.0, warnings=layout.warnings, mesh=str(mesh), world_size=mesh.world_size)
+    return Conversion(FROM_UNIVERSAL_ST, src, dst, index, reader, [*tasks, *whole], header, open_output, planned,
+                      describe)
+
+
+def _consolidated_text(storage: StorageLayout) -> str:
+    """The dry run's lines for the hub-shaped files."""
+    from converter.units import human_bytes
+
+    if storage.consolidated is None:
+        return ""
+    lines = [f"# consolidated (hub-shaped, as torch's consolidate_safetensors_files writes them), beside "
+             f"{storage.shard_dir}/:"]
+    for p in storage.consolidated:
+        lines.append(f"{p.name}  {len(p.tensors)} tensors  {human_bytes(p.size)} ({p.size} bytes)")
+    lines.append(f"{storage.index[0]}")
+    return "\n" + "\n".join(lines)
 
 
 def _head_counts(src: str | os.PathLike, config: Any) -> HeadCounts | None:

@@ -12,7 +12,7 @@ exactly the picture ``inspect --layout KEY`` draws for the written output.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from itertools import groupby
 from operator import attrgetter
@@ -39,6 +39,9 @@ def rank_file(rank: int) -> str:
     return default_file_name(rank)
 
 
+_dcp_rank_file = rank_file
+
+
 def placement_name(p: Any) -> str:
     """torch's name of a placement: ``Shard(0)``, ``_StridedShard(dim=0, sf=2)``, ``Replicate()``."""
     from converter.plan.placements import Shard, StridedShard
@@ -61,7 +64,8 @@ def _box_json(box: Box) -> dict[str, list[int]]:
 
 def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterable[Any],
                   index: CheckpointIndex, objects: Sequence[tuple[str, int]],
-                  chunk_lines: int | None = None) -> dict[str, Any]:
+                  chunk_lines: int | None = None, rank_file_of: Callable[[int], str] | None = None,
+                  files: int | None = None) -> dict[str, Any]:
     """The dry-run document (JSON-able; see the module docstring). ``layout`` is the
     :class:`converter.commands.from_universal.TargetLayout`, ``tasks`` its copy tasks, ``objects`` the non-tensor
     entries as ``(key, rank file)``.
@@ -69,7 +73,10 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
     ``chunk_lines``: list only the first that many chunks of each key (what the text form shows;
     each tensor then says its ``chunk_count``), so a million-chunk plan costs its totals, not a
     document entry per chunk; None lists every chunk (the schema's document: ``--json``, ``--layout``).
+    ``rank_file_of(rank)`` names a rank's file (default DCP's ``__<rank>_0.distcp``); ``files``: the
+    output's file count (default one per rank and ``.metadata``).
     """
+    rank_file = rank_file_of or _dcp_rank_file
     mesh = layout.mesh
     by_key: dict[str, list[Any]] = {}
     for key, group in groupby(layout.chunks, _KEY):  # a key's chunks are contiguous: C-level grouping
@@ -117,7 +124,7 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
         "objects": [{"key": k, "file": rank_file(r)} for k, r in objects],
         "warnings": list(layout.warnings),
         "totals": {"tensors": len(tensors), "objects": len(objects), "bytes": int(n_bytes.sum()),
-                   "files": mesh.world_size + 1},
+                   "files": mesh.world_size + 1 if files is None else files},
     }
 
 

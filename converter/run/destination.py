@@ -58,9 +58,18 @@ RANK_DIR_RE = re.compile(r"\.ckptconv-rank-\d+")
 
 UNIVERSAL, DCP, HF = "universal store", "DCP checkpoint", "Hugging Face export"
 DEEPSPEED = "DeepSpeed universal checkpoint"
+DCP_ST = "DCP safetensors checkpoint"
+#: from-universal writing DCP's per-rank safetensors storage (``--format dcp-safetensors``).
+FROM_UNIVERSAL_ST = "from-universal --format dcp-safetensors"
 #: The output kind of each operation.
 KIND_OF_OP = {"to-universal": UNIVERSAL, "import-hf": UNIVERSAL, "import-ds": UNIVERSAL, "from-universal": DCP,
-              "export-hf": HF, "export-ds": DEEPSPEED}
+              FROM_UNIVERSAL_ST: DCP_ST, "export-hf": HF, "consolidate": HF, "export-ds": DEEPSPEED}
+#: The completion marker of a DCP safetensors output (torch's form has none; its readers ignore it),
+#: written last, after the output record.
+ST_MARKER = ".ckptconv-complete.json"
+#: The folder of the per-rank files beside the consolidated ones (``--consolidate``).
+SHARDED_DIR = "sharded"
+_SHARD = r"shard-\d+-model-\d+-of-\d+\.safetensors"
 
 # ----------------------------------------------------------------------------------------------
 # the file sets ckptconv writes (what --overwrite may remove)
@@ -75,6 +84,8 @@ _OWN_FILES = {
          r"model\.safetensors\.index\.json", r"config\.json",
          _TMP.format(name=r"(config\.json|model\.safetensors\.index\.json)")],
     DEEPSPEED: [r"latest_universal", _TMP.format(name=r"latest_universal")],
+    # the consolidated files and their index are HF's names
+    DCP_ST: [_SHARD, _SHARD + r"\.tmp", re.escape(ST_MARKER), _TMP.format(name=re.escape(ST_MARKER))],
 }
 _COMMON_FILES = [re.escape(JOURNAL_NAME), re.escape(LOCK_NAME), re.escape(OUTPUT_RECORD),
                  _TMP.format(name=re.escape(OUTPUT_RECORD))]
@@ -83,12 +94,13 @@ _OWN_DIRS = {UNIVERSAL: ("tensors", "objects")}
 #: zarr.json file too: what an interrupted --overwrite leaves once the marker and journal are gone).
 _SIGNATURES = [r"ckptconv\.json", r"zarr\.json", r"\.metadata", r"__\d+_\d+\.distcp", r".*\.safetensors(\.tmp)?",
                r"model\.safetensors\.index\.json", re.escape(JOURNAL_NAME), re.escape(LOCK_NAME),
-               re.escape(OUTPUT_RECORD), r"latest_universal"]
-#: Files of a DCP checkpoint, which are ckptconv's only with its record or journal beside them.
-_CHECKPOINT_FILES = re.compile(r"\.metadata|__\d+_\d+\.distcp|__\d+\.metadata")
+               re.escape(OUTPUT_RECORD), r"latest_universal", re.escape(ST_MARKER)]
+#: Files of a DCP checkpoint (either storage form), which are ckptconv's only with its record or
+#: journal beside them.
+_CHECKPOINT_FILES = re.compile(r"\.metadata|__\d+_\d+\.distcp|__\d+\.metadata|" + _SHARD)
 #: Files that mark each kind of output complete (written last).
 MARKERS = {UNIVERSAL: "ckptconv.json", DCP: ".metadata", HF: "model.safetensors.index.json",
-           DEEPSPEED: "latest_universal"}
+           DEEPSPEED: "latest_universal", DCP_ST: ST_MARKER}
 
 _FILE_RE = re.compile("|".join(f"(?:{p})" for k in _OWN_FILES for p in _OWN_FILES[k] + _COMMON_FILES))
 _SIG_RE = re.compile("|".join(f"(?:{p})" for p in _SIGNATURES))
@@ -96,6 +108,7 @@ _CHUNK_RE = re.compile(r"\d+|\.\d+\.tmp")
 #: A safetensors-backend chunk file (formats/universal/safetensors_backend.py) and its temp name.
 _ST_CHUNK_RE = re.compile(r"\.?(c|\d+(\.\d+)*)\.safetensors(\.tmp)?")
 _OBJECT_RE = re.compile(r"\d{6}\.pt")
+_SHARD_FILE_RE = re.compile(_SHARD + r"(\.tmp)?")
 
 
 def owned_path(rel: str) -> bool:
@@ -108,6 +121,8 @@ def owned_path(rel: str) -> bool:
     top = parts[0]
     if RANK_DIR_RE.fullmatch(top):
         return len(parts) == 2 and name == JOURNAL_NAME
+    if top == SHARDED_DIR:
+        return len(parts) == 2 and bool(_SHARD_FILE_RE.fullmatch(name))
     if top == "objects":
         return len(parts) == 2 and bool(_OBJECT_RE.fullmatch(name))
     if top != "tensors":
@@ -146,6 +161,17 @@ _DS_TOP = re.compile(r"(mp_rank_00|zero_pp_rank_0_mp_rank_00)_model_states\.pt(\
                      r"\.(mp_rank_00|zero_pp_rank_0_mp_rank_00)_model_states\.pt\.tmp-\d+")
 _DS_OPTIM = re.compile(r"\.?optimizer_state\.pt(\.tmp-\d+)?")
 _DS_ATOM = re.compile(r"[^/.][^/]*\.pt|\.[^/]+\.pt\.tmp")
+
+
+def _sharded_is_ours(top: Path) -> str | None:
+    """None when ``top`` (a ``sharded/`` folder) holds only per-rank safetensors files (and their
+    temp names); else the first foreign entry, relative to the destination."""
+    if top.is_symlink():
+        return None  # unlinked, never followed
+    for entry in sorted(os.scandir(top), key=lambda e: e.name):
+        if entry.is_symlink() or not entry.is_file() or not _SHARD_FILE_RE.fullmatch(entry.name):
+            return f"{top.name}/{entry.name}" + ("/" if entry.is_dir(follow_symlinks=False) else "")
+    return None
 
 
 def _ds_tree_is_ours(top: Path) -> str | None:
@@ -187,6 +213,10 @@ def foreign_entries(out: Path) -> tuple[list[str], bool]:
                 if bad is not None:
                     foreign.append(bad)
                 continue
+            if name == SHARDED_DIR and recorded:  # the per-rank files of a --consolidate output
+                bad = _sharded_is_ours(Path(entry.path))
+                if bad is None:
+                    continue
             if recorded and not name.startswith("."):
                 bad = _ds_tree_is_ours(Path(entry.path))
                 if bad is None:
@@ -244,15 +274,16 @@ def _clear(out: Path) -> None:
 def complete_marker(out: Path) -> str | None:
     """The completion marker of the ckptconv output in ``out`` (None: not complete); a link is
     never a marker (ckptconv writes none)."""
-    # an unsharded HF export: model.safetensors is renamed in last
-    for name in (*MARKERS.values(), "model.safetensors"):
+    # a DCP safetensors output's marker follows its (HF) index; an unsharded HF export:
+    # model.safetensors is renamed in last
+    for name in (ST_MARKER, *MARKERS.values(), "model.safetensors"):
         if (out / name).is_file() and not (out / name).is_symlink():
             return name
     return None
 
 
 def _kind_of_marker(marker: str) -> str:
-    return {"ckptconv.json": UNIVERSAL, ".metadata": DCP, "latest_universal": DEEPSPEED}.get(marker, HF)
+    return {"ckptconv.json": UNIVERSAL, ".metadata": DCP, "latest_universal": DEEPSPEED, ST_MARKER: DCP_ST}.get(marker, HF)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,6 +535,13 @@ def _check_overlap(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     if d in s.parents:
         raise DestinationError(f"{dst}: destination contains the source {src}; choose another directory")
     return d
+
+
+def write_complete_marker(out: Path, doc: Mapping[str, Any]) -> None:
+    """Mark a DCP safetensors output in ``out`` complete (its last file; ``doc``: what it holds)."""
+    from formats.fsutil import atomic_write_bytes
+
+    atomic_write_bytes(out / ST_MARKER, (json.dumps(dict(doc), sort_keys=True, indent=1) + "\n").encode())
 
 
 def write_output_record(out: Path, header: Mapping[str, Any], files: Sequence[str] = ()) -> None:

@@ -42,7 +42,9 @@ from formats.storage import RemoteStorage, is_remote, is_url, local_path
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: Files whose presence marks an output complete; uploaded after everything else.
-MARKERS = ("ckptconv.json", ".metadata", "model.safetensors.index.json")
+MARKERS = ("ckptconv.json", ".metadata", "model.safetensors.index.json", ".ckptconv-complete.json")
+#: Markers uploaded after the other markers (a DCP safetensors output's marker follows its index).
+_LAST = ("ckptconv.json", ".ckptconv-complete.json")
 #: Local-only bookkeeping that is never uploaded.
 _SKIP_PREFIXES = (".ckptconv-journal", ".ckptconv-rank-", ".ckptconv-lock")
 #: API functions whose output (a universal store) is uploaded while the conversion runs.
@@ -130,7 +132,7 @@ def _files(out: Path) -> tuple[list[str], list[str]]:
     if not markers and len(singles) == 1:  # an unsharded HF export: the file is the marker
         data.remove(singles[0])
         markers.append(singles[0])
-    markers.sort(key=lambda m: (m == "ckptconv.json", m))
+    markers.sort(key=lambda m: (m in _LAST, m))
     return data, markers
 
 

@@ -1,5 +1,5 @@
 """The outputs the pipeline drives, one per output format (:func:`universal_output`,
-:func:`dcp_output`, :func:`hf_output`), and their executor sinks: each sink turns a write task's
+:func:`dcp_output`, :func:`hf_output`, :func:`dcp_safetensors_output`), and their executor sinks: each sink turns a write task's
 pieces into bytes in the output (:class:`converter.run.executor.TaskSink`: ``open(task)`` -> a
 piece writer whose ``close`` may return what the journal keeps for the task, e.g. a chunk's
 checksum)."""
@@ -16,13 +16,14 @@ from typing import Any
 import numpy as np
 
 from converter.plan.copy_tasks import Piece, WriteTask, target_nbytes
+from converter.plan.dcp_safetensors import StorageLayout, WholeTensor
 from converter.run import distributed
 from converter.plan.atoms import AtomRef
 from converter.plan.source_layout import SourceHint
 from converter.run.pipeline import Output
 from converter.run.remote import spool_hook
 from formats.base import TensorEntry
-from formats.dtypes import cast_bits
+from formats.dtypes import by_name, cast_bits, raw_bytes
 from formats.universal import StorePlan, UniversalWriter
 from formats.universal_meta import SourceInfo
 
@@ -108,6 +109,46 @@ class HFSink:
             pass
 
 
+class ShardFilesSink:
+    """DCP safetensors: each rank chunk's pieces ``pwrite``-n at their offsets in that rank's file,
+    each whole tensor's (``--consolidate``) in its hub-shaped file; cast to the target dtype."""
+
+    def __init__(self, shards: Any, layout: StorageLayout, consolidated: Any | None) -> None:
+        # formats.hf.SafetensorsFilesWriter (both)
+        self.shards, self.layout, self.consolidated = shards, layout, consolidated
+        self.whole_file = {t.name: p.name for p in layout.consolidated or () for t in p.tensors}
+
+    def where(self, task: WriteTask) -> tuple[Any, str]:
+        """(writer, file) of ``task``'s target."""
+        if isinstance(task.target, WholeTensor):
+            return self.consolidated, self.whole_file[task.key]
+        return self.shards, self.layout.shard_file(task.key, task.target.rank)
+
+    def open(self, task: WriteTask) -> ShardFilesSink._One:
+        return ShardFilesSink._One(*self.where(task), task)
+
+    def sync(self) -> None:
+        for writer in (self.shards, self.consolidated):
+            if writer is not None:
+                writer.sync()
+
+    class _One:
+        def __init__(self, writer: Any, file: str, task: WriteTask) -> None:
+            self.writer, self.file, self.task = writer, file, task
+            self.itemsize = by_name(task.target.dtype).itemsize
+            shape = task.box.sizes
+            self.strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+
+        def write(self, piece: Piece, data: np.ndarray) -> None:
+            local = piece.box.relative_to(self.task.box)
+            offset = sum(o * s for o, s in zip(local.offsets, self.strides))
+            bits = cast_bits(data, self.task.dtype, self.task.target.dtype)
+            self.writer.write_at(self.file, self.task.key, offset * self.itemsize, raw_bytes(bits))
+
+        def close(self) -> None:
+            pass
+
+
 def universal_output(out: Path, tensors: Mapping[str, TensorEntry], refs: Mapping[str, AtomRef], store: StorePlan,
                      source: SourceInfo, atoms: Mapping[str, Any], *,
                      hints: Mapping[str, SourceHint] | None = None,
@@ -174,3 +215,35 @@ def hf_output(writer: Any, dtypes: Mapping[str, str], planned_bytes: int,
     return Output(sink=HFSink(writer, dtypes), commit=commit, prepare=prepare,
                   adopt=lambda task, info: writer.adopt(task.key), close=writer.close,
                   bytes_written=lambda stats: planned_bytes, record_files=tuple(record_files))
+
+
+def dcp_safetensors_output(shards: Any, layout: StorageLayout, consolidated: Any | None, planned_bytes: int,
+                           after_commit: Callable[[], None] | None = None) -> Output:
+    """DCP's per-rank safetensors storage (:mod:`converter.plan.dcp_safetensors`): the per-rank files
+    (``shards``; None for ``consolidate``) and, with ``--consolidate``, the hub-shaped ones
+    (``consolidated``), both :class:`formats.hf.SafetensorsFilesWriter` s, sized by rank 0; published
+    per-rank files first, then the consolidated files and their index, then ``after_commit`` (the
+    completion marker). The result counts the planned bytes."""
+    sink = ShardFilesSink(shards, layout, consolidated)
+    writers = [w for w in (shards, consolidated) if w is not None]
+
+    def prepare(resume: bool) -> None:
+        for w in writers:
+            w.start(resume=resume)
+
+    def adopt(task: WriteTask, info: Any) -> None:
+        writer, file = sink.where(task)
+        writer.adopt_at(file, task.key)
+
+    def commit() -> None:
+        for w in writers:
+            w.commit()
+        if after_commit is not None:
+            after_commit()
+
+    def close() -> None:
+        for w in writers:
+            w.close()
+
+    return Output(sink=sink, commit=commit, prepare=prepare, adopt=adopt, close=close,
+                  bytes_written=lambda stats: planned_bytes)
