@@ -140,6 +140,20 @@ class CRCRanges:
             self._insert(a, b, crc32(view[a - offset: b - offset]))
             self.bytes_seen += b - a
 
+    def add_crc(self, offset: int, length: int, crc: int) -> bool:
+        """Account for ``length`` bytes at ``offset`` whose CRC-32 is ``crc`` (computed elsewhere:
+        another process wrote them). False when they were accounted for already; a range partly
+        accounted for is refused (ValueError)."""
+        end = offset + length
+        uncovered = self._uncovered(offset, end)
+        if not length or not uncovered:
+            return False
+        if uncovered != [(offset, end)]:
+            raise ValueError(f"bytes {offset}..{end}: partly accounted for already")
+        self._insert(offset, end, crc)
+        self.bytes_seen += length
+        return True
+
     def gaps(self) -> list[tuple[int, int]]:
         """The ranges no part covered yet."""
         return self._uncovered(0, self.length)

@@ -175,6 +175,25 @@ def read_torch_file(fd: Any, name: str, where: str, size: int, resolve: Callable
     return TorchFile(name, where, size, value, entries, prefix)
 
 
+def read_torch_bytes(data: bytes, where: str, resolve: Callable[[str, str], Any],
+                     max_pickle: int = MAX_FILE_PICKLE_BYTES) -> tuple[Any, Callable[[Any], bytes]]:
+    """A ``torch.save`` payload in memory parsed as :func:`read_torch_file` does: (its value,
+    ``data_of``: a tensor description -> the bytes of its whole storage, for :func:`plan_value`)."""
+    from formats.dcp.archive import BufferReader
+
+    entries, prefix, pkl = open_archive(BufferReader(data, where), where)
+    if len(pkl) > max_pickle:
+        raise CorruptCheckpointError(f"{where}: data.pkl of {len(pkl)} bytes is over the {max_pickle} byte limit")
+    value = safe_loads(pkl, f"{where} (data.pkl)", resolve, storage_loader(where))
+    file = TorchFile(where, where, len(data), value, entries, prefix)
+
+    def data_of(desc: Any) -> bytes:
+        at = file.tensor(desc, "tensor")
+        return bytes(memoryview(data)[at.data_start: at.data_start + at.data_length])
+
+    return value, data_of
+
+
 def is_tensor(value: Any) -> bool:
     """Whether ``value`` is a tensor description of a parsed file."""
     return isinstance(value, TensorDesc)
@@ -206,7 +225,7 @@ def _make_value_pickler():  # noqa: ANN202 - built lazily: torch_globals' pickle
         def __init__(self, sink: Any, data_of: Callable[[Any], bytes]) -> None:
             super().__init__(sink, protocol=2)
             self.data_of = data_of
-            self.storages: list[bytes] = []
+            self.storages: list[bytes | int] = []  # bytes, or the size of a slot's storage
             self._by_ref: dict[str, _Storage] = {}
 
         def persistent_id(self, obj: Any) -> Any:
@@ -220,12 +239,28 @@ def _make_value_pickler():  # noqa: ANN202 - built lazily: torch_globals' pickle
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, TensorDesc):
                 return self._tensor(obj)
+            if isinstance(obj, SlotTensor):
+                return self._slot(obj)
             if isinstance(obj, PickledObject):
                 cls = type(obj)
                 if obj.newobj:
                     return (_newobj, (cls, *obj.args), obj.state)
                 return (cls, tuple(obj.args), obj.state)
             return NotImplemented
+
+        def _slot(self, slot: SlotTensor) -> tuple:
+            numel = math.prod(slot.shape)
+            new = slot.dtype in NEW_DTYPES
+            storage = _Storage(str(len(self.storages)), untyped if new else typed[slot.dtype],
+                               numel * itemsize_of(slot.dtype) if new else numel)
+            slot.storage = len(self.storages)
+            self.storages.append(numel * itemsize_of(slot.dtype))
+            return self._rebuild(slot.dtype, storage, 0, slot.shape, contiguous_strides(slot.shape))
+
+        def _rebuild(self, dtype: str, storage: _Storage, offset: int, size: tuple, stride: tuple) -> tuple:
+            if dtype in NEW_DTYPES:
+                return rebuild_v3, (storage, offset, size, stride, False, OrderedDict(), dtype_global(dtype))
+            return rebuild_v2, (storage, offset, size, stride, False, OrderedDict())
 
         def _tensor(self, desc: Any) -> tuple:
             storage = self._by_ref.get(desc.storage.key)
@@ -236,11 +271,9 @@ def _make_value_pickler():  # noqa: ANN202 - built lazily: torch_globals' pickle
                 storage = _Storage(str(len(self.storages)), untyped if new else typed[desc.dtype], numel)
                 self.storages.append(data)
                 self._by_ref[desc.storage.key] = storage
-            size, stride = tuple(desc.size), tuple(desc.stride)
-            if desc.dtype in NEW_DTYPES:
-                args = (storage, desc.storage_offset, size, stride, False, OrderedDict(), dtype_global(desc.dtype))
-                return rebuild_v3, args
-            return rebuild_v2, (storage, desc.storage_offset, size, stride, False, OrderedDict())
+            return self._rebuild(desc.dtype, storage, desc.storage_offset, tuple(desc.size), tuple(desc.stride))
+
+    from formats.dcp.archive_writer import contiguous_strides
 
     return ValuePickler
 
@@ -253,11 +286,24 @@ def _newobj(cls: Any, *args: Any) -> Any:
 _newobj.__name__ = "__newobj__"
 
 
-def torch_save_bytes(value: Any, data_of: Callable[[Any], bytes] | None = None) -> bytes:
-    """The bytes ``torch.save(value)`` would write for a parsed value (tensor descriptions' storage
-    bytes from ``data_of(desc)``: the whole storage of each distinct storage, C order)."""
-    from formats.dcp.archive_writer import write_torch_archive
+class SlotTensor:
+    """A contiguous tensor of ``dtype`` and ``shape`` inside a value to write (:func:`plan_value`)
+    whose bytes come later: pickled as a tensor on a storage of its own (``storage``, its index,
+    is set when pickled)."""
 
+    def __init__(self, dtype: str, shape: tuple[int, ...]) -> None:
+        self.dtype, self.shape, self.storage = dtype, tuple(int(s) for s in shape), -1
+
+    @property
+    def nbytes(self) -> int:
+        from formats.dtypes import itemsize_of
+
+        return math.prod(self.shape) * itemsize_of(self.dtype)
+
+
+def plan_value(value: Any, data_of: Callable[[Any], bytes] | None = None) -> tuple[bytes, list[bytes | int]]:
+    """``(data.pkl, storages)`` of ``torch.save(value)``: each storage its bytes (tensor descriptions,
+    through ``data_of``) or, for a :class:`SlotTensor`, its size (the bytes are written later)."""
     from formats.dcp.torch_globals import _Sink
 
     def no_tensors(desc: Any) -> bytes:
@@ -266,22 +312,13 @@ def torch_save_bytes(value: Any, data_of: Callable[[Any], bytes] | None = None) 
     sink = _Sink()
     pickler = _make_value_pickler()(sink, data_of or no_tensors)
     pickler.dump(value)
-    return write_torch_archive(b"".join(sink.parts), pickler.storages)
+    return b"".join(sink.parts), pickler.storages
 
 
-def storage_bytes_reader(read: Callable[[ArchiveTensor], bytes], file: TorchFile) -> Callable[[Any], bytes]:
-    """``data_of`` for :func:`torch_save_bytes` over ``file``'s storages (``read(at)``: the bytes of
-    the whole storage an :class:`ArchiveTensor` names)."""
+def torch_save_bytes(value: Any, data_of: Callable[[Any], bytes] | None = None) -> bytes:
+    """The bytes ``torch.save(value)`` would write for a parsed value (tensor descriptions' storage
+    bytes from ``data_of(desc)``: the whole storage of each distinct storage, C order)."""
+    from formats.dcp.archive_writer import write_torch_archive
 
-    def data_of(desc: Any) -> bytes:
-        at = file.tensor(desc, "tensor")
-        return read(at)
-
-    return data_of
-
-
-def nbytes_of(at: ArchiveTensor) -> int:
-    """The tensor's own bytes (elements it spans, not its whole storage)."""
-    return math.prod(at.size) * at.itemsize
-
-
+    pkl, storages = plan_value(value, data_of)
+    return write_torch_archive(pkl, storages)

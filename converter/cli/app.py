@@ -174,10 +174,20 @@ def _missing_key(message: str) -> list[str]:
               help="Megatron entries saved per (pp, tp) grid cell (rng_state, the dp_reshardable optimizer state, ...) when "
                    "the target's pp/tp differ from the source's: drop them with a warning (Megatron-LM skips RNG states "
                    "after a TP/PP change and loads without that optimizer state with --no-load-optim), keep them, or refuse.")
-@click.option("--format", "out_format", type=click.Choice(["dcp", "dcp-safetensors"]), default="dcp", show_default=True,
+@click.option("--format", "out_format", type=click.Choice(["dcp", "dcp-safetensors", "megatron-legacy"]), default="dcp",
+              show_default=True,
               help="DCP storage form: dcp (.metadata + __<rank>_0.distcp, FileSystemWriter) or dcp-safetensors "
                    "(per-rank shard-<R>-model-<F>-of-<N>.safetensors, HuggingFaceStorageWriter(save_distributed=True); "
-                   "load with HuggingFaceStorageReader). Tensors only.")
+                   "load with HuggingFaceStorageReader; tensors only); or megatron-legacy: Megatron-LM's legacy "
+                   "checkpoint (--ckpt-format torch: iter_*/mp_rank_*/model_optim_rng.pt + distrib_optim.pt) for "
+                   "--mesh tp,pp,dp[,ep] from a Megatron source (torch_dist, legacy, or their universal store).")
+@click.option("--vpp", type=int, default=1, show_default=True,
+              help="With --format megatron-legacy: model chunks per pipeline stage (virtual pipeline; the files hold "
+                   "model0, model1, ...).")
+@click.option("--megatron-names", type=click.Choice(["local", "te"]), default=None,
+              help="With --format megatron-legacy: the layer spec whose names the files use (local: input_layernorm / "
+                   "pre_mlp_layernorm; te: Transformer Engine's fused names; default: the checkpoint's "
+                   "args.transformer_impl, else te).")
 @click.option("--consolidate", is_flag=True,
               help="With --format dcp-safetensors: the per-rank files go to DST/sharded/ and the hub-shaped files torch's "
                    "consolidate_safetensors_files makes of them (model-0000F-of-0000N.safetensors + index) are written "
@@ -201,6 +211,7 @@ def _missing_key(message: str) -> list[str]:
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
                        dtype: str | None, drop_dataloader: bool, config: str | None, layout_objects: str,
                        out_format: str, consolidate: bool, max_shard_size: str | None, fqn_index: str | None,
+                       vpp: int, megatron_names: str | None,
                        as_json: bool, layout_key: str | None, svg_file: str | None, keys: tuple[str, ...],
                        model_only: bool, optim_only: bool, **kw: Any) -> None:
     """Write from SRC (universal store or any checkpoint) the DCP checkpoint a job on --mesh would save."""
@@ -222,6 +233,7 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
                             options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader,
                             config=config, layout_objects=layout_objects, format=out_format,
                             consolidate=consolidate, max_shard_size=max_shard_size, fqn_index=fqn_index,
+                            vpp=vpp, megatron_names=megatron_names,
                             # the text lists a few chunks per key; --json / --layout all
                             preview_chunks=None if as_json or layout_key is not None else PREVIEW_CHUNK_LINES)
     if result.preview is not None and (as_json or layout_key is not None):

@@ -39,7 +39,7 @@ from converter.plan.placement_rules import HeadCounts, TensorPlacement, check_he
 from converter.plan.selection import Selection, select_entries
 from converter.plan.dcp_safetensors import (FORMATS, StorageLayout, consolidation_tasks, load_fqn_index, plan_storage,
                                              tensors_only_warning)
-from converter.run.destination import FROM_UNIVERSAL_ST, option_value, write_complete_marker
+from converter.run.destination import FROM_UNIVERSAL_LEGACY, FROM_UNIVERSAL_ST, option_value, write_complete_marker
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
 from converter.run.sinks import dcp_output, dcp_safetensors_output
 from converter.run.sources import framework_files, open_checkpoint
@@ -53,6 +53,9 @@ from formats.hf import SafetensorsFilesWriter
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_dtype
 from formats.objects import read_checked_object
 from formats.storage import source_label
+
+#: ``--format`` of a Megatron-LM legacy target.
+LEGACY_FORMAT = "megatron-legacy"
 
 
 @dataclass(frozen=True)
@@ -292,7 +295,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                    preview_chunks: int | None = None,
                    layout_objects: str = "drop", format: str = "dcp", consolidate: bool = False,
                    max_shard_size: int | str | None = None,
-                   fqn_index: str | os.PathLike | Mapping[str, int] | None = None) -> ConversionResult:
+                   fqn_index: str | os.PathLike | Mapping[str, int] | None = None, vpp: int = 1,
+                   megatron_names: str | None = None) -> ConversionResult:
     """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``.
 
     ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
@@ -314,9 +318,19 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     (torch's ``fqn_to_index_mapping``; default one file); ``fqn_index`` (dcp-safetensors) is that
     mapping itself: a hub ``model.safetensors.index.json`` (path, or the folder holding it) or
     ``{key: file index}`` (JSON path or mapping), as torchtitan passes it; it also orders the
-    consolidated files.
+    consolidated files. ``format`` ``megatron-legacy`` writes what Megatron-LM's ``save_checkpoint``
+    writes with ``--ckpt-format torch`` on the mesh's tp / pp / dp / ep with ``vpp`` model chunks per
+    stage (:mod:`converter.plan.megatron_legacy`; ``megatron_names`` ``local`` or ``te``: the layer
+    spec whose tensor names the files use, default from the checkpoint's ``args.transformer_impl``).
     """
     options = options or RunOptions()
+    if format == LEGACY_FORMAT:
+        if consolidate or max_shard_size is not None or fqn_index is not None:
+            raise ConfigError("--consolidate, --max-shard-size and --fqn-index are for --format dcp-safetensors")
+        return _to_legacy(src, dst, parse_mesh(mesh, mesh_order), options, selection, layout_objects,
+                          cast_dtype(dtype) if dtype is not None else None, vpp, megatron_names)
+    if vpp != 1 or megatron_names is not None:
+        raise ConfigError("--vpp and --megatron-names shape a megatron-legacy target: add --format megatron-legacy")
     max_shard_bytes = _check_format(format, consolidate, max_shard_size)
     if fqn_index is not None and (format != ST_FORMAT or max_shard_bytes is not None):
         raise ConfigError("--fqn-index is for --format dcp-safetensors, without --max-shard-size (it is the split)")
@@ -377,7 +391,7 @@ def _check_format(format: str, consolidate: bool, max_shard_size: int | str | No
     from converter.config import parse_size
 
     if format not in FORMATS:
-        raise ConfigError(f"--format {format!r}: choose one of {', '.join(FORMATS)}")
+        raise ConfigError(f"--format {format!r}: choose one of {', '.join((*FORMATS, LEGACY_FORMAT))}")
     if format != ST_FORMAT and (consolidate or max_shard_size is not None):
         raise ConfigError(f"{'--consolidate' if consolidate else '--max-shard-size'} is for --format {ST_FORMAT} "
                           "(DCP's safetensors storage); a .distcp checkpoint has one file per rank")
@@ -515,3 +529,162 @@ def describe_ranks(layout: TargetLayout, tasks: list[WriteTask]) -> str:
         lines.append(f"rank {rank} ({coords}): __{rank}_0.distcp  {plural(n, 'chunk')}  {human_bytes(nbytes)} ({nbytes} bytes)")
     lines += [f"warning: {w}" for w in layout.warnings]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# --format megatron-legacy
+
+
+def _to_legacy(src: str | os.PathLike, dst: str | os.PathLike, mesh: Mesh, options: RunOptions,
+               selection: Selection | None, layout_objects: str, dtype: str | None, vpp: int,
+               names: str | None) -> ConversionResult:
+    """Megatron-LM's legacy checkpoint on ``mesh`` (tp, pp, dp, ep) x ``vpp`` model chunks."""
+    from converter.plan.megatron_legacy import plan_legacy
+
+    reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
+    try:
+        index = reader.index()
+        refs = _atom_refs(reader, index)
+        index = select_entries(index, selection or Selection(), refs).restrict(index)
+        values = _ObjectValues(reader, options.trust_pickle)
+        common = values.common()
+        layout = _legacy_layout(mesh, vpp, names, common.get("args"))
+        unbound, bound_notes = plan_layout_bound(list(index.objects), mesh, layout_objects)
+        objects = values.load(k for k in index.objects if k not in unbound and k != _COMMON)
+        tied = _tied(common.get("args"), index)
+        files, warnings = plan_legacy(index, layout, common, objects, tied, common.get("iteration", "release"))
+        warnings = [*bound_notes, *warnings]
+        if not any(k.startswith("rng_state/") for k in objects):
+            warnings.append("no rng_state for the target layout: Megatron-LM loads it with --no-load-rng")
+        planned_files, tasks = _legacy_tasks(index, files, values.data_of, dtype, options)
+        iteration = common.get("iteration", "release")
+        header = {"--format": "megatron-legacy", "--mesh": str(mesh), "--vpp": vpp, "--megatron-names": names,
+                  "--dtype": dtype, "--keys": None if selection is None or selection.everything else selection.to_json(),
+                  **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {})}
+        conversion = _legacy_conversion(src, dst, index, reader, planned_files, tasks, header, str(iteration),
+                                        layout, tuple(warnings))
+        return run_conversion(conversion, options)
+    finally:
+        reader.close()
+
+
+_COMMON = "common_state/shard_0_1"
+
+
+class _ObjectValues:
+    """The values of a source's non-tensor entries parsed for re-pickling (megatron's classes kept
+    as inert records), with the bytes of the tensors inside them (RNG states)."""
+
+    def __init__(self, reader: CheckpointReader, trust_pickle: bool) -> None:
+        from formats.megatron.legacy import FRAMEWORK_MODULES
+        from formats.torch_file import file_resolver
+
+        self.reader, self.trust = reader, trust_pickle
+        self._resolve = file_resolver(FRAMEWORK_MODULES, trust_pickle)
+        self._data: dict[int, bytes] = {}
+
+    def _value(self, key: str) -> Any:
+        from formats.torch_file import is_tensor, read_torch_bytes
+
+        data = read_checked_object(self.reader, key, self.trust)
+        value, data_of = read_torch_bytes(data, f"{source_label(self.reader.index().root)}: key {key!r}", self._resolve)
+        stack = [value]
+        while stack:  # remember the bytes of every tensor inside (an RNG state's)
+            v = stack.pop()
+            if is_tensor(v):
+                self._data[id(v)] = data_of(v)
+            elif isinstance(v, dict):
+                stack += list(v.values())
+            elif isinstance(v, (list, tuple)):
+                stack += list(v)
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    def common(self) -> dict:
+        if _COMMON not in self.reader.index().objects:
+            raise ConfigError(f"{source_label(self.reader.index().root)}: no {_COMMON} (megatron's common state: args, "
+                              "iteration, optimizer hyperparameters); --format megatron-legacy converts Megatron "
+                              "checkpoints (torch_dist, legacy, or their universal store)")
+        value = self._value(_COMMON)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{_COMMON} holds a {type(value).__name__}, not megatron's common state dict")
+        return value
+
+    def load(self, keys: Any) -> dict[str, Any]:
+        return {k: self._value(k) for k in keys}
+
+    def data_of(self, desc: Any) -> bytes:
+        return self._data[id(desc)]
+
+
+def _legacy_layout(mesh: Mesh, vpp: int, names: str | None, args: Any) -> Any:
+    from converter.plan.megatron_legacy import LegacyLayout
+
+    if mesh.size("cp") > 1 or mesh.size("dp_replicate") > 1:
+        raise ConfigError(f"--mesh {mesh}: a megatron-legacy target takes tp, pp, dp and ep")
+    a = vars(args) if hasattr(args, "__dict__") else {}
+    if names not in (None, "local", "te"):
+        raise ConfigError(f"--megatron-names {names!r}: choose local or te")
+    local = (names == "local") if names is not None else a.get("transformer_impl") == "local"
+    bucket = a.get("ddp_bucket_size")
+    return LegacyLayout(tp=mesh.size("tp"), pp=mesh.size("pp"), vpp=vpp, ep=mesh.ep, dp=mesh.size("dp_shard"),
+                        local_spec=local, grouped_experts=bool(a.get("moe_grouped_gemm")),
+                        overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
+                        bucket_size=bucket if isinstance(bucket, int) else None,
+                        grad_fp32=a.get("accumulate_allreduce_grads_in_fp32", True) is not False)
+
+
+def _tied(args: Any, index: CheckpointIndex) -> bool:
+    """Whether the output layer shares the word embeddings (Megatron-LM's default)."""
+    untie = getattr(args, "untie_embeddings_and_output_weights", None)
+    if isinstance(untie, bool):
+        return not untie
+    return "output_layer.weight" not in index.tensors and "embedding.word_embeddings.weight" in index.tensors
+
+
+def _legacy_tasks(index: CheckpointIndex, files: list, data_of: Any, dtype: str | None,
+                  options: RunOptions) -> tuple[list[tuple[str, bytes, list]], list[WriteTask]]:
+    """Each file pickled (its storages sized) and the tasks that fill its slots."""
+    from converter.plan.megatron_legacy import StorageTarget
+    from formats.torch_file import plan_value
+
+    planned, by_key = [], {}
+    for i, f in enumerate(files):
+        for slot, _ in f.fills:  # (--dtype casts the model's floating-point tensors)
+            if dtype is not None and not f.rel.endswith("distrib_optim.pt") and slot.dtype in CASTABLE_FLOATS:
+                slot.dtype = dtype
+        pkl, storages = plan_value(f.value, data_of)
+        planned.append((f.rel, pkl, storages))
+        for slot, fill in f.fills:
+            target = StorageTarget(i, slot.storage, fill.offset * by_name(slot.dtype).itemsize, slot.dtype)
+            ids, boxes = by_key.setdefault(fill.key, ([], []))
+            ids.append(target)
+            boxes.append(fill.box)
+    tasks: list[WriteTask] = []
+    for key, (ids, boxes) in by_key.items():
+        tasks += plan_boxes(index.tensors[key], ids, boxes, options.effective_piece_bytes)
+    return planned, tasks
+
+
+def _legacy_conversion(src: str | os.PathLike, dst: str | os.PathLike, index: CheckpointIndex,
+                       reader: CheckpointReader, files: list, tasks: list[WriteTask], header: dict, tracker: str,
+                       layout: Any, warnings: tuple[str, ...]) -> Conversion:
+    from converter.run.sinks import legacy_output
+    from converter.units import human_bytes
+    from formats.megatron.legacy_writer import LegacyWriter
+
+    def describe() -> tuple[str, dict]:
+        lines = [f"# megatron-legacy target: tp{layout.tp} pp{layout.pp} vpp{layout.vpp} ep{layout.ep} dp{layout.dp}, "
+                 f"{len(files)} files, {len(tasks)} tasks"]
+        for rel, pkl, storages in files:
+            nbytes = len(pkl) + sum(len(s) if isinstance(s, (bytes, bytearray)) else s for s in storages)
+            lines.append(f"{rel}  {len(storages)} tensors  {human_bytes(nbytes)}")
+        lines += [f"warning: {w}" for w in warnings]
+        return "\n".join(lines), {"files": [rel for rel, _, _ in files]}
+
+    def open_output(out: Path) -> Output:
+        writer = LegacyWriter(out, files, tracker)
+        return legacy_output(writer)
+
+    planned = ConversionResult(str(dst), len(index.tensors), 0, total_target_nbytes(tasks), 0.0, warnings=warnings,
+                               mesh=f"tp{layout.tp},pp{layout.pp},dp{layout.dp}", world_size=layout.tp * layout.pp * layout.dp)
+    return Conversion(FROM_UNIVERSAL_LEGACY, src, dst, index, reader, tasks, header, open_output, planned, describe)

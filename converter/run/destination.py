@@ -61,9 +61,14 @@ DEEPSPEED = "DeepSpeed universal checkpoint"
 DCP_ST = "DCP safetensors checkpoint"
 #: from-universal writing DCP's per-rank safetensors storage (``--format dcp-safetensors``).
 FROM_UNIVERSAL_ST = "from-universal --format dcp-safetensors"
+MEGATRON_LEGACY = "Megatron legacy checkpoint"
+#: from-universal writing Megatron-LM's legacy checkpoint (``--format megatron-legacy``).
+FROM_UNIVERSAL_LEGACY = "from-universal --format megatron-legacy"
+#: Megatron-LM's tracker file: written last, the legacy checkpoint's completion marker.
+LEGACY_TRACKER = "latest_checkpointed_iteration.txt"
 #: The output kind of each operation.
 KIND_OF_OP = {"to-universal": UNIVERSAL, "import-hf": UNIVERSAL, "import-ds": UNIVERSAL, "from-universal": DCP,
-              FROM_UNIVERSAL_ST: DCP_ST, "export-hf": HF, "consolidate": HF, "export-ds": DEEPSPEED}
+              FROM_UNIVERSAL_ST: DCP_ST, FROM_UNIVERSAL_LEGACY: MEGATRON_LEGACY, "export-hf": HF, "consolidate": HF, "export-ds": DEEPSPEED}
 #: The completion marker of a DCP safetensors output (torch's form has none; its readers ignore it),
 #: written last, after the output record.
 ST_MARKER = ".ckptconv-complete.json"
@@ -86,6 +91,7 @@ _OWN_FILES = {
     DEEPSPEED: [r"latest_universal", _TMP.format(name=r"latest_universal")],
     # the consolidated files and their index are HF's names
     DCP_ST: [_SHARD, _SHARD + r"\.tmp", re.escape(ST_MARKER), _TMP.format(name=re.escape(ST_MARKER))],
+    MEGATRON_LEGACY: [re.escape(LEGACY_TRACKER), _TMP.format(name=re.escape(LEGACY_TRACKER))],
 }
 _COMMON_FILES = [re.escape(JOURNAL_NAME), re.escape(LOCK_NAME), re.escape(OUTPUT_RECORD),
                  _TMP.format(name=re.escape(OUTPUT_RECORD))]
@@ -94,13 +100,13 @@ _OWN_DIRS = {UNIVERSAL: ("tensors", "objects")}
 #: zarr.json file too: what an interrupted --overwrite leaves once the marker and journal are gone).
 _SIGNATURES = [r"ckptconv\.json", r"zarr\.json", r"\.metadata", r"__\d+_\d+\.distcp", r".*\.safetensors(\.tmp)?",
                r"model\.safetensors\.index\.json", re.escape(JOURNAL_NAME), re.escape(LOCK_NAME),
-               re.escape(OUTPUT_RECORD), r"latest_universal", re.escape(ST_MARKER)]
+               re.escape(OUTPUT_RECORD), r"latest_universal", re.escape(ST_MARKER), re.escape(LEGACY_TRACKER)]
 #: Files of a DCP checkpoint (either storage form), which are ckptconv's only with its record or
 #: journal beside them.
 _CHECKPOINT_FILES = re.compile(r"\.metadata|__\d+_\d+\.distcp|__\d+\.metadata|" + _SHARD)
 #: Files that mark each kind of output complete (written last).
 MARKERS = {UNIVERSAL: "ckptconv.json", DCP: ".metadata", HF: "model.safetensors.index.json",
-           DEEPSPEED: "latest_universal", DCP_ST: ST_MARKER}
+           DEEPSPEED: "latest_universal", DCP_ST: ST_MARKER, MEGATRON_LEGACY: LEGACY_TRACKER}
 
 _FILE_RE = re.compile("|".join(f"(?:{p})" for k in _OWN_FILES for p in _OWN_FILES[k] + _COMMON_FILES))
 _SIG_RE = re.compile("|".join(f"(?:{p})" for p in _SIGNATURES))
@@ -192,6 +198,30 @@ def _ds_tree_is_ours(top: Path) -> str | None:
     return None
 
 
+_LEGACY_ITER = re.compile(r"iter_\d{7,}|release")
+_LEGACY_RANK = re.compile(r"mp_rank_\d{2,}(_\d{3,}){0,2}")
+_LEGACY_FILE = re.compile(r"(model_optim_rng|distrib_optim)\.pt")
+
+
+def _legacy_tree_is_ours(top: Path) -> str | None:
+    """None when ``top`` is an ``iter_*`` folder holding only what a megatron-legacy target
+    writes (``mp_rank_*/model_optim_rng.pt``, ``distrib_optim.pt``); else the first foreign entry."""
+    if top.is_symlink():
+        return None
+    if not _LEGACY_ITER.fullmatch(top.name):
+        return top.name + "/"
+    for dirpath, dirnames, filenames in os.walk(top):
+        rel = Path(dirpath).relative_to(top.parent)
+        depth = len(rel.parts)  # 1: iter_*, 2: mp_rank_*
+        for name in filenames:
+            if depth != 2 or not _LEGACY_FILE.fullmatch(name) or os.path.islink(os.path.join(dirpath, name)):
+                return (rel / name).as_posix()
+        for name in dirnames:
+            if depth != 1 or not _LEGACY_RANK.fullmatch(name) or os.path.islink(os.path.join(dirpath, name)):
+                return (rel / name).as_posix() + "/"
+    return None
+
+
 def foreign_entries(out: Path) -> tuple[list[str], bool]:
     """(entries of ``out`` ckptconv would not have written there, whether any entry is a
     signature of a ckptconv output). Folders are named with a trailing ``/``."""
@@ -218,7 +248,8 @@ def foreign_entries(out: Path) -> tuple[list[str], bool]:
                 if bad is None:
                     continue
             if recorded and not name.startswith("."):
-                bad = _ds_tree_is_ours(Path(entry.path))
+                tree = _legacy_tree_is_ours if _LEGACY_ITER.fullmatch(name) else _ds_tree_is_ours
+                bad = tree(Path(entry.path))
                 if bad is None:
                     continue
             foreign.append(name + "/")
@@ -283,7 +314,8 @@ def complete_marker(out: Path) -> str | None:
 
 
 def _kind_of_marker(marker: str) -> str:
-    return {"ckptconv.json": UNIVERSAL, ".metadata": DCP, "latest_universal": DEEPSPEED, ST_MARKER: DCP_ST}.get(marker, HF)
+    return {"ckptconv.json": UNIVERSAL, ".metadata": DCP, "latest_universal": DEEPSPEED, ST_MARKER: DCP_ST,
+            LEGACY_TRACKER: MEGATRON_LEGACY}.get(marker, HF)
 
 
 # ----------------------------------------------------------------------------------------------

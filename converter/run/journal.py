@@ -27,7 +27,8 @@ JOURNAL_NAME = ".ckptconv-journal.jsonl"
 def task_id(task: WriteTask) -> str:
     """A stable id of a task: its key and target box (unique within a conversion), and the tag of
     its target when it has one (a target kind whose boxes can repeat another's: the consolidated
-    files of ``--format dcp-safetensors``)."""
+    files of ``--format dcp-safetensors``; a ``--format megatron-legacy`` target's TP-replicated
+    tensors, written into every rank's file)."""
     ident = [task.key, list(task.box.offsets), list(task.box.sizes)]
     tag = getattr(task.target, "journal_tag", None)
     if tag:

@@ -149,6 +149,46 @@ class ShardFilesSink:
             pass
 
 
+class LegacySink:
+    """Megatron legacy: each task fills a contiguous range of a storage of one rank file (its
+    ``target``: :class:`converter.plan.megatron_legacy.StorageTarget`), pieces in C order, cast to
+    the target dtype; ``close`` returns the range's CRC-32 (what the other ranks' commit needs)."""
+
+    def __init__(self, writer: Any) -> None:  # formats.megatron.legacy_writer.LegacyWriter
+        self.writer = writer
+
+    def open(self, task: WriteTask) -> LegacySink._One:
+        return LegacySink._One(self.writer, task)
+
+    def sync(self) -> None:
+        self.writer.sync()
+
+    class _One:
+        def __init__(self, writer: Any, task: WriteTask) -> None:
+            from formats.dtypes import itemsize_of
+
+            self.writer, self.task, self.t = writer, task, task.target
+            shape = task.box.sizes
+            self.strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+            self.itemsize = itemsize_of(self.t.dtype)
+            self.crc, self.done = 0, 0
+
+        def write(self, piece: Piece, data: np.ndarray) -> None:
+            from formats.integrity import crc32_combine
+
+            local = piece.box.relative_to(self.task.box)
+            start = sum(o * s for o, s in zip(local.offsets, self.strides)) * self.itemsize
+            out = cast_bits(data, self.task.dtype, self.t.dtype)
+            crc = self.writer.write(self.t.file, self.t.storage, self.t.offset + start, out)
+            if start != self.done:
+                raise RuntimeError(f"{self.task.key}: pieces out of order ({start} after {self.done} bytes)")
+            self.crc = crc32_combine(self.crc, crc, out.nbytes) if self.done else crc
+            self.done += out.nbytes
+
+        def close(self) -> dict:
+            return {"crc": self.crc, "nbytes": self.done}
+
+
 def universal_output(out: Path, tensors: Mapping[str, TensorEntry], refs: Mapping[str, AtomRef], store: StorePlan,
                      source: SourceInfo, atoms: Mapping[str, Any], *,
                      hints: Mapping[str, SourceHint] | None = None,
@@ -247,3 +287,21 @@ def dcp_safetensors_output(shards: Any, layout: StorageLayout, consolidated: Any
 
     return Output(sink=sink, commit=commit, prepare=prepare, adopt=adopt, close=close,
                   bytes_written=lambda stats: planned_bytes)
+
+
+def legacy_output(writer: Any, before_commit: Callable[[], None] | None = None) -> Output:
+    """A Megatron-LM legacy checkpoint (:class:`formats.megatron.legacy_writer.LegacyWriter`): files
+    sized by rank 0; each task's CRC-32 journaled and adopted so rank 0's commit finishes every
+    archive; ``before_commit`` runs before the tracker file (written last)."""
+    def adopt(task: WriteTask, info: Any) -> None:
+        if info:
+            t = task.target
+            writer.add_crc(t.file, t.storage, t.offset, int(info["nbytes"]), int(info["crc"]))
+
+    def commit() -> None:
+        if before_commit is not None:
+            before_commit()
+        writer.commit()
+
+    return Output(sink=LegacySink(writer), commit=commit, prepare=lambda resume: writer.prepare(resume=resume),
+                  adopt=adopt, close=writer.close, needs_info=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
+import threading
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -478,3 +479,114 @@ def write_torch_archive(pkl: bytes, storages: list[bytes]) -> bytes:
     central = [rec.central_header(crc) for rec, crc in layouts]
     layout = ArchiveLayout(tuple(r for r, _ in layouts), cursor, sum(map(len, central)))
     return b"".join(parts + central) + layout.end_records()
+
+
+class TorchFileWriter:
+    """Streams a whole ``torch.save`` file (a ``data.pkl`` and its storages ``data/<i>``) at
+    ``file_offset`` of ``fd``: the layout is fixed by the pickle and the storage sizes, so every
+    record's header is written at construction, storages given as bytes too; the others are
+    filled by :meth:`write` at byte offsets in any order and from any thread (their CRC-32 from the
+    parts, :class:`formats.integrity.CRCRanges`; bytes never written are zeros). :meth:`close`
+    writes the data descriptors, the serialization id and the central directory."""
+
+    def __init__(self, fd: int, file_offset: int, pkl: bytes, storages: list[bytes | int]) -> None:
+        from formats.integrity import CRCRanges
+
+        if sys.byteorder != "little":
+            raise UnsupportedError("writing torch.save files needs a little-endian host (the bytes are raw)")
+        self._fd, self._base = fd, file_offset
+        sizes = [len(s) if isinstance(s, (bytes, bytearray)) else int(s) for s in storages]
+        names = [b"data.pkl", b".format_version", b".storage_alignment", b"byteorder",
+                 *(f"data/{i}".encode() for i in range(len(sizes))), b"version", b".data/serialization_id"]
+        fixed = {b"data.pkl": pkl, b".format_version": _FORMAT_VERSION, b".storage_alignment": _STORAGE_ALIGNMENT,
+                 b"byteorder": _BYTEORDER, b"version": _VERSION}
+        lens = [len(fixed[n]) if n in fixed else _SERIALIZATION_ID_LEN for n in names[:4]] + sizes + \
+            [len(_VERSION), _SERIALIZATION_ID_LEN]
+        self.records: list[_RecordLayout] = []
+        cursor = 0
+        for name, size in zip(names, lens):
+            rec = _RecordLayout(_PREFIX + name, cursor, size)
+            self.records.append(rec)
+            cursor = rec.end
+        self._central = cursor
+        self._fixed, self._crcs = fixed, {}
+        self._ledgers = {i: CRCRanges(n) for i, (s, n) in enumerate(zip(storages, sizes))
+                         if not isinstance(s, (bytes, bytearray))}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._write_fixed(storages)
+
+    @property
+    def size(self) -> int:
+        """The file's size: records, central directory and end records."""
+        central = sum(len(r.central_header(0)) for r in self.records)
+        return self._central + central + 56 + 20 + 22
+
+    def storage_offset(self, storage: int) -> int:
+        """Where storage ``storage``'s bytes start, relative to the file."""
+        return self.records[4 + storage].data_offset
+
+    def _write_fixed(self, storages: list[bytes | int]) -> None:
+        parts: list[tuple[int, bytes]] = []
+        for rec in self.records:
+            name = rec.name[len(_PREFIX):]
+            parts.append((rec.header_offset, rec.local_header()))
+            body = self._fixed.get(name)
+            if name.startswith(b"data/"):
+                data = storages[int(name[5:])]
+                body = bytes(data) if isinstance(data, (bytes, bytearray)) else None
+            if body is not None:
+                crc = zlib.crc32(body)
+                self._crcs[name] = crc
+                parts.append((rec.data_offset, body + rec.descriptor(crc)))
+        for offset, data in parts:
+            pwrite_all(self._fd, data, self._base + offset)
+
+    def write(self, storage: int, offset: int, data: np.ndarray) -> int:
+        """Write ``data`` (a C-contiguous array: its raw bytes) at byte ``offset`` of storage
+        ``storage``; the bytes' CRC-32 (what another process passes to :meth:`add_crc`)."""
+        from formats.integrity import crc32
+
+        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        rec = self.records[4 + storage]
+        if offset < 0 or offset + len(view) > rec.size:
+            raise InvalidCheckpointError(f"{len(view)} bytes at {offset} of a {rec.size}-byte storage")
+        pwrite_all(self._fd, view, self._base + rec.data_offset + offset)
+        crc = crc32(view)
+        self.add_crc(storage, offset, len(view), crc)
+        return crc
+
+    def add_crc(self, storage: int, offset: int, length: int, crc: int) -> None:
+        """Account for ``length`` bytes at ``offset`` of ``storage`` written elsewhere, CRC ``crc``."""
+        with self._lock:
+            try:
+                self._ledgers[storage].add_crc(offset, length, crc)
+            except ValueError as e:
+                raise InvalidCheckpointError(f"storage {storage}: {e}; the plan's tasks overlap") from None
+
+    def close(self) -> None:
+        """Zero-filled gaps accounted for, then the data descriptors, serialization id, central
+        directory and end records."""
+        if self._closed:
+            return
+        for storage, ledger in self._ledgers.items():
+            ledger.finish(lambda a, b, add: add(a, memoryview(bytes(b - a))))
+            self._crcs[f"data/{storage}".encode()] = ledger.value()
+        parts = []
+        combined = 0
+        for rec in self.records[:-1]:
+            name = rec.name[len(_PREFIX):]
+            if rec.size:
+                combined = _hash_combine(combined, self._crcs[name])
+            if name.startswith(b"data/") and int(name[5:]) in self._ledgers:
+                parts.append((rec.data_offset + rec.size, rec.descriptor(self._crcs[name])))
+        sid = f"{0:020d}{combined:020d}".encode()
+        last = self.records[-1]
+        self._crcs[b".data/serialization_id"] = zlib.crc32(sid)
+        parts.append((last.data_offset, sid + last.descriptor(zlib.crc32(sid))))
+        central = [r.central_header(self._crcs[r.name[len(_PREFIX):]]) for r in self.records]
+        layout = ArchiveLayout(tuple(self.records), self._central, sum(map(len, central)))
+        parts.append((self._central, b"".join(central) + layout.end_records()))
+        for offset, data in parts:
+            pwrite_all(self._fd, data, self._base + offset)
+        self._closed = True

@@ -142,3 +142,33 @@ def tp_split(name: str, ndim: int, gated: bool) -> Split | None:
 
 def is_extra_state(name: str) -> bool:
     return name.endswith("." + EXTRA_STATE) or name == EXTRA_STATE
+
+
+def unmap_local_spec(rest: str) -> str:
+    """The inverse of :func:`map_local_spec`: TE's fused norm names back to the local spec's."""
+    for old, new in LOCAL_SPEC_KEYS_MAP:
+        if rest.startswith(new):
+            return old + rest[len(new):]
+    return rest
+
+
+_STACKED_EXPERTS = re.compile(r"(?P<head>(?:.+\.)?experts)\.experts\.(?P<rest>.+)")
+
+
+def local_rest(rest: str, expert: int | None, local_spec: bool, grouped: bool) -> str:
+    """The name inside a layer a rank's state dict gives the sharded ``rest`` (its local expert
+    ``expert``): the local spec's norm names, SequentialMLP's ``local_experts.<j>.`` or
+    TEGroupedMLP's ``linear_fc1.weight<j>``."""
+    if local_spec:
+        rest = unmap_local_spec(rest)
+    m = _STACKED_EXPERTS.fullmatch(rest)
+    if m is None or expert is None:
+        return rest
+    if grouped:
+        return f"{m.group('head')}.{m.group('rest')}{expert}"
+    return f"{m.group('head')}.local_experts.{expert}.{m.group('rest')}"
+
+
+def is_expert_key(key: str) -> bool:
+    """Whether a sharded key holds routed experts (``...experts.experts.*``, an expert axis)."""
+    return ".experts.experts." in f".{key}"

@@ -1,6 +1,10 @@
 """Megatron-LM legacy checkpoints converted by ckptconv and loaded by megatron-core 0.19.2's own
-``dist_checkpointing.load`` into real GPTModels with their DistributedOptimizers, bit-exact (``-m slow``:
-multi-process gloo runs of megatron's own code).
+``dist_checkpointing.load`` into real GPTModels with their DistributedOptimizers, bit-exact, and legacy
+checkpoints WRITTEN by ckptconv (``from-universal --format megatron-legacy``) loaded as Megatron-LM's
+``load_checkpoint`` does with ``--ckpt-format torch`` (``torch.load`` of the rank's
+``model_optim_rng.pt``, ``load_state_dict(strict=True)`` of every model chunk, the optimizer's
+``load_state_dict`` and ``load_parameter_state(distrib_optim.pt)``), bit-exact (``-m slow``: multi-process
+gloo runs of megatron's own code).
 
 Each source is one training run saved twice from the same state: in Megatron-LM's legacy format
 (``megatron_support.save_legacy``) and by megatron's torch_dist ``dist_checkpointing.save``. ckptconv
@@ -83,3 +87,33 @@ def test_megatron_loads_the_converted_legacy_checkpoint_bit_exact(sources, tmp_p
         assert rep["compared"] >= 20 and rep["iteration"] == 2
     print(f"\nlegacy {src} -> {mesh}: convert {t1 - t0:.1f} s, megatron load+compare {time.time() - t1:.1f} s, "
           f"{len(reports)} ranks, {sum(r['compared'] for r in reports)} values compared")
+
+
+TARGET_CASES = [  # (source, which of its two saves, target mesh, vpp, layout megatron loads with)
+    ("tp2,pp2,vpp2", "torch_dist", "tp2,pp2", 2, dict(tp=2, pp=2, dp=1, vpp=2)),  # torch_dist -> legacy, same layout
+    ("tp2,pp2,vpp2", "legacy", "dp2", 1, dict(tp=1, pp=1, dp=2)),  # TP, PP, VPP and DP change
+    ("tp2,pp2,vpp2", "legacy", "pp2,dp2", 1, dict(tp=1, pp=2, dp=2)),
+    ("tp2,dp2", "legacy", "pp2,tp2", 2, dict(tp=2, pp=2, dp=1, vpp=2)),  # PP1 -> PP2 x VPP2
+    ("moe,ep2,dp2", "legacy", "dp2,ep2", 1, dict(tp=1, pp=1, dp=2, ep=2)),  # experts' own optimizer
+    ("moe,ep2,dp2", "torch_dist", "tp2,dp2,ep2", 1, dict(tp=2, pp=1, dp=2, ep=2)),  # expert TP 1 -> 2
+]
+
+
+@pytest.mark.parametrize("src,which,mesh,vpp,load", TARGET_CASES,
+                         ids=[f"{s}-{w}-to-legacy-{m}{'-vpp' + str(v) if v > 1 else ''}"
+                              for s, w, m, v, _ in TARGET_CASES])
+def test_megatron_loads_the_written_legacy_checkpoint_bit_exact(sources, tmp_path, src, which, mesh, vpp, load):
+    legacy, dist, spec = sources[src]
+    t0 = time.time()
+    out = tmp_path / "out"
+    code, _, err = run_cli("from-universal", str(legacy if which == "legacy" else dist), str(out), "--mesh", mesh,
+                           "--vpp", str(vpp), "--format", "megatron-legacy", "--megatron-names", "local")
+    assert code == 0, err
+    t1 = time.time()
+    reports = ms.load_and_compare(dist, out, work=tmp_path / "load", spec=spec, converted_format="legacy",
+                                  common=("iteration", "checkpoint_version"), **load)
+    for rep in reports:
+        assert rep["mismatch"] == [], (rep["rank"], rep["mismatch"][:5])
+        assert rep["compared"] >= 20 and rep["iteration"] == 2
+    print(f"\n{src} ({which}) -> legacy {mesh} vpp{vpp}: convert {t1 - t0:.1f} s, megatron legacy load+compare "
+          f"{time.time() - t1:.1f} s, {len(reports)} ranks, {sum(r['compared'] for r in reports)} values compared")

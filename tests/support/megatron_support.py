@@ -363,6 +363,7 @@ def megatron_args(spec: GPTSpec, iteration: int, ckpt_format: str) -> Any:
         moe_router_topk=spec.moe_router_topk, use_distributed_optimizer=spec.distributed_optimizer,
         overlap_grad_reduce=False, ddp_bucket_size=None, data_parallel_size=ps.get_data_parallel_world_size(),
         world_size=dist.get_world_size(), rank=dist.get_rank(), ckpt_format=ckpt_format, iteration=iteration,
+        transformer_impl="local", accumulate_allreduce_grads_in_fp32=True,
         lr=1e-2, optimizer="adam", consumed_train_samples=iteration * 2,
     )
 
@@ -478,13 +479,14 @@ SMALL = GPTSpec(num_layers=4, hidden_size=16, num_attention_heads=4, num_query_g
 def load_and_compare(reference: "os.PathLike[str] | str", converted: "os.PathLike[str] | str", tp: int, pp: int,
                      dp: int, work: "os.PathLike[str] | str", spec: GPTSpec = GPTSpec(), rng: bool = False,
                      vpp: int = 1, ep: int = 1, etp: int | None = None,
-                     common: tuple[str, ...] | None = None) -> list[dict]:
+                     common: tuple[str, ...] | None = None, converted_format: str = "torch_dist") -> list[dict]:
     """megatron's own ``dist_checkpointing.load`` of ``reference`` and of ``converted`` into two GPTModels
     (with their DistributedOptimizers) on ``tp`` x ``pp`` x ``dp`` (``vpp`` model chunks per stage, ``ep``
     / ``etp`` expert parallel sizes); each rank reports what differs (model parameters, fp32 main
     params, Adam states and steps, param groups, the ``common`` values: iteration, checkpoint_version,
-    args, content_metadata and rng_state by default)."""
-    job = {"mode": "compare", "world": tp * pp * dp, "tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp,
+    args, content_metadata and rng_state by default). ``converted_format`` "legacy": ``converted`` is a
+    legacy checkpoint, loaded as Megatron-LM's ``load_checkpoint`` does with ``--ckpt-format torch``."""
+    job = {"mode": "compare", "converted_format": converted_format, "world": tp * pp * dp, "tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp,
            "spec": asdict(spec), "reference": str(Path(reference).resolve()),
            "converted": str(Path(converted).resolve()), "rng": rng}
     if common is not None:

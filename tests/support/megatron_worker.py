@@ -86,13 +86,35 @@ def _load(spec, path: str, seed: int, rng: bool):
     return models, opt, loaded
 
 
+def _load_legacy(spec, root: str, seed: int):
+    """(model chunks, optimizer, the file's values) after Megatron-LM's legacy load
+    (``load_checkpoint`` with ``--ckpt-format torch``): this rank's ``model_optim_rng.pt`` through
+    ``torch.load``, every model chunk's ``load_state_dict(strict=True)``, the optimizer's
+    ``load_state_dict`` and, for the DistributedOptimizer, ``load_parameter_state(distrib_optim.pt)``."""
+    import torch
+
+    models, ddps, opt = ms.build_chunks(spec, seed)
+    iteration = int((Path(root) / "latest_checkpointed_iteration.txt").read_text())
+    folder = ms.legacy_checkpoint_dir(root, iteration)
+    sd = torch.load(folder / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+    for i, m in enumerate(models):
+        m.load_state_dict(sd["model" if len(models) == 1 else f"model{i}"], strict=True)
+    opt.load_state_dict(sd["optimizer"])
+    if spec.distributed_optimizer:
+        opt.load_parameter_state(str(folder / "distrib_optim.pt"))
+    return models, opt, sd
+
+
 def _model_state(models) -> dict:
     return {f"{i}/{k}": v for i, m in enumerate(models) for k, v in m.state_dict().items()}
 
 
 def _compare(job: dict, spec) -> dict:
     ref_models, ref_opt, ref = _load(spec, job["reference"], 11, job.get("rng", False))
-    got_models, got_opt, got = _load(spec, job["converted"], 22, job.get("rng", False))
+    if job.get("converted_format") == "legacy":
+        got_models, got_opt, got = _load_legacy(spec, job["converted"], 22)
+    else:
+        got_models, got_opt, got = _load(spec, job["converted"], 22, job.get("rng", False))
     bad, compared = [], 0
     ref_sd, got_sd = _model_state(ref_models), _model_state(got_models)
     for key in sorted(set(ref_sd) | set(got_sd)):
