@@ -15,6 +15,10 @@ UNIVERSAL_CHUNK_BYTES = 64 * MIB
 PIECE_BYTES = 16 * MIB
 #: Default memory budget for buffers in flight (bytes), shared by all workers.
 MEMORY_BUDGET = 512 * MIB
+#: Write the large aligned part of each piece straight to the device (``O_DIRECT``, where the
+#: destination's file system takes it): no page-cache copy and no writeback left for the commit's
+#: fsyncs. Env ``CKPTCONV_DIRECT_WRITES=0`` sends every byte through the page cache.
+DIRECT_WRITES = (os.environ.get("CKPTCONV_DIRECT_WRITES", "1") or "1") not in ("0", "false", "no", "off")
 #: Default number of I/O worker threads.
 WORKERS = max(2, min(8, (os.cpu_count() or 2)))
 # The limits of the on-disk formats live with them (formats/ imports nothing of converter/):

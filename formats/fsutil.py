@@ -1,10 +1,13 @@
-"""Small filesystem helpers shared by the format modules: atomic publish, safe joins."""
+"""Small filesystem helpers shared by the format modules: atomic publish, safe joins, pooled
+buffers, large aligned (direct) writes, fsyncs of many files at once."""
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -163,22 +166,30 @@ _PAGE = 4096
 _local = threading.local()
 
 
-def pooled_buffer(slot: str, nbytes: int) -> np.ndarray:
+def pooled_buffer(slot: str, nbytes: int, align_to: int | None = None) -> np.ndarray:
     """A reusable per-thread uint8 buffer of exactly ``nbytes`` (contents undefined).
 
     Each thread keeps one buffer per ``slot``, grown to the largest size asked for, so repeated
     reads reuse warm pages instead of faulting in (and zero-filling) a fresh mapping each time.
     The buffers live as long as the thread (an executor's worker pool ends with its run). The
     result is only valid until the same thread asks for the same slot again.
+
+    ``align_to``: place the result so that its address is ``align_to`` modulo
+    :data:`DIRECT_ALIGN`: a buffer that will be written at file offset ``align_to`` is then
+    aligned as a direct write needs (:class:`DirectWrites`).
     """
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}
     buf = bufs.get(slot)
-    if buf is None or buf.nbytes < nbytes:
+    need = nbytes + (DIRECT_ALIGN if align_to is not None else 0)
+    if buf is None or buf.nbytes < need:
         bufs[slot] = None  # free the smaller one before allocating
-        buf = bufs[slot] = np.empty(max(nbytes, 1), dtype=np.uint8)
-    return buf[:nbytes]
+        buf = bufs[slot] = np.empty(max(nbytes + DIRECT_ALIGN, 1), dtype=np.uint8)
+    if align_to is None:
+        return buf[:nbytes]
+    start = (align_to - buf.ctypes.data) % DIRECT_ALIGN
+    return buf[start: start + nbytes]
 
 
 def loads_json(raw: bytes | str, where: str, error: type[Exception] = CorruptCheckpointError,
@@ -213,3 +224,146 @@ def read_error(path: object, exc: OSError, what: str = "") -> Exception:
         return CorruptCheckpointError(f"{where}: cannot read it ({os_reason(exc)}); the checkpoint names a bad "
                                       "path: it is damaged or was tampered with")
     return StorageError(f"{where}: cannot read it ({os_reason(exc)}); check the file's permissions and the storage")
+
+
+# ----------------------------------------------------------------------------- large aligned writes
+
+#: O_DIRECT alignment used for buffers, offsets and lengths (the page size; covers 512-byte and
+#: 4 KiB logical blocks).
+DIRECT_ALIGN = 4096
+#: Writes whose aligned middle is smaller than this go through the page cache (one copy is cheaper
+#: than a synchronous device write for small runs).
+DIRECT_MIN_BYTES = 1 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def open_direct(path: str | os.PathLike) -> int | None:
+    """A second, write-only descriptor of the existing file ``path`` opened with ``O_DIRECT``
+    (writes go from the caller's buffer to the device: no page-cache copy, no writeback later);
+    None where the platform or file system refuses it (tmpfs on older kernels, macOS)."""
+    if not _O_DIRECT:
+        return None
+    try:
+        return os.open(os.fspath(path), os.O_WRONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of the first byte of ``view`` (any C-contiguous buffer)."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
+class DirectWrites:
+    """A file's buffered descriptor ``fd`` and :meth:`pwrite`, which sends the 4 KiB-aligned
+    middle of a large write straight to the device through a second, ``O_DIRECT`` descriptor of
+    ``path`` (opened at the first such write; none when ``path`` is None) when the buffer is
+    aligned like the file offset (pooled buffers are placed so: :func:`pooled_buffer`'s
+    ``align_to``), the rest through ``fd``. Where the file system refuses direct writes (open or
+    write EINVAL) the data goes buffered.
+
+    The data is durable only after ``fsync(fd)`` (it flushes the device cache and the metadata
+    of both descriptors' writes), as for buffered writes. ``dirty`` is set by every write (the
+    owner clears it when it syncs). Thread-safe: concurrent writes go to disjoint ranges.
+    """
+
+    def __init__(self, fd: int, path: str | os.PathLike | None = None) -> None:
+        self.fd = fd
+        self._path = path
+        self._direct: int | None = None
+        self._refused = path is None or not _O_DIRECT
+        self._lock = threading.Lock()
+        self.dirty = True  # created: its size and entry need a sync too
+
+    def _direct_fd(self) -> int | None:
+        if self._refused:
+            return None
+        if self._direct is None:
+            with self._lock:
+                if self._direct is None and not self._refused:
+                    self._direct = open_direct(self._path)
+                    self._refused = self._direct is None
+        return self._direct
+
+    def pwrite(self, data: object, offset: int) -> int:
+        """Write all of ``data`` at ``offset``; the number of bytes that went through the page
+        cache (all of them unless the aligned middle went direct)."""
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self.dirty = True
+        lo = -offset % DIRECT_ALIGN  # bytes before the first aligned file offset
+        hi = (offset + n) // DIRECT_ALIGN * DIRECT_ALIGN - offset  # end of the aligned middle
+        if self._refused or hi - lo < DIRECT_MIN_BYTES or (buffer_address(view) - offset) % DIRECT_ALIGN:
+            pwrite_all(self.fd, view, offset)
+            return n
+        direct = self._direct_fd()
+        if direct is None:
+            pwrite_all(self.fd, view, offset)
+            return n
+        pwrite_all(self.fd, view[:lo], offset)
+        try:
+            pwrite_all(direct, view[lo:hi], offset + lo)
+        except OSError as e:
+            import errno
+
+            if e.errno != errno.EINVAL:
+                raise
+            self._refused = True  # no direct writes here: buffered from now on (closed by close())
+            pwrite_all(self.fd, view[lo:], offset + lo)
+            return n
+        pwrite_all(self.fd, view[hi:], offset + hi)
+        return n - (hi - lo)
+
+    def sync(self, data_only: bool = True) -> None:
+        """Make what was written durable (``fdatasync``, or ``fsync``), if anything was since the
+        last sync."""
+        if not self.dirty:
+            return
+        self.dirty = False  # before the sync: a write racing with it sets it again
+        try:
+            (os.fdatasync if data_only and hasattr(os, "fdatasync") else os.fsync)(self.fd)
+        except BaseException:
+            self.dirty = True
+            raise
+
+    def close(self) -> None:
+        """Close the direct descriptor and ``fd``; no write may be running."""
+        direct, self._direct = self._direct, None
+        self._refused = True
+        for fd in (direct, self.fd):
+            if fd is not None:
+                os.close(fd)
+
+
+def run_parallel(fn: Callable[[Any], None], items: list, workers: int = 8) -> None:
+    """``fn(item)`` for every item, up to ``workers`` at once (for fsyncs: each mostly waits on the
+    device, and concurrent ones share journal commits). The first failure is raised after all ran."""
+    if len(items) <= 1 or workers <= 1:
+        for item in items:
+            fn(item)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="ckptconv-sync") as pool:
+        futures = [pool.submit(fn, item) for item in items]
+    for f in futures:
+        f.result()
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync one file or directory by path (a directory best effort, as :func:`fsync_dir`)."""
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        import stat
+
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_paths(paths: list, workers: int = 8) -> None:
+    """fsync every file or directory in ``paths``, several at once (:func:`run_parallel`)."""
+    run_parallel(fsync_path, list(paths), workers)

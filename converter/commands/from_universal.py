@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from converter import knobs
 from converter.config import RunOptions
 from converter.plan.atoms import AtomRef, group_atoms
 from converter.plan.copy_tasks import WriteTask, plan_boxes, target_nbytes, total_target_nbytes
@@ -430,7 +431,7 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
     def open_output(out: Path) -> Output:
         objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
         planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
-        writer = DCPWriter(out, layout.chunks, objects, planner_data, mesh.world_size)
+        writer = DCPWriter(out, layout.chunks, objects, planner_data, mesh.world_size, direct_io=knobs.DIRECT_WRITES)
         # Megatron's metadata.json / common.pt, as they are
         return dcp_output(writer, extra_files=lambda: write_framework_files(out, framework or {}))
 

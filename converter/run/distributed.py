@@ -247,6 +247,10 @@ class _RecordingWriter:
     def __init__(self, owner: _RecordingSink, task: WriteTask, inner: PieceWriter) -> None:
         self.owner, self.task, self.inner = owner, task, inner
 
+    def file_offset(self, piece: Any) -> int | None:
+        place = getattr(self.inner, "file_offset", None)
+        return None if place is None else place(piece)
+
     def write(self, piece: Any, data: Any) -> None:
         self.inner.write(piece, data)
 

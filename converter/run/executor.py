@@ -68,6 +68,11 @@ class PieceWriter(Protocol):
 
     def close(self) -> Any: ...
 
+    # Optional: ``file_offset(piece) -> int | None``, where ``write`` will put the piece's first
+    # byte in its file (None: unknown, or the data is converted first); the executor then places
+    # the piece's buffer to match it, so a large aligned part can be written straight to the
+    # device (:class:`formats.fsutil.DirectWrites`).
+
 
 class TaskSink(Protocol):
     """Opens a :class:`PieceWriter` for each write task; ``sync`` makes closed tasks durable."""
@@ -188,19 +193,20 @@ def _byte_shape(sizes: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return (*sizes[:-1], sizes[-1] * itemsize) if sizes else (itemsize,)
 
 
-def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece) -> np.ndarray:
+def fill_piece(reader: CheckpointReader, task: WriteTask, piece: Piece, file_offset: int | None = None) -> np.ndarray:
     """The piece's data as a bit array (numpy, storage dtype, the piece's shape), read from its
     source regions.
 
     Every region is read (``read_region_into``) straight into a pooled per-thread buffer at its
     place in the piece (regions that are not one dense run of the piece go through a pooled
     scratch buffer); the result is a view of that buffer, valid until this thread fills its next
-    piece.
+    piece. ``file_offset``: where the writer puts the piece's first byte; the buffer is placed
+    to match it modulo the page size, so the writer can send it straight to the device.
     """
     into = reader.read_region_into
     d = by_name(task.dtype)
     isz = d.itemsize
-    buf = pooled_buffer("piece", piece.box.numel * isz)
+    buf = pooled_buffer("piece", piece.box.numel * isz, file_offset)
     view = memoryview(buf)
     sizes = piece.box.sizes
     for c in piece.copies:
@@ -431,12 +437,13 @@ def execute(
             if failed.is_set():
                 raise _Stopped
             writer = sink.open(task)
+            place = getattr(writer, "file_offset", None)
             for piece in task.pieces:
                 if slow and failed.wait(slow):  # tests: a slow run, still stopped at once
                     raise _Stopped
                 if failed.is_set():  # stop between pieces: the task stays undone (not journaled)
                     raise _Stopped
-                data = fill_piece(reader, task, piece)
+                data = fill_piece(reader, task, piece, None if place is None else place(piece))
                 if checked.tracks_sources:
                     _task_sources_of(piece, sources)
                 writer.write(piece, data)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from converter import knobs
 from converter.plan.copy_tasks import Piece, WriteTask, target_nbytes
 from converter.plan.dcp_safetensors import StorageLayout, WholeTensor
 from converter.run import distributed
@@ -45,6 +46,9 @@ class ChunkSink:
         def __init__(self, writer: Any, task: WriteTask) -> None:
             self.writer, self.task = writer, task
 
+        def file_offset(self, piece: Piece) -> int:
+            return self.writer.data_offset(self.task.key, self.task.target)
+
         def write(self, piece: Piece, data: np.ndarray) -> None:
             self.checksum = self.writer.write_chunk(self.task.key, self.task.target, data)
 
@@ -71,6 +75,11 @@ class RankChunkSink:
         def __init__(self, owner: RankChunkSink, sink: Any, task: WriteTask) -> None:
             self.owner, self.sink, self.task = owner, sink, task
             self.src_dtype, self.dtype = task.dtype, task.target.dtype
+
+        def file_offset(self, piece: Piece) -> int | None:
+            if self.src_dtype != self.dtype:  # cast into a new array first
+                return None
+            return getattr(self.sink, "next_offset", None)
 
         def write(self, piece: Piece, data: np.ndarray) -> None:
             self.sink.write(cast_bits(data, self.src_dtype, self.dtype))
@@ -199,7 +208,8 @@ def universal_output(out: Path, tensors: Mapping[str, TensorEntry], refs: Mappin
     checksum; ``write_objects(writer)`` adds the non-tensor entries (rank 0); the commit writes
     ``ckptconv.json`` (recording ``source`` and ``atoms``) last. A URL destination's spool
     uploads each file as it becomes final."""
-    writer = UniversalWriter(out, store.chunk_bytes, on_file_final=spool_hook(out), backend=store.backend)
+    writer = UniversalWriter(out, store.chunk_bytes, on_file_final=spool_hook(out), backend=store.backend,
+                             direct_io=knobs.DIRECT_WRITES)
     for key, entry in tensors.items():
         h = hints.get(key) if hints is not None else None
         placed = {} if h is None else {"source_split": h.split, "source_replicated": h.replicated,

@@ -39,7 +39,7 @@ Shape = tuple[int, ...]
 MAX_DATA_PKL_BYTES = 64 << 20
 #: Bytes read at each end of an item when parsing its zip structure (one pread for small items).
 _HEAD_BYTES = 4096
-_TAIL_BYTES = 64 << 10
+_TAIL_BYTES = 4 << 10  # a tensor archive's records after its data and directory: under 2 KiB
 _CRC_BLOCK = 4 << 20  # CRC passes read this much at a time (one pooled buffer per thread)
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")
 _ZSTD = "stream.zstd"

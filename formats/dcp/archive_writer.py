@@ -12,7 +12,9 @@ Everything except the CRC-32 of ``data/0`` (and the serialization id derived fro
 on (dtype, shape). So the archive's size and layout are known up front, the part before the tensor
 bytes is written at construction, the bytes stream in through :meth:`TensorArchiveWriter.write`,
 and :meth:`TensorArchiveWriter.close` writes the tail. All writes are ``os.pwrite`` at absolute
-offsets, so many archives of one file can be written concurrently from different threads.
+offsets, so many archives of one file can be written concurrently from different threads; the
+large aligned part of each piece may go straight to the device (``O_DIRECT``,
+:class:`formats.fsutil.DirectWrites`), the rest through the page cache.
 
 The output is byte-identical to ``torch.save`` (tests compare), serialization id included, and is
 produced without importing torch: ``data.pkl`` is pickled from stand-ins
@@ -37,7 +39,7 @@ from formats.integrity import crc32 as _data_crc32  # ISA-L's when installed (sa
 
 from formats.dcp.torch_globals import NEW_DTYPES, STORAGE_TYPE_BY_DTYPE, Global, dtype_global, dumps, module_name
 from formats.dtypes import by_name, is_torch_tensor, itemsize_of, raw_bytes
-from formats.fsutil import pwrite_all, start_writeback
+from formats.fsutil import DIRECT_MIN_BYTES, DirectWrites, pwrite_all, start_writeback
 from formats.errors import IncompleteCheckpointError, InvalidCheckpointError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -318,12 +320,16 @@ class TensorArchiveWriter:
     thread at a time; different writers may share ``fd`` across threads.
     """
 
-    def __init__(self, fd: int, file_offset: int, dtype_name: str, shape: Shape, pkl: bytes | None = None) -> None:
-        """``pkl``: another ``data.pkl`` whose one storage (key ``"0"``) is this tensor's (see
-        :func:`tensor_ref`); default: the bare tensor's, as ``torch.save(tensor)`` writes it."""
+    def __init__(self, fd: int | DirectWrites, file_offset: int, dtype_name: str, shape: Shape,
+                 pkl: bytes | None = None) -> None:
+        """``fd``: the file (a descriptor, or :class:`formats.fsutil.DirectWrites` to send the
+        large aligned part of each piece straight to the device); ``pkl``: another ``data.pkl``
+        whose one storage (key ``"0"``) is this tensor's (see :func:`tensor_ref`); default: the
+        bare tensor's, as ``torch.save(tensor)`` writes it."""
         if sys.byteorder != "little":
             raise UnsupportedError("writing DCP archives needs a little-endian host (the bytes are raw)")
-        self._fd = fd
+        self._out = fd if isinstance(fd, DirectWrites) else DirectWrites(fd, None)
+        self._fd = self._out.fd
         self._base = file_offset
         self._dtype = by_name(dtype_name)
         self._shape = tuple(int(s) for s in shape)
@@ -350,6 +356,12 @@ class TensorArchiveWriter:
         return self._closed
 
     @property
+    def next_offset(self) -> int:
+        """The file offset the next piece's first byte is written at (place its buffer so:
+        :func:`formats.fsutil.pooled_buffer`'s ``align_to``)."""
+        return self._base + self._layout.data_offset + self._written
+
+    @property
     def _what(self) -> str:
         return f"{self._dtype.name}{list(self._shape)}"
 
@@ -374,8 +386,9 @@ class TensorArchiveWriter:
             raise InvalidCheckpointError(f"pieces exceed the {self.nbytes} bytes of a {self._what} chunk")
         if len(self._head) < 8:
             self._head += data[: 8 - len(self._head)].tobytes()
-        pwrite_all(self._fd, data, self._base + self._layout.data_offset + self._written)
-        start_writeback(self._fd, self._base + self._layout.data_offset + self._written, data.nbytes)
+        at = self._base + self._layout.data_offset + self._written
+        if self._out.pwrite(data, at) >= DIRECT_MIN_BYTES:  # through the page cache: start its writeback
+            start_writeback(self._fd, at, data.nbytes)
         self._crc = _data_crc32(data, self._crc)
         self._written += data.nbytes
 

@@ -27,7 +27,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -98,18 +98,21 @@ def stored_shape(record: TensorRecord, box: Box) -> tuple[int, ...]:
     return tuple(box.sizes)
 
 
-def prepare(root: Path, records: Mapping[str, TensorRecord]) -> None:
-    """Create the store's folders and every tensor's folder (no file yet)."""
+def prepare(root: Path, records: Mapping[str, TensorRecord]) -> list[Path]:
+    """Create the store's folders and every tensor's folder (no file yet: none written)."""
     (root / TENSORS_DIR).mkdir(parents=True, exist_ok=True)
     (root / OBJECTS_DIR).mkdir(exist_ok=True)
     for record in records.values():
         if record.files:
             (root / record.array).mkdir(exist_ok=True)
+    return []
 
 
-def write_chunk_file(f: BinaryIO, key: str, record: TensorRecord, box: Box, data: np.ndarray) -> None:
-    """Write one chunk's file: the header first, then the chunk's bytes (C order, little-endian)."""
+def chunk_file_parts(key: str, record: TensorRecord, box: Box, data: np.ndarray) -> tuple[list[tuple[int, memoryview]], int]:
+    """One chunk's file as (offset, bytes) parts and its size: the header, then the chunk's bytes
+    (C order, little-endian)."""
     if tuple(data.shape) != tuple(box.sizes):
         raise ValueError(f"{key!r}: chunk data of shape {list(data.shape)}, the chunk is {list(box.sizes)}")
-    f.write(header(record, box))
-    f.write(raw_bytes(data))
+    head = header(record, box)
+    body = memoryview(raw_bytes(data)).cast("B")
+    return [(0, memoryview(head)), (len(head), body)], len(head) + len(body)

@@ -37,8 +37,8 @@ from formats.errors import (
     IncompleteCheckpointError,
     InvalidCheckpointError,
 )
-from formats.fsutil import (atomic_write_bytes, fsync_dir, loads_json, pooled_buffer, read_error, short,
-                            source_path, start_writeback)
+from formats.fsutil import (DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, fsync_paths, loads_json,
+                            pooled_buffer, read_error, short, source_path, start_writeback)
 from formats.integrity import ChunkChecks, StreamedHash, block_fill
 from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
 from formats.universal import safetensors_backend, zarr_backend
@@ -87,7 +87,10 @@ class UniversalWriter:
     """
 
     def __init__(self, root: str | os.PathLike, chunk_bytes: int,
-                 on_file_final: Callable[[str], None] | None = None, backend: str = DEFAULT_BACKEND) -> None:
+                 on_file_final: Callable[[str], None] | None = None, backend: str = DEFAULT_BACKEND,
+                 direct_io: bool = True) -> None:
+        """``direct_io``: write the large aligned part of each chunk file straight to the device
+        (``O_DIRECT`` where the file system takes it), the rest through the page cache."""
         self.root = Path(root)
         self.chunk_bytes = chunk_bytes
         self.backend = backend
@@ -101,6 +104,9 @@ class UniversalWriter:
         self._lock = threading.Lock()
         self._unsynced: list[Path] = []
         self._synced_dirs: set[str] = set()  # directories holding only chunk files already synced
+        self._made_dirs: set[Path] = set()
+        self._meta_files: set[str] = set()  # written by the backend's prepare
+        self._direct_io = direct_io and on_file_final is None  # spooled files are read back at once
         self._prepared = False
 
     def add_tensor(self, entry: TensorEntry, atom: str, role: str, *, source_split: dict[str, int] | None = None,
@@ -138,7 +144,7 @@ class UniversalWriter:
 
     def prepare(self) -> None:
         """Create the store's folders and the backend's metadata files (the first I/O)."""
-        self._layout.prepare(self.root, self._tensors)
+        self._meta_files = {str(p) for p in self._layout.prepare(self.root, self._tensors)}
         self._prepared = True
 
     def chunks(self, key: str) -> list[tuple[tuple[int, ...], Box]]:
@@ -146,10 +152,17 @@ class UniversalWriter:
         r = self._tensors[key]
         return list(chunk_grid(r.shape, r.chunk_shape))
 
+    def data_offset(self, key: str, index: tuple[int, ...]) -> int:
+        """Where a chunk's bytes start in its file (a pure function of the record)."""
+        record = self._tensors[key]
+        return self._layout.data_offset(record, chunk_box(record, index))
+
     def write_chunk(self, key: str, index: tuple[int, ...], tensor: Any) -> str:
         """Write one whole chunk (thread-safe across chunks): temp file, then rename; its checksum.
 
-        ``tensor`` is the chunk's bit array (numpy, storage dtype) or a torch tensor.
+        ``tensor`` is the chunk's bit array (numpy, storage dtype) or a torch tensor. Its large
+        aligned part goes straight to the device when the buffer is aligned like its place in the
+        file (:meth:`data_offset`; :class:`formats.fsutil.DirectWrites`).
         """
         if not self._prepared:
             raise RuntimeError("internal error: UniversalWriter.prepare() was not called before writing")
@@ -160,11 +173,22 @@ class UniversalWriter:
         checksum = xxhash.xxh3_64_hexdigest(raw_bytes(data))
         relative = self._layout.chunk_file(record, index)
         path = self.root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent not in self._made_dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._made_dirs.add(path.parent)
         tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            self._layout.write_chunk_file(f, key, record, chunk_box(record, index), data)
-            start_writeback(f.fileno())
+        parts, size = self._layout.chunk_file_parts(key, record, chunk_box(record, index), data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        out = DirectWrites(fd, tmp if self._direct_io and size >= DIRECT_MIN_BYTES else None)
+        try:
+            buffered = sum(out.pwrite(part, offset) for offset, part in parts)
+            end = max((offset + len(part) for offset, part in parts), default=0)
+            if size > end:
+                os.ftruncate(fd, size)
+            if buffered >= DIRECT_MIN_BYTES:  # through the page cache: start its writeback now
+                start_writeback(fd)
+        finally:
+            out.close()
         os.replace(tmp, path)
         with self._lock:
             record.checksums[chunk_id(index)] = checksum
@@ -188,12 +212,7 @@ class UniversalWriter:
             paths, self._unsynced = self._unsynced, []
         if self._on_final is not None:  # spool mode: the files leave this disk, no local durability
             return
-        for path in paths:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        fsync_paths(paths)
         with self._lock:
             self._synced_dirs.update(str(p.parent) for p in paths)
 
@@ -226,7 +245,7 @@ class UniversalWriter:
             r.checksums.update(ordered)
         self.sync()  # chunk files not yet synced (the journal synced the others)
         if self._on_final is None:  # spool mode: nothing local needs to be durable
-            _fsync_tree(self.root, skip_files=self._synced_dirs)
+            _fsync_tree(self.root, skip_files=self._synced_dirs, always=self._meta_files)
         meta = UniversalMetadata(
             tool_version=tool_version, source=source, tensors=self._tensors,
             objects=self._objects, atoms=atoms, created=created, backend=self.backend,
@@ -234,20 +253,16 @@ class UniversalWriter:
         atomic_write_bytes(self.root / METADATA_FILE, meta.dumps())
 
 
-def _fsync_tree(root: Path, skip_files: set[str] = frozenset()) -> None:
-    """fsync every file and directory under ``root``; files directly in a ``skip_files``
-    directory are not synced (only directories are, for their renames)."""
+def _fsync_tree(root: Path, skip_files: set[str] = frozenset(), always: set[str] = frozenset()) -> None:
+    """fsync every file and directory under ``root``, several at once; files directly in a
+    ``skip_files`` directory (chunk files already synced) are not synced, except those in
+    ``always`` (metadata written beside them); directories always are, for their entries."""
+    paths: list[str] = []
     for dirpath, _, files in os.walk(root):
-        if dirpath in skip_files:
-            fsync_dir(dirpath)
-            continue
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(dirpath)
+        skip = dirpath in skip_files
+        paths += [p for p in (os.path.join(dirpath, name) for name in files) if not skip or p in always]
+        paths.append(dirpath)
+    fsync_paths(paths)
 
 
 def is_universal_store(path: str | os.PathLike | Storage) -> bool:

@@ -19,7 +19,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -60,16 +60,21 @@ def array_json(record: TensorRecord, key: str) -> dict[str, Any]:
     }
 
 
-def prepare(root: Path, records: Mapping[str, TensorRecord]) -> None:
-    """Create the groups and every array's ``zarr.json`` (metadata only, no chunk)."""
+def prepare(root: Path, records: Mapping[str, TensorRecord]) -> list[Path]:
+    """Create the groups and every array's ``zarr.json`` (metadata only, no chunk); the files
+    written."""
     (root / TENSORS_DIR).mkdir(parents=True, exist_ok=True)
     (root / OBJECTS_DIR).mkdir(exist_ok=True)
+    written = []
     for d in (root, root / TENSORS_DIR):
         (d / "zarr.json").write_text(json.dumps(GROUP_JSON))
+        written.append(d / "zarr.json")
     for key, record in records.items():
         array_dir = root / record.array
         array_dir.mkdir(parents=True, exist_ok=True)
         (array_dir / "zarr.json").write_text(json.dumps(array_json(record, key), indent=1))
+        written.append(array_dir / "zarr.json")
+    return written
 
 
 def _padded_bytes(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[memoryview, int]:
@@ -84,12 +89,11 @@ def _padded_bytes(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[memoryview,
     return memoryview(padded).cast("B"), full
 
 
-def write_chunk_file(f: BinaryIO, key: str, record: TensorRecord, box: Box, data: np.ndarray) -> None:
-    """Write one chunk file's bytes: the chunk, edge chunks padded to the full chunk shape."""
+def chunk_file_parts(key: str, record: TensorRecord, box: Box, data: np.ndarray) -> tuple[list[tuple[int, memoryview]], int]:
+    """One chunk file's bytes as (offset, bytes) parts and the file's size: the chunk at 0, edge
+    chunks padded to the full chunk shape (zeros past the data: the size extends the file)."""
     payload, full = _padded_bytes(data, record.chunk_shape)
-    f.write(payload)
-    if len(payload) < full:
-        f.truncate(full)
+    return [(0, payload)], full
 
 
 def file_size(record: TensorRecord, box: Box) -> int:
