@@ -54,7 +54,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    skip = {"ckptconv.json", ".metadata"}  # hold a timestamp / a save id
+    skip = {"ckptconv.json", ".metadata", ".written-by-ckptconv.json"}  # hold a timestamp, a save id, paths
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name not in skip}
 
 
