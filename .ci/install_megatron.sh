@@ -4,19 +4,20 @@
 # --no-deps and unzipped into site-packages (package + dist-info, so importlib.metadata sees the version;
 # the one compiled module, datasets/helpers_cpp, is never imported by dist_checkpointing).
 # `import megatron.core` imports triton unconditionally: triton goes in with --no-deps.
-# Never fails the CI run: when the install is impossible (no network), those tests skip with a reason.
+# When the install is impossible (no network) those tests skip with a reason; under
+# CKPTCONV_REQUIRE_FRAMEWORKS=1 (.ci/run sets it when CI is set) this script exits 1 instead, failing the run.
+# CKPTCONV_MEGATRON_VERSION overrides the version (a bogus one breaks the install on purpose: the CI check).
 set -uo pipefail
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-MCORE_VERSION=0.19.2
-python -c "import torch" || exit 0
-have_mcore() {
-  python -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '$MCORE_VERSION')" 2>/dev/null
-}
-fail() { echo "install_megatron.sh: $1; the megatron tests will skip" >&2; exit 0; }
+MCORE_VERSION=${CKPTCONV_MEGATRON_VERSION:-0.19.2}
+source "$(dirname "$0")/lib.sh"
+have_mcore() { has_version megatron-core "$MCORE_VERSION" "${1:-}"; }
+fail() { ci_fail install_megatron.sh megatron "$1"; }
+python -c "import torch" || fail "torch does not import"
 if ! python -c "import triton" 2>/dev/null; then
   python -m pip install -q --no-deps triton || fail "triton could not be installed"
 fi
-have_mcore && exit 0
+have_mcore megatron.core && exit 0
 tmp=$(mktemp -d) || fail "no temporary directory"
 trap 'rm -rf "$tmp"' EXIT
 python -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: \
@@ -33,6 +34,6 @@ with zipfile.ZipFile(wheel) as z:
             raise SystemExit(f"unsafe path in wheel: {n}")
     z.extractall(site, members=names)
 PY
-have_mcore || fail "megatron-core does not import after unpacking"
-python -c "import megatron.core" 2>/dev/null || fail "megatron.core does not import"
+have_mcore || fail "megatron-core $MCORE_VERSION has no package metadata after unpacking"
+have_mcore megatron.core || fail "megatron.core does not import"
 exit 0

@@ -43,6 +43,14 @@ import ckpt_factory  # noqa: E402
 import fixture_cache  # noqa: E402
 from hypothesis import settings as _hypothesis_settings  # noqa: E402
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The ``framework`` marker's hooks (tests/support/framework_plugin.py): skips of framework tests
+    fail under CKPTCONV_REQUIRE_FRAMEWORKS=1, and their time per framework is reported."""
+    import framework_plugin
+
+    config.pluginmanager.register(framework_plugin.FrameworkPlugin(), "ckptconv-frameworks")
+
+
 # CI runs property tests with a fixed seed so a landing is reproducible; locally they explore.
 _hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 if os.environ.get("CI"):
@@ -106,40 +114,47 @@ def dcp_checkpoint_copy(checkpoint_cache: CheckpointCache, tmp_path: Path) -> Ca
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-west-2"}
 
 
-def _free_port() -> int:
-    import socket
+def _start_moto(timeout: float = 60.0):
+    """``python -m moto.server -H 127.0.0.1 -p 0``: the server binds a port itself (no port picked
+    here and raced for), and the endpoint is the one its "Running on" line names once it listens.
+    A thread keeps reading its log (the request lines), so the server never blocks on a full pipe."""
+    import queue
+    import re
+    import subprocess
+    import threading
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    found: queue.Queue = queue.Queue()
+
+    def read_log() -> None:
+        for line in proc.stderr:
+            m = re.search(r"Running on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                found.put(m.group(1))
+        found.put(None)  # the server exited
+
+    threading.Thread(target=read_log, daemon=True).start()
+    try:
+        endpoint = found.get(timeout=timeout)
+    except queue.Empty:
+        endpoint = None
+    if endpoint is None:
+        proc.kill()
+        raise RuntimeError(f"moto server did not start listening within {timeout:.0f} s (exit {proc.poll()})")
+    return proc, endpoint
 
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """Start ``moto_server -H 127.0.0.1 -p PORT`` (skip when moto is not installed); yields the
-    endpoint URL. The credentials and endpoint reach s3fs/botocore through the environment
+    """Start moto's S3 server on loopback (skip when moto is not installed); yields the endpoint
+    URL. The credentials and endpoint reach s3fs/botocore through the environment
     (``AWS_ENDPOINT_URL``), set for the session and restored afterwards."""
     import importlib.util
-    import subprocess
-    import time
-    import urllib.request
 
     if importlib.util.find_spec("moto") is None or importlib.util.find_spec("s3fs") is None:
         pytest.skip("moto[server] and s3fs are needed for the S3 tests (pip install -e '.[test]')")
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1)
-            break
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"moto server did not start on {endpoint}")
-            time.sleep(0.2)
+    proc, endpoint = _start_moto()
     env = dict(S3_ENV, AWS_ENDPOINT_URL=endpoint)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

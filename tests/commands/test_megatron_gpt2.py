@@ -125,6 +125,7 @@ def _saved(path: Path) -> dict[str, torch.Tensor]:
     return torch_reference(path)
 
 
+@pytest.mark.framework("transformers")  # GPT2LMHeadModel takes the exported state dict
 @pytest.mark.parametrize("via_store", [False, True])
 def test_export_hf_megatron_gpt2_matches_torch(ckpt, tmp_path, via_store):
     """Every HF GPT-2 tensor bit for bit as torch's reshape / transpose of the saved weights; the

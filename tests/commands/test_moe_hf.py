@@ -20,7 +20,7 @@ import torch
 import titan_support
 from cli_runner import run_cli
 
-pytestmark = pytest.mark.skipif(titan_support.skip_reason() is not None, reason=str(titan_support.skip_reason()))
+pytestmark = pytest.mark.framework("torchtitan")  # skips (fails under CI) without torchtitan
 
 MODELS = {  # model -> (built-in map, experts in the test state, layers kept)
     "deepseek_v3/debugmodel": ("torchtitan-deepseek-v3", 8, 3),
@@ -192,6 +192,7 @@ QWEN3_MOE_DERIVED = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qw
                      "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 8, "tie_word_embeddings": False}
 
 
+@pytest.mark.framework("transformers")
 def test_transformers_qwen3_moe_logits_equal_torchtitans_model(tmp_path):
     """The export, loaded by transformers' Qwen3MoeForCausalLM, computes the logits of torchtitan's own
     qwen3 MoE model holding the same weights. torchtitan runs its grouped experts in bf16
@@ -237,6 +238,7 @@ def test_transformers_qwen3_moe_logits_equal_torchtitans_model(tmp_path):
     assert bad > 5 * err_ok, (bad, err_ok)
 
 
+@pytest.mark.framework("transformers")
 def test_deepseek_v3_config_from_shapes(tmp_path):
     """export-hf --config completes DeepSeek-V3's config.json from the weights (the per-head sizes
     from num_attention_heads), and transformers reads it as DeepseekV3Config."""

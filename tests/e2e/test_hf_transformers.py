@@ -3,7 +3,7 @@ logits as the torchtitan-style Llama loaded from the original DCP checkpoint; an
 writes goes through import-hf -> from-universal (TP2 x FSDP2, llama plan) -> dcp.load into the
 parallelized torchtitan model and gives transformers' logits again.
 
-Needs ``transformers`` (the ``test`` extra); skipped without it.
+Needs ``transformers`` (the ``test`` extra); skipped without it (a failure under CI).
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+try:
+    import transformers
+except ImportError:  # the framework marker skips every test (fails them under CI)
+    transformers = None
+
+pytestmark = pytest.mark.framework("transformers")
 
 from ckpt_factory import build_parallel_model, fixture_info, make_mesh, run_world  # noqa: E402
 from models import ModelArgs, build_model  # noqa: E402

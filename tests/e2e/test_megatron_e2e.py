@@ -20,7 +20,7 @@ import pytest
 import megatron_support as ms
 from cli_runner import run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.framework("megatron")]
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "megatron" / "gpt_tp2_dp2"
 
@@ -99,6 +99,7 @@ def test_megatron_loads_the_conversion_bit_exact(sources, tmp_path, src, via_sto
           f"{len(reports)} ranks, {sum(r['compared'] for r in reports)} values compared")
 
 
+@pytest.mark.framework("transformers")  # and megatron (the module's mark)
 def test_hf_export_runs_like_megatron(tmp_path):
     """export-hf --map megatron-llama, loaded by transformers' LlamaForCausalLM, gives megatron's own
     logits (GPTModel loaded by megatron from the source checkpoint) on the same tokens: the q/k/v
@@ -144,6 +145,7 @@ def _gpt2_logits(hf: dict, cfg, tokens):
         return model(torch.tensor(tokens)).logits.float()
 
 
+@pytest.mark.framework("transformers")  # and megatron (the module's mark)
 def test_hf_export_gpt2_runs_like_megatron(tmp_path):
     """export-hf --map megatron-gpt2 of a real megatron-core GPTModel built GPT-2 style (learned
     absolute positions, LayerNorm with bias, GELU MLP, linear biases, tied embeddings; saved by

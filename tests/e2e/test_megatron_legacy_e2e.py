@@ -24,7 +24,7 @@ import pytest
 import megatron_support as ms
 from cli_runner import run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.framework]
+pytestmark = [pytest.mark.slow, pytest.mark.framework("megatron")]
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "megatron" / "legacy_tp2_pp2_vpp2"
 MOE = ms.GPTSpec(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=24,

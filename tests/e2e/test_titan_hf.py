@@ -19,7 +19,7 @@ import torch
 import titan_support
 from cli_runner import run_cli
 
-pytestmark = pytest.mark.skipif(titan_support.skip_reason() is not None, reason=str(titan_support.skip_reason()))
+pytestmark = pytest.mark.framework("torchtitan")  # skips (fails under CI) without torchtitan
 HEADS = {"num_attention_heads": 16}
 
 
@@ -136,6 +136,7 @@ LLAMA3_DEBUG_HF = {  # debugmodel's RoPE (ComplexRoPE, llama scaling) and RMSNor
 }
 
 
+@pytest.mark.framework("transformers")
 def test_transformers_logits_equal_torchtitans_model(tmp_path):
     """The export, loaded by transformers' LlamaForCausalLM, computes the logits of torchtitan's own
     Llama3 model holding the same weights (fused wqkv filled by its load hook)."""

@@ -26,7 +26,7 @@ import fixture_cache
 import titan_support
 from cli_runner import run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.framework]
+pytestmark = [pytest.mark.slow, pytest.mark.framework("torchtitan")]
 
 SAVE_MESH = "tp2,dp2"
 HERE = Path(__file__).resolve().parents[1] / "support"

@@ -27,7 +27,7 @@ import titan_moe_support
 from cli_runner import run_cli
 from test_titan_trainer import _chunk_readers, _classify
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.framework("torchtitan")]
 
 SOURCE = "dp4,ep2"
 CASES = [  # (target mesh, plan, DP degree changes: drop the dataloader state)

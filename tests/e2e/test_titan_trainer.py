@@ -25,7 +25,7 @@ import pytest
 import titan_support
 from cli_runner import run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.framework("torchtitan")]
 
 CASES = [  # (source mesh, target mesh, plan, drop the dataloader state)
     ("dp4", "dp4", "torchtitan:llama3/debugmodel", False),

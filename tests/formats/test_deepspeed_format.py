@@ -20,6 +20,7 @@ def test_a_pickled_device_reads_as_its_name(device):
     assert got == {"device": str(device)}
 
 
+@pytest.mark.framework("deepspeed")  # torch.load of the fixture's DeepSpeed classes
 def test_a_step_too_large_for_a_float_is_a_one_line_error(tmp_path):
     """A ZeRO-3 step saved as a Python int past any float (a damaged optimizer_state.pt): a
     CorruptCheckpointError naming the file, not an OverflowError from numpy."""
@@ -29,7 +30,6 @@ def test_a_step_too_large_for_a_float_is_a_one_line_error(tmp_path):
 
     from formats.errors import CorruptCheckpointError
 
-    pytest.importorskip("deepspeed")  # torch.load of the fixture's DeepSpeed classes
     src = tmp_path / "universal"
     shutil.copytree(universal_of(3), src)
     path = src / "zero" / "optimizer_state.pt"

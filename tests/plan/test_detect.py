@@ -10,23 +10,20 @@ from __future__ import annotations
 import fractions
 import os
 import re
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
+from worlds import run_world
 
-_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-            "torch.distributed.tensor.parallel", "pytest", "formats.dcp")
 KINDS = ("fsdp4", "tp2dp2", "pp2fsdp2", "hsdp2x2")
 VOCAB, DIM, HIDDEN = 50, 16, 36
 
@@ -85,31 +82,20 @@ def _parallelize(m: Tiny, kind: str, rank: int) -> tuple[Tiny, int]:
     return m, stage
 
 
-def _world(rank: int, world: int, port: int, root: str) -> None:
-    torch.set_num_threads(1)  # 4 ranks on 2 cores
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _world(rank: int, world: int, root: str) -> None:
+    """One rank of the 4-rank world (worlds.run_world) saving every kind."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    try:
-        for kind in KINDS:
-            torch.manual_seed(0)
-            m, stage = _parallelize(Tiny(), kind, rank)
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-            _loss(m, kind, stage).backward()
-            opt.step()
-            msd, osd = get_state_dict(m, opt)
-            extra = {"step": 3, "note": "hello", "frac": fractions.Fraction(1, 3)}
-            dcp.save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=os.path.join(root, kind))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for kind in KINDS:
+        torch.manual_seed(0)
+        m, stage = _parallelize(Tiny(), kind, rank)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        _loss(m, kind, stage).backward()
+        opt.step()
+        msd, osd = get_state_dict(m, opt)
+        extra = {"step": 3, "note": "hello", "frac": fractions.Fraction(1, 3)}
+        dcp.save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=os.path.join(root, kind))
+        dist.barrier()
 
 
 def make_checkpoints(root: Path) -> dict[str, Path]:
@@ -117,14 +103,7 @@ def make_checkpoints(root: Path) -> dict[str, Path]:
     paths = {k: root / k for k in KINDS}
     if not all((p / ".metadata").is_file() for p in paths.values()):
         root.mkdir(parents=True, exist_ok=True)
-        import multiprocessing
-
-        # forkserver: the heavy imports happen once in the server, then ranks fork from it
-        # (much faster than spawn on 2 cores). Python 3.11's server ignores the parent's sys.path,
-        # so preload installed modules only; ignored when another module started the server.
-        multiprocessing.set_forkserver_preload(list(_PRELOAD))
-        mp.start_processes(_world, args=(4, _free_port(), str(root)), nprocs=4, join=True,
-                           start_method="forkserver")
+        run_world(_world, 4, (str(root),), timeout=600)  # forkserver: ranks fork from one torch import
     return paths
 
 
@@ -277,32 +256,22 @@ def test_single_process_checkpoint(tmp_path):
     assert rep.world_size == 1
 
 
-def _moe_world(rank: int, world: int, port: int, root: str) -> None:
+def _moe_world(rank: int, world: int, root: str) -> None:
     """dp2 x tp2: torchtitan's MoE TP puts grouped experts' w1 [experts, dim, hidden] on Shard(2)
     (under FSDP's Shard(0), 5 experts over 2), a Linear weight on Shard(1), a norm TP-replicated."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        g = torch.Generator().manual_seed(0)
-        full = {"experts.w1": torch.randn(5, 4, 6, generator=g), "proj": torch.randn(9, 8, generator=g),
-                "norm": torch.randn(7, generator=g)}
-        places = {"experts.w1": [Shard(0), Shard(2)], "proj": [Shard(0), Shard(1)], "norm": [Shard(0), Replicate()]}
-        dcp.save({"model": {k: distribute_tensor(v, mesh, places[k]) for k, v in full.items()}}, checkpoint_id=root)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    full = {"experts.w1": torch.randn(5, 4, 6, generator=g), "proj": torch.randn(9, 8, generator=g),
+            "norm": torch.randn(7, generator=g)}
+    places = {"experts.w1": [Shard(0), Shard(2)], "proj": [Shard(0), Shard(1)], "norm": [Shard(0), Replicate()]}
+    dcp.save({"model": {k: distribute_tensor(v, mesh, places[k]) for k, v in full.items()}}, checkpoint_id=root)
 
 
 def test_tp_on_dim_2_is_counted_as_dim_2(tmp_path):
     """A 3-D MoE expert weight TP-split on dim 2 is TP row-wise on dim 2 (not counted as dim 1)."""
-    import multiprocessing
-
-    multiprocessing.set_forkserver_preload(list(_PRELOAD))  # as make_checkpoints: forks are fast on 2 cores
-    mp.start_processes(_moe_world, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=True,
-                       start_method="forkserver")
+    run_world(_moe_world, 4, (str(tmp_path),), timeout=600)
     rep = detect_layout(DCPReader(tmp_path).index())
     assert rep.tensors["model.experts.w1"].tp_dim == 2 and rep.tensors["model.proj"].tp_dim == 1
     assert "(dp2 x tp2); TP dim 0: 0 tensors, TP dim 1: 1, TP dim 2: 1, TP-replicated: 1" in rep.summary

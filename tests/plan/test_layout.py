@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import multiprocessing
 import os
 import pickle
-import socket
-import time
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,6 +37,7 @@ from converter.plan.mesh import parse_mesh
 from converter.plan.placement_rules import FSDP_PLAN, LLAMA_PLAN, RulePlan
 from formats.base import Box
 from formats.errors import PlanError
+from worlds import run_world
 
 # ----------------------------------------------------------------------------- pure oracle
 
@@ -312,44 +309,20 @@ def _run_mesh(text, plan, world):
     return out
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        records = [r for text, plan in WORLDS[world] for r in _run_mesh(text, plan, world)]
-        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
-            pickle.dump(records, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, world: int, outdir: str) -> None:
+    """One rank of a world (worlds.run_world): its records of every mesh of that world size."""
+    records = [r for text, plan in WORLDS[world] for r in _run_mesh(text, plan, world)]
+    with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(records, f)
 
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
-    """rank records per world size (one spawn per world)."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        method = "forkserver"
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
-    else:
-        method = "spawn"
+    """rank records per world size (one world per size)."""
     results = {}
     for world in WORLDS:
         outdir = tmp_path_factory.mktemp(f"world{world}")
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), str(outdir)), nprocs=world, join=False, start_method=method)
-        deadline = time.monotonic() + 240
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                raise TimeoutError(f"gloo world of {world} ranks did not finish in 240 s")
+        run_world(_worker, world, (str(outdir),), timeout=240)
         results[world] = {}
         for r in range(world):
             with open(outdir / f"{r}.pkl", "rb") as f:

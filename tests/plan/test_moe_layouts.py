@@ -23,7 +23,7 @@ from formats.errors import ConfigError, PlanError, UnsupportedError
 
 import titan_support
 
-needs_titan = pytest.mark.skipif(titan_support.skip_reason() is not None, reason=str(titan_support.skip_reason()))
+needs_titan = pytest.mark.framework("torchtitan")  # skips (fails under CI) without torchtitan
 W1 = "layers.1.moe.routed_experts.inner_experts.w1_EFD"
 W2 = "layers.1.moe.routed_experts.inner_experts.w2_EDF"
 

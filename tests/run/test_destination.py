@@ -476,11 +476,10 @@ def test_torchrun_ranks_stop_when_the_launcher_dies(work, tmp_path):
         launcher.wait()
         end = time.monotonic() + 15
         while any(_alive(p) for p in ranks) and time.monotonic() < end:
-            time.sleep(0.1)
+            time.sleep(0.1)  # polls the ranks' /proc state: they are not our children, nothing to wait on
         assert not any(_alive(p) for p in ranks)
-        time.sleep(1.0)
+        # every process of the job is gone (a zombie writes nothing): nothing can be published later
         assert not (dst / "ckptconv.json").exists()
-        assert not any(_alive(p) for p in ranks)
     finally:
         launcher.kill()
         for p in _children(launcher.pid):

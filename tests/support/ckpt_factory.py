@@ -10,28 +10,24 @@ saves it with ``dcp.save`` from every rank. Layout on disk (``make_checkpoint(ki
 save in the same processes: loading the checkpoint into the same layout and training steps 3..5
 (:func:`load_and_continue`) must reproduce them bit for bit.
 
-Worker helpers (:func:`setup_world`, :func:`build_parallel_model`, :func:`run_world`) are public so
-that load tests can spawn target worlds of their own.
+Worker helpers (:func:`build_parallel_model`, :func:`make_mesh`; ``run_world`` from :mod:`worlds`,
+re-exported here) are public so that load tests can spawn target worlds of their own.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -54,6 +50,7 @@ from models import (
     make_optimizer,
     train_steps,
 )
+from worlds import run_world  # noqa: F401 - re-exported: the tests' worlds are spawned from here
 
 TRAIN_STEPS = 3
 CONTINUE_STEPS = 3
@@ -106,89 +103,11 @@ KINDS: dict[str, FixtureSpec] = {
 # ----------------------------------------------------------------------------- worlds
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def setup_world(rank: int, world: int, port: int) -> None:
-    """Join a gloo world on 127.0.0.1:port (one CPU thread per rank)."""
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def teardown_world() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def make_mesh(layout: dict[str, int]) -> DeviceMesh | None:
     """The CPU device mesh for ``layout`` (None for a single process)."""
     if math.prod(layout.values()) == 1:
         return None
     return init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))
-
-
-def _run_entry(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
-    if world > 1:
-        setup_world(rank, world, port)
-    else:
-        torch.set_num_threads(1)
-    try:
-        fn(rank, world, *args)
-    finally:
-        teardown_world()
-
-
-# Imported once by the forkserver, then inherited by every forked rank. Only site-packages
-# modules: Python 3.11's forkserver ignores the parent's sys.path when preloading (and swallows
-# the ImportError), so this directory's modules are imported by each child instead (cheap).
-_PRELOAD = [
-    "torch",
-    "torch._dynamo",
-    "torch.distributed.checkpoint",
-    "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.fsdp",
-    "torch.distributed.tensor.parallel",
-]
-
-
-def _start_method() -> str:
-    """"forkserver" (torch imported once per session, then forked: a rank starts in well under a
-    second instead of ~4 CPU-seconds); override with $CKPTCONV_TEST_START_METHOD=spawn."""
-    method = os.environ.get("CKPTCONV_TEST_START_METHOD", "forkserver")
-    if method == "forkserver":
-        import multiprocessing
-
-        multiprocessing.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
-    return method
-
-
-def run_world(fn: Callable, world: int, args: tuple = (), timeout: float = 300.0) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined in a gloo group.
-
-    A world of 1 gets no process group. ``fn`` must be importable (module level). Raises when a
-    rank fails or when the world runs past ``timeout`` seconds (the processes are then killed).
-    """
-    ctx = mp.start_processes(
-        _run_entry,
-        args=(fn, world, free_port(), args),
-        nprocs=world,
-        join=False,
-        start_method=_start_method(),
-    )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"gloo world of {world} running {fn.__name__} exceeded {timeout}s")
 
 
 # ----------------------------------------------------------------------------- models

@@ -1,12 +1,12 @@
 """DeepSpeed for the bridge tests: availability, ZeRO runs, ds_to_universal, universal loads.
 
 DeepSpeed 0.19.8 is installed by ``.ci/install_deepspeed.sh`` (never replacing torch); without it
-the tests that run DeepSpeed skip with a reason. Every DeepSpeed process runs under a timeout.
+the tests that run DeepSpeed (``framework("deepspeed")``) skip with a reason, and fail under CI.
+Every DeepSpeed process runs under a timeout.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -27,12 +27,8 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
 TIMEOUT = 300.0
 
 
-def deepspeed_available() -> bool:
-    return importlib.util.find_spec("deepspeed") is not None
-
-
-requires_deepspeed = pytest.mark.skipif(
-    not deepspeed_available(), reason="DeepSpeed is not installed (bash .ci/install_deepspeed.sh)")
+#: Marks a test that runs DeepSpeed's own code: it skips without DeepSpeed (fails under CI).
+requires_deepspeed = pytest.mark.framework("deepspeed")
 
 
 def train_and_save(out_dir: Path, stage: int, world: int, args: ModelArgs = TINY, steps: int = 3,

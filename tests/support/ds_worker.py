@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from ckpt_factory import free_port
 from models import LR, ModelArgs, build_model, make_batch, make_optimizer
 from oracle import bits_equal
 
@@ -33,9 +32,9 @@ def _init_deepspeed(rank: int, world: int) -> Any:
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see the module docstring
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))  # world 1: no group yet
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    if not torch.distributed.is_initialized():  # a world of 1 (run_world made no group): an in-process store, no port
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # takes torch's group
     return deepspeed
 
 
