@@ -67,6 +67,8 @@ class TensorLayout:
     tp_dim: int | None = None
     tiles: bool = True  # boxes cover the tensor exactly once
     layers: int = 0  # Megatron layer-stacked tensor: dim 0 holds this many layers (not a split)
+    tp: int = 1  # the TP degree on ``tp_dim`` (TP kinds)
+    form: str = ""  # TP_COLWISE: "strided" (FSDP2 over TP: _StridedShard x Shard), "halves" (Megatron's GLU fc1)
 
 
 @dataclass(frozen=True)
@@ -400,33 +402,54 @@ def _tp_inner_dim(dims: Mapping[int, int]) -> int | None:
 
 
 def _classify(entry: TensorEntry, mesh: _Mesh | None,
-              facts: tuple[dict[int, int], bool] | None = None) -> tuple[str, int | None]:
-    """(kind, tp_dim) of one tensor given its stage's mesh (None: no rank information);
-    ``facts``: its :func:`_facts` when already computed."""
+              facts: tuple[dict[int, int], bool] | None = None) -> tuple[str, int | None, str]:
+    """(kind, tp_dim, form) of one tensor given its stage's mesh (None: no rank information);
+    ``facts``: its :func:`_facts` when already computed; ``form``: see :attr:`TensorLayout.form`."""
     if len(entry.chunks) == 1 and entry.chunks[0].box.sizes == entry.shape:
-        return WHOLE, None
+        return WHOLE, None, ""
     if mesh is None:
-        return CHUNKED, None
+        return CHUNKED, None, ""
     dims, tiled = facts or _facts(entry)
     if not tiled:
-        return IRREGULAR, None
+        return IRREGULAR, None, ""
     if is_grouped_experts(entry, dims) and None not in {c.rank for c in entry.chunks}:
-        return EXPERTS, None
+        return EXPERTS, None, ""
     if set(dims) == {0}:
         n = dims[0]
         if mesh.tp > 1 and n in (mesh.dp * mesh.tp, mesh.fsdp * mesh.tp):  # the latter: HSDP x TP
-            return TP_COLWISE, 0
+            return TP_COLWISE, 0, "strided" if n > mesh.tp else ""
         if mesh.tp > 1 and n == 2 * mesh.tp and _fused_halves(entry):
-            return TP_COLWISE, 0
-        return FSDP, None
+            return TP_COLWISE, 0, "halves"
+        return FSDP, None, ""
     d = _tp_inner_dim(dims)
     if d is not None and mesh.tp > 1 and dims[d] == mesh.tp:
-        return TP_ROWWISE, d
-    return IRREGULAR, None
+        return TP_ROWWISE, d, ""
+    return IRREGULAR, None, ""
 
 
 # ---------------------------------------------------------------------------------------------
 # the report
+
+
+def placement_label(lay: TensorLayout) -> str:
+    """How ``lay`` is placed, in words and split dims: ``fsdp d0/4``, ``tp_colwise d0/2``,
+    ``tp_colwise x fsdp d0/4 (tp2 x dp2, strided)`` (FSDP2 over column-wise TP:
+    ``(_StridedShard(0, tp), Shard(0))``), ``tp_rowwise d1/2 x fsdp d0/2``, Megatron's
+    ``layers=L`` axis and fused GLU halves."""
+    split = " ".join(f"d{d}/{n}" for d, n in sorted(lay.split_dims.items()))
+    layers = f"layers={lay.layers} " if lay.layers else ""
+    d, tp = lay.tp_dim, lay.tp
+    if lay.kind == TP_COLWISE and d is not None:
+        n = lay.split_dims.get(d, tp)
+        if lay.form == "strided":
+            return f"{layers}tp_colwise x fsdp d{d}/{n} (tp{tp} x dp{n // tp}, strided)"
+        if lay.form == "halves":
+            return f"{layers}tp_colwise d{d}/{n} (2 fused halves, each over tp{tp})"
+        return f"{layers}tp_colwise d{d}/{n}"
+    if lay.kind == TP_ROWWISE and d is not None:
+        rest = " ".join(f"d{e}/{n}" for e, n in sorted(lay.split_dims.items()) if e != d)
+        return f"{layers}tp_rowwise d{d}/{tp}" + (f" x fsdp {rest}" if rest else "")
+    return f"{lay.kind} {layers}{split}".strip()
 
 
 def world_size(index: CheckpointIndex) -> int | None:
@@ -468,14 +491,15 @@ def detect_layout(index: CheckpointIndex, owners: bool = True) -> LayoutReport:
     for key, t in index.tensors.items():
         chunks = t.chunks
         mesh = meshes.get(stage_of.get(chunks[0].rank)) if chunks and None not in map(_RANK, chunks) else None
-        kind, tp_dim = _classify(t, mesh, facts[key])
+        kind, tp_dim, form = _classify(t, mesh, facts[key])
         in_order = ordered[key] if owners else ()
         dims, tiled = facts[key]
         if key in stacked:  # back to the stacked tensor's dims
             dims = {d + 1: n for d, n in dims.items()}
             tp_dim = None if tp_dim is None else tp_dim + 1
+        tp = mesh.tp if tp_dim is not None else 1
         layouts[key] = TensorLayout(key, dims, kind, tuple(zip(map(_RANK, in_order), map(_BOX, in_order))), tp_dim,
-                                    tiled, stacked.get(key, 0))
+                                    tiled, stacked.get(key, 0), tp, form)
     ws = world_size(index)
     summary, mesh_guess, notes = _summarize(index, ws, stages, meshes, layouts)
     notes = notes + _layout_bound_note(index)

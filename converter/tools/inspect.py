@@ -18,7 +18,7 @@ from typing import Any
 from converter.plan.atoms import root_prefix
 from converter.plan.keys import box_text as _box_text
 from converter.plan.keys import key_matcher, no_match_message
-from converter.plan.source_layout import LayoutReport, TensorLayout, detect_layout
+from converter.plan.source_layout import LayoutReport, TensorLayout, detect_layout, placement_label
 from converter.tools.stats import Stats
 from converter.tools.tables import Column, print_table
 from converter.units import human_bytes, plural
@@ -117,6 +117,7 @@ def _tensor_row(t: TensorEntry, lay: TensorLayout, quant: dict[str, Any] | None 
         "split": {str(d): n for d, n in sorted(lay.split_dims.items())},
         "layout": lay.kind,
         "tp_dim": lay.tp_dim,
+        "placement": placement_label(lay),
         "files": sorted({c.file for c in t.chunks}),
         "ranks": sorted({c.rank for c in t.chunks if c.rank is not None}),
         **({"layers": lay.layers} if lay.layers else {}),
@@ -249,9 +250,6 @@ def render_report(report: Mapping[str, Any], console) -> None:
                    Column("layout"), Column("ranks")]
         rows = []
         for t in r["tensors"]:
-            split = " ".join(f"d{d}/{n}" for d, n in t["split"].items())
-            if t.get("layers"):  # Megatron layer-stacked: dim 0 is the layers
-                split = f"layers={t['layers']} {split}".strip()
             dtype, shape = t["dtype"], "x".join(map(str, t["shape"])) or "()"
             q = t.get("quant")
             if q and q["role"] == "data":  # the logical tensor, its storage after it
@@ -261,7 +259,7 @@ def render_report(report: Mapping[str, Any], console) -> None:
             elif q:
                 dtype = f"{dtype} scales of {q['partner']}"
             rows.append((t["key"], dtype, shape, str(t["chunks"]),
-                         human_bytes(t["bytes"]), f"{t['layout']} {split}".strip(), _ranks_text(t["ranks"])))
+                         human_bytes(t["bytes"]), t["placement"], _ranks_text(t["ranks"])))
         title = "tensors" + (f" matching {r['key_pattern']!r}" if r["key_pattern"] else "")
         print_table(console, title, columns, rows)
     if r["objects"]:

@@ -137,6 +137,8 @@ def test_layer_stacked_tensors_are_not_tp_splits():
     assert (qkv["layout"], qkv["tp_dim"]) == ("tp_colwise", 1)  # column-parallel: dim 1 of (L, out, in)
     assert (fc1["layout"], fc1["tp_dim"]) == ("tp_colwise", 1)  # [gate; up], each split over TP
     assert (proj["layout"], proj["tp_dim"]) == ("tp_rowwise", 2)
+    assert fc1["placement"] == "layers=2 tp_colwise d1/4 (2 fused halves, each over tp2)"
+    assert (qkv["placement"], proj["placement"]) == ("layers=2 tp_colwise d1/2", "layers=2 tp_rowwise d2/2")
     assert rows["decoder.layers.mlp.linear_fc1.layer_norm_weight"]["layout"] == "whole"
     assert doc["layout"]["mesh"] == {"tp": 2}
     objs = {o["key"] for o in doc["objects"]}

@@ -129,6 +129,11 @@ def test_report_rows(readers):
     assert w1["ranks"] == [0, 1, 2, 3] and w1["chunks"] == 4
     assert w1["files"] == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
     assert rows["model.w2.weight"]["split"] == {"0": 2, "1": 2}
+    # FSDP2 over column-wise TP is named as such, not "tp_colwise d0/4" (issue 24, point 4)
+    assert w1["placement"] == "tp_colwise x fsdp d0/4 (tp2 x dp2, strided)"
+    assert rows["model.w2.weight"]["placement"] == "tp_rowwise d1/2 x fsdp d0/2"
+    assert {r["placement"] for r in rows.values() if r["layout"] == "fsdp"} == {"fsdp d0/2"}  # TP-replicated
+    assert build_report(readers["fsdp4"])["tensors"][0]["placement"].startswith("fsdp d0/4")
     assert report["layout"]["mesh"] == {"dp": 2, "tp": 2}
     assert [t["key"] for t in report["tensors"]] == sorted(rows)
 
