@@ -102,8 +102,9 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
         for k, ref in refs.items()
         if ref.role == "param" and k in index.tensors and k not in replicated and index.tensors[k].shape
     }
-    params |= stateful_atoms(index, refs, params, replicated)
-    param_splits = {refs[k].atom: d for k, d in tp_splits.items() if k in refs and refs[k].role == "param"}
+    stateful = stateful_atoms(index, refs, params, replicated)
+    params |= stateful
+    param_splits = atom_splits(index, refs, tp_splits, stateful)
     plan = get_plan(plan_name, source_splits=param_splits, mesh=mesh)
     placements, warnings = plan_all(params, plan, mesh)
     check_head_split(placements, mesh, heads)
@@ -268,6 +269,21 @@ def stateful_atoms(index: CheckpointIndex, refs: Mapping[str, AtomRef], params: 
         if key in replicated:
             held_whole.add(ref.atom)
     return {atom: next(iter(s)) for atom, s in shapes.items() if len(s) == 1 and atom not in held_whole}
+
+
+def atom_splits(index: CheckpointIndex, refs: Mapping[str, AtomRef], tp_splits: Mapping[str, int | None],
+                stateful: Mapping[str, tuple]) -> dict[str, int | None]:
+    """Per atom, the TP split dim the source shows (``--plan source``): its parameter value's, or
+    for an atom with optimizer states only (:func:`stateful_atoms`, e.g. torchtitan 0.3.0's fused
+    ``wqkv``) its states' of that shape, when they agree."""
+    out = {refs[k].atom: d for k, d in tp_splits.items() if k in refs and refs[k].role == "param"}
+    found: dict[str, set[int | None]] = {}
+    for key, d in tp_splits.items():
+        ref = refs.get(key)
+        if ref is not None and ref.atom in stateful and ref.atom not in out and key in index.tensors \
+                and tuple(index.tensors[key].shape) == stateful[ref.atom]:
+            found.setdefault(ref.atom, set()).add(d)
+    return out | {atom: next(iter(dims)) for atom, dims in found.items() if len(dims) == 1}
 
 
 def _placement_for(entry: TensorEntry, ref: AtomRef | None, params: Mapping[str, tuple],

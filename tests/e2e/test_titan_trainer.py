@@ -34,6 +34,7 @@ CASES = [  # (source mesh, target mesh, plan, drop the dataloader state)
     ("tp2,dp2", "dp2", "llama", False),
     ("tp2,dp2", "dp4", "torchtitan:llama3/debugmodel", True),
     ("tp2,dp2", "tp2,dp2", "llama", False),
+    ("tp2,dp2", "tp2,dp2", "source", False),  # the fused wqkv's states by their own split (issue 24.3)
     # HSDP source and targets, DDP-only target: every box replicated over dp_replicate has one
     # storage entry, read by both replicas (as in torchtitan's own HSDP save, same bytes per rank)
     ("dp_replicate2,dp2", "tp2,dp2", "torchtitan:llama3/debugmodel", True),
@@ -105,6 +106,29 @@ def test_converted_checkpoint_loads_in_torchtitan(titan_checkpoint, tmp_path, sr
                      f"{sum(rep['reads']['whole'].values())} B; loss3 {got!r} (source {want_loss!r})")
     Path(tmp_path / "summary.txt").write_text("\n".join(lines))
     print(f"\n{src_mesh} -> {dst_mesh} ({plan}{', dataloader dropped' if drop else ''}):\n" + "\n".join(lines))
+
+
+def test_plan_source_places_the_fused_wqkv_states_by_their_own_split(titan_checkpoint, tmp_path):
+    """torchtitan 0.3.0's fused ``qkv_linear.wqkv.weight`` has optimizer states only (the model's
+    save hook writes wq/wk/wv): ``--plan source`` to the saved mesh gives its states the boxes
+    torchtitan saved them with (TP x FSDP, strided), none replicated (issue 24, point 3)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    src = titan_checkpoint("tp2,dp2")
+    code, out, err = run_cli("from-universal", str(src / "ckpt"), str(tmp_path / "out"), "--mesh", "tp2,dp2",
+                             "--plan", "source", "--dry-run", "--json")
+    assert code == 0, err
+    assert "matched no rule" not in err and "replicated" not in err
+    doc = json.loads(out)
+    md = FileSystemReader(str(src / "ckpt")).read_metadata().state_dict_metadata
+    fused = [t for t in doc["tensors"] if ".qkv_linear.wqkv." in t["key"]]
+    assert len(fused) >= 2 and all(t["key"].startswith("optimizer.state.") for t in fused)
+    for t in (t for t in fused if t["key"].endswith(("exp_avg", "exp_avg_sq"))):
+        got = {(tuple(c["offsets"]), tuple(c["sizes"]), c["rank"]) for c in t["chunks"]}
+        want = {(tuple(c.offsets), tuple(c.sizes)) for c in md[t["key"]].chunks}
+        assert {(o, s) for o, s, _ in got} == want and len(got) == 4, t["key"]
+        assert t["rule"] == "source" and [p["placement"] for p in t["placement"]] == ["_StridedShard(dim=0, sf=2)",
+                                                                                     "Shard(0)"]
 
 
 def test_dp_change_without_drop_warns_and_torchtitan_refuses(titan_checkpoint, tmp_path):
