@@ -161,7 +161,7 @@ def _missing_key(message: str) -> list[str]:
 @click.argument("dst", type=click.Path())
 @click.option("--mesh", required=True, help="Target mesh, e.g. tp2,dp32 or pp2,dp_replicate2,dp4 (names: pp, dp_replicate, dp/dp_shard, cp, tp).")
 @click.option("--mesh-order", default=None, help="Rank order of the mesh dims, outermost first (default: pp,dp_replicate,dp_shard,cp,tp).")
-@click.option("--plan", "plan_name", default="fsdp", show_default=True, help="Placement plan: fsdp, llama, moe, source, torchtitan:MODEL/FLAVOR or python:MODULE:FUNCTION (read from the model's own parallelize code), or a plan file (JSON/YAML).")
+@click.option("--plan", "plan_name", default="auto", show_default=True, help="Placement plan: auto (chosen from the checkpoint: Megatron names, else the source's own TP layout, else the model family from its names, else fsdp; printed with the reason), fsdp, llama, moe, megatron, source, torchtitan:MODEL/FLAVOR or python:MODULE:FUNCTION (read from the model's own parallelize code), or a plan file (JSON/YAML).")
 @click.option("--dtype", default=None, help="Cast floating-point parameters: bf16, fp16, fp32, fp64 (or bfloat16, float16, ...); float8/int kept. Off by default.")
 @click.option("--drop-dataloader-state", "drop_dataloader", is_flag=True,
               help="Leave out the per-rank dataloader state (needed when the DP degree changes: torchtitan cannot reshard it); "

@@ -96,6 +96,8 @@ def report_result(result: ConversionResult) -> None:
     :func:`dry_run_line`, or the :func:`result_line` of a run. Every conversion command ends here."""
     import click
 
+    if result.plan_choice is not None and result.plan is None:  # (a dry run's text says it)
+        click.echo(f"ckptconv: {result.plan_choice}", err=True)
     for w in result.warnings:
         click.echo(f"ckptconv: warning: {w}", err=True)
     if result.plan is not None:

@@ -31,7 +31,8 @@ import numpy as np
 
 from converter import knobs
 from converter.config import RunOptions
-from converter.plan.atoms import AtomRef, group_atoms
+from converter.plan.atoms import AtomRef, group_atoms, is_megatron
+from converter.plan.auto_plan import choose_plan, family_plan, model_family, unused_dim_warnings, unused_dims
 from converter.plan.copy_tasks import WriteTask, plan_boxes, target_nbytes, total_target_nbytes
 from converter.plan.dataloader_state import plan_objects
 from converter.plan.megatron import plan_layout_bound
@@ -68,6 +69,8 @@ class TargetLayout:
     warnings: tuple[str, ...] = ()
     placements: Mapping[str, TensorPlacement] = field(default_factory=dict)
     key_placements: Mapping[str, TensorPlacement] = field(default_factory=dict)  # per tensor key
+    plan: str = ""  # the plan that placed them (what --plan auto chose)
+    plan_reason: str | None = None  # --plan auto: why (one line)
 
 
 def _atom_refs(reader: CheckpointReader, index: CheckpointIndex) -> dict[str, AtomRef]:
@@ -75,28 +78,35 @@ def _atom_refs(reader: CheckpointReader, index: CheckpointIndex) -> dict[str, At
     return group_atoms(paths)[0]
 
 
-def _source_hints(reader: CheckpointReader, index: CheckpointIndex) -> tuple[dict[str, int | None], set[str]]:
-    """(param key -> TP split dim in the source, keys the source held whole on every rank)."""
+def _source_hints(reader: CheckpointReader, index: CheckpointIndex
+                  ) -> tuple[dict[str, int | None], set[str], dict[str, int]]:
+    """(param key -> TP split dim in the source, keys the source held whole on every rank, the
+    source's detected mesh: empty for a universal store)."""
     from formats.universal import UniversalReader
 
     if isinstance(reader, UniversalReader):  # to-universal recorded them
-        return reader.source_layout()
+        return (*reader.source_layout(), {})
     from converter.plan.source_layout import detect_layout, source_hints
 
-    hints = source_hints(detect_layout(index, owners=False), index)  # kinds and splits: no owner lists
-    return {k: h.tp_dim for k, h in hints.items()}, {k for k, h in hints.items() if h.replicated}
+    report = detect_layout(index, owners=False)  # kinds and splits: no owner lists
+    hints = source_hints(report, index)
+    return {k: h.tp_dim for k, h in hints.items()}, {k for k, h in hints.items() if h.replicated}, dict(report.mesh)
 
 
 def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mesh, plan_name: str,
                   tp_splits: Mapping[str, int | None], replicated: set[str],
                   dtype_override: str | None = None, keep: Collection[str] | None = None,
-                  heads: HeadCounts | None = None, dedup: str = "least-loaded") -> TargetLayout:
+                  heads: HeadCounts | None = None, dedup: str = "least-loaded",
+                  source_mesh: Mapping[str, int] | None = None) -> TargetLayout:
     """Pure: the target chunks (key, box, owner rank) for every tensor of ``index`` on ``mesh``
     (only the tensors in ``keep`` when given: parameters are still planned from the whole
     ``index``, so a selected optimizer state follows its parameter's placement). With ``heads``
     known, a TP degree that does not divide them is refused. ``dedup``: which holder's file keeps
     a box several ranks hold: ``least-loaded`` (:class:`OwnerPicker`) or ``torch`` (exactly what
-    ``dcp.save``'s dedup picks, :func:`torch_dedup_owners`)."""
+    ``dcp.save``'s dedup picks, :func:`torch_dedup_owners`). ``plan_name`` ``auto`` chooses the
+    plan from the checkpoint (:func:`converter.plan.auto_plan.choose_plan`; ``source_mesh``, the
+    detected source mesh, is named in its reason); a ``tp`` or ``ep`` mesh dim the plan leaves
+    unused is warned about, naming the plan that would use it."""
     params = {
         ref.atom: tuple(index.tensors[k].shape)
         for k, ref in refs.items()
@@ -105,8 +115,15 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
     stateful = stateful_atoms(index, refs, params, replicated)
     params |= stateful
     param_splits = atom_splits(index, refs, tp_splits, stateful)
-    plan = get_plan(plan_name, source_splits=param_splits, mesh=mesh)
+    megatron = is_megatron({k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()})
+    reason = None
+    if plan_name == "auto":
+        choice = choose_plan(params, param_splits, megatron, source_mesh)
+        plan, reason = choice.plan, choice.reason
+    else:
+        plan = get_plan(plan_name, source_splits=param_splits, mesh=mesh, params=params)
     placements, warnings = plan_all(params, plan, mesh)
+    warnings += _unused_dims(params, placements, mesh, plan.name, megatron)
     check_head_split(placements, mesh, heads)
     owners = OwnerPicker(mesh.world_size, exact=_huge(index))
     chunks: list[ChunkSpec] = []
@@ -129,7 +146,21 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
                                     mesh.world_size)
         for (key, dtype, shape, groups), ranks in zip(later, picked):
             chunks += ChunkSpec.many(key, dtype, shape, groups.boxes, ranks)
-    return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key)
+    return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key, plan.name, reason)
+
+
+def _unused_dims(params: Mapping[str, tuple], placements: Mapping[str, TensorPlacement], mesh: Mesh,
+                 plan_name: str, megatron: bool) -> list[str]:
+    """Warnings for a ``tp`` / ``ep`` dim of ``mesh`` no placement splits a tensor over, naming the
+    family's plan when it would (placed only then: the warning is rare)."""
+    dims = unused_dims(placements, mesh)
+    if not dims:
+        return []
+    family = model_family(params, megatron)
+    uses: list[str] = []
+    if family is not None and family.plan != plan_name:
+        uses = [d for d in dims if d not in unused_dims(plan_all(params, family_plan(family, params), mesh)[0], mesh)]
+    return unused_dim_warnings(dims, mesh, plan_name, family, uses)
 
 
 def torch_dedup_owners(tensors: list[tuple[BoxGroups, int]], world: int) -> list[list[int]]:
@@ -304,7 +335,7 @@ def _target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None)
 
 
 @conversion_command("from-universal")
-def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "fsdp",
+def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *, plan: str = "auto",
                    mesh_order: str | None = None, dtype: str | None = None,
                    options: RunOptions | None = None, selection: Selection | None = None,
                    drop_dataloader: bool = False,
@@ -366,11 +397,12 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         with planning:
             index = reader.index()
             refs = _atom_refs(reader, index)
-            splits, replicated = _source_hints(reader, index)
+            splits, replicated, source_mesh = _source_hints(reader, index)
             selected = select_entries(index, selection or Selection(), refs)
             heads = _head_counts(src, config)
             layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors,
-                                   heads=heads, dedup="torch" if format == ST_FORMAT else "least-loaded")
+                                   heads=heads, dedup="torch" if format == ST_FORMAT else "least-loaded",
+                                   source_mesh=source_mesh)
             index = selected.restrict(index)  # the whole index planned the parameters; write the selection
             # every entry checked (CRC, zip records, pickle globals) before the destination is touched
             object_specs, index, notes = plan_objects(index, lambda k: read_checked_object(reader, k, options.trust_pickle),
@@ -440,7 +472,7 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
         from converter.plan.dry_run import build_preview, render_preview
 
         with gc_paused():  # the plan document is millions of small acyclic objects at scale
-            doc = build_preview(source_label(src), str(dst), plan_name, layout, tasks, index,
+            doc = build_preview(source_label(src), str(dst), layout.plan or plan_name, layout, tasks, index,
                                 [(k, r) for k, _, _, r in object_specs], chunk_lines=preview_chunks)
             return render_preview(doc), doc
 
@@ -451,8 +483,10 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
         # Megatron's metadata.json / common.pt, as they are
         return dcp_output(writer, extra_files=lambda: write_framework_files(out, framework or {}))
 
+    choice = None if layout.plan_reason is None else f"plan {layout.plan} (--plan {plan_name}): {layout.plan_reason}"
     planned = ConversionResult(str(dst), len(index.tensors), len(object_specs), total_target_nbytes(tasks),
-                               0.0, warnings=layout.warnings, mesh=str(mesh), world_size=mesh.world_size)
+                               0.0, warnings=layout.warnings, mesh=str(mesh), world_size=mesh.world_size,
+                               plan_choice=choice)
     return Conversion("from-universal", src, dst, index, reader, tasks, header, open_output, planned, describe)
 
 

@@ -117,6 +117,7 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
         "src": src,
         "dst": dst,
         "plan": plan_name,
+        "plan_reason": getattr(layout, "plan_reason", None),
         "mesh": {"spec": str(mesh), "dims": [{"name": d.name, "size": d.size} for d in mesh.dims],
                  "world_size": mesh.world_size},
         "ranks": ranks_doc,
@@ -178,6 +179,8 @@ def render_preview(doc: Mapping[str, Any], per_key: bool = True) -> str:
 
     mesh = doc["mesh"]
     lines = [f"# target mesh {mesh['spec']} ({mesh['world_size']} ranks)"]
+    if doc.get("plan_reason"):
+        lines.append(f"# plan {doc['plan']} (--plan auto): {doc['plan_reason']}")
     for r in doc["ranks"]:
         coords = ",".join(f"{k}={v}" for k, v in r["coords"].items())
         lines.append(f"rank {r['rank']} ({coords}): {r['file']}  {plural(r['chunks'], 'chunk')}  "

@@ -2,12 +2,14 @@
 
 Built-ins (``--plan``):
 
-- ``fsdp`` (default): every parameter ``Shard(0)`` over the FSDP dim (``torch.chunk`` sizes, as
+- ``auto`` (default): chosen from the checkpoint (:mod:`converter.plan.auto_plan`).
+- ``fsdp``: every parameter ``Shard(0)`` over the FSDP dim (``torch.chunk`` sizes, as
   ``fully_shard`` does), replicated over ``dp_replicate`` and ``tp``.
 - ``llama``: torchtitan's Llama 3 tensor-parallel plan by module name, FSDP on top (FSDP2's
   ``_StridedShard`` where FSDP shards a dim TP already split).
 - ``moe``: ``llama`` plus torchtitan 0.3.0's MoE decoders (deepseek_v3, qwen3 MoE): MLA attention,
   router, shared experts, and routed experts on the EP sparse mesh (:func:`compose_experts`).
+- ``megatron``: Megatron-core's GPT TP plan by module name (:mod:`converter.plan.megatron_plan`).
 - ``source``: the TP split dim the source layout shows for each tensor (:class:`SourceSplits`), with
   the new degrees.
 - a plan file (JSON, or YAML when pyyaml is installed; ``schemas/plan.schema.json``): ordered regex
@@ -44,7 +46,7 @@ from converter.plan.mesh import Mesh
 from formats.base import Box, Shape
 from formats.errors import ConfigError, PlanError
 
-BUILTIN_PLANS = ("fsdp", "llama", "moe", "source")
+BUILTIN_PLANS = ("auto", "fsdp", "llama", "moe", "megatron", "source")
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "plan.schema.json"
 _FSDP_DIMS = ("dp_shard", "cp")  # flattened into one FSDP dim, as torchtitan's dp_shard_cp
 _MAX_NAMES = 5  # tensor names quoted in one warning
@@ -389,16 +391,24 @@ class RulePlan:
 class SourcePlan:
     """Keep the source's TP split dim per tensor, FSDP on top; tensors it does not know replicate.
     A grouped-experts tensor (3-D or more, a name with ``experts``) is placed as routed experts
-    (:func:`compose_experts`: EP when the target mesh has ep, else the source's TP dim)."""
+    (:func:`compose_experts`: EP when the target mesh has ep, else the source's TP dim).
+
+    ``fallback`` (``--plan auto``): the plan that places the tensors the source shows no TP split
+    for (not split, or unknown), where one of its rules matches them."""
 
     splits: SourceSplits
     pipeline: PipelineSplit = PipelineSplit()
     name: str = "source"
+    fallback: PlacementPlan | None = None
 
     def place(self, param_fqn: str, shape: Shape, mesh: Mesh) -> TensorPlacement:
+        tp_dim = self.splits.tp_dim.get(param_fqn)
+        if tp_dim is None and self.fallback is not None:
+            placed = self.fallback.place(param_fqn, shape, mesh)
+            if placed.rule is not None:
+                return placed
         if param_fqn not in self.splits.tp_dim:
             return replicated(mesh)
-        tp_dim = self.splits.tp_dim[param_fqn]
         tp = Replicate() if tp_dim is None else Shard(tp_dim)
         experts = len(shape) >= 3 and "experts" in param_fqn
         rule = Rule("source", re.escape(param_fqn), tp, self.splits.fsdp_dim.get(param_fqn, 0), experts=experts)
@@ -436,7 +446,7 @@ LLAMA_PLAN = RulePlan(
 )
 
 
-#: torchtitan 0.3.0's MoE decoders (deepseek_v3, qwen3 MoE flavors) on top of the Llama rules: MLA
+#: torchtitan's MoE decoders (0.3.0 and 0.2.x names; deepseek_v3, qwen3 MoE flavors) on top of the Llama rules: MLA
 #: attention (low-rank projections and their norms replicated over tp, up-projections colwise), q/k
 #: norms, the router gate (replicated over tp), shared experts (a colwise/rowwise FFN) and the routed
 #: grouped experts ``[num_experts, ...]`` (:func:`compose_experts`: EP on dim 0, efsdp, or TP on the
@@ -454,14 +464,20 @@ MOE_PLAN = RulePlan(
         Rule("moe experts w1/w3", _L + r"moe\.routed_experts\.inner_experts\.w[13]_EFD", Shard(1), experts=True),
         Rule("moe experts w2", _L + r"moe\.routed_experts\.inner_experts\.w2_EDF", Shard(2), experts=True),
         Rule("moe.expert_bias", _L + r"moe\.expert_bias_E", Replicate(), fsdp_dim=None),
+        # torchtitan 0.2.x's names for the same tensors (GroupedExperts w1/w3 [E, hidden, dim], w2 [E,
+        # dim, hidden]; TensorParallel Shard(1)/Shard(2) without EP; the expert_bias buffer)
+        Rule("moe experts w1/w3 (0.2.x)", _L + r"moe\.experts\.w[13]", Shard(1), experts=True),
+        Rule("moe experts w2 (0.2.x)", _L + r"moe\.experts\.w2", Shard(2), experts=True),
+        Rule("moe.expert_bias (0.2.x)", _L + r"moe\.expert_bias", Replicate(), fsdp_dim=None),
     ),
 )
 
 
 def get_plan(name_or_path: str, source_splits: SourceSplits | Mapping[str, int | None] | None = None,
-             mesh: Mesh | None = None) -> PlacementPlan:
-    """A built-in plan (``fsdp``, ``llama``, ``source``), a plan read from code
-    (``torchtitan:MODEL/FLAVOR``, ``python:MODULE:FUNCTION``; needs ``mesh``) or a plan file."""
+             mesh: Mesh | None = None, params: Mapping[str, Shape] | None = None) -> PlacementPlan:
+    """A built-in plan (``fsdp``, ``llama``, ``moe``, ``megatron``: ``params``, FQN -> shape, tell
+    its gated MLPs; ``source``), a plan read from code (``torchtitan:MODEL/FLAVOR``,
+    ``python:MODULE:FUNCTION``; needs ``mesh``) or a plan file."""
     from converter.plan.from_code import is_code_plan, load_code_plan
 
     if is_code_plan(name_or_path):
@@ -474,6 +490,13 @@ def get_plan(name_or_path: str, source_splits: SourceSplits | Mapping[str, int |
         return LLAMA_PLAN
     if name_or_path == "moe":
         return MOE_PLAN
+    if name_or_path == "megatron":
+        from converter.plan.megatron_plan import megatron_plan
+
+        return megatron_plan(params or {})
+    if name_or_path == "auto":
+        raise ConfigError("--plan auto is chosen from the checkpoint (converter.plan.auto_plan.choose_plan); "
+                          "get_plan takes the plan it chose")
     if name_or_path == "source":
         if source_splits is None:
             raise ConfigError("--plan source needs the source's detected layout; convert from a sharded source or pick --plan fsdp")

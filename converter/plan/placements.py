@@ -19,6 +19,7 @@ and ``ep`` (torchtitan's sparse mesh for routed experts, :mod:`converter.mesh`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from bisect import bisect_right
@@ -276,11 +277,32 @@ def _unique_boxes(shape: Shape, mesh: Mesh, placements: tuple[Placement, ...],
                   dims: tuple[tuple[str, ...], ...] | None, pp_stage: int | None
                   ) -> tuple[tuple[Box, tuple[int, ...]], ...]:
     """:func:`unique_boxes`, cached: a model's tensors repeat a few shapes (every layer's, and a
-    parameter's optimizer states), so a large mesh is walked once per distinct shape."""
+    parameter's optimizer states), so a large mesh is walked once per distinct shape. A rank whose
+    index set is not one block (a lone ``StridedShard``: Megatron's gated ``linear_fc1``, each half
+    over tp) holds one box per block."""
+    dims_, sizes = _dims_and_sizes(mesh, placements, dims)
     owners: dict[Box, list[int]] = {}
-    for rank, box in rank_boxes(shape, mesh, placements, dims, pp_stage).items():
-        owners.setdefault(box, []).append(rank)
+    by_coord: dict[tuple[int, ...], tuple[Box, ...]] = {}
+    for rank, coord, pp in _rank_table(mesh, dims_):
+        if pp_stage is not None and pp != pp_stage:
+            continue
+        boxes = by_coord.get(coord)
+        if boxes is None:
+            boxes = by_coord[coord] = _blocks(shape, local_intervals(shape, sizes, placements, coord))
+        for box in boxes:
+            owners.setdefault(box, []).append(rank)
     return tuple((box, tuple(ranks)) for box, ranks in owners.items())
+
+
+def _blocks(shape: Shape, held: tuple[Intervals | None, ...]) -> tuple[Box, ...]:
+    """The boxes of an index set (per dim: ranges, None for the whole dim, () for none): one per
+    combination of ranges; one box, as torch's, when every dim holds one range."""
+    axes = []
+    for n, iv in zip(shape, held):
+        axes.append(((0, n),) if iv is None else ((n, 0),) if not iv else tuple((a, b - a) for a, b in iv))
+    if all(len(a) == 1 for a in axes):
+        return (Box(tuple(a[0][0] for a in axes), tuple(a[0][1] for a in axes)),)
+    return tuple(Box(tuple(o for o, _ in combo), tuple(n for _, n in combo)) for combo in itertools.product(*axes))
 
 
 def compose_fsdp_tp(fsdp_dim: int | None, tp: Placement, tp_size: int) -> tuple[Placement, Placement]:

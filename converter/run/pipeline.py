@@ -67,6 +67,7 @@ class ConversionResult:
     preview: dict | None = None  # from-universal --dry-run: the target plan (schemas/target-plan.schema.json)
     mesh: str | None = None  # from-universal: the target mesh
     world_size: int | None = None  # from-universal: ranks of the target job
+    plan_choice: str | None = None  # from-universal --plan auto: the plan it chose and why (one line)
     already_complete: bool = False  # --resume found this conversion's complete output: nothing written
 
 
@@ -136,7 +137,7 @@ def dry_run_result(conv: Conversion) -> ConversionResult:
     text, doc = conv.describe()
     p = conv.planned
     return ConversionResult(str(conv.dst), p.tensors, p.objects, p.bytes, 0.0, plan=text, preview=doc,
-                            warnings=conv.dry_run_warnings)
+                            warnings=conv.dry_run_warnings, plan_choice=p.plan_choice)
 
 
 def run_conversion(conv: Conversion, options: Any) -> ConversionResult:

@@ -92,7 +92,10 @@ def test_writes_a_dcp_checkpoint_torch_reads_as_the_source(store, source_ref, tm
     out = tmp_path / "dp3"
     proc = run_cli("from-universal", store, out, "--mesh", "dp3", "--workers", "2")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"wrote {out}") and proc.stderr == ""
+    assert proc.stdout.startswith(f"wrote {out}")
+    # stderr: only the one line naming the plan --plan auto chose, and why
+    assert proc.stderr.startswith("ckptconv: plan llama (--plan auto): torchtitan Llama names (") \
+        and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [".metadata", ".written-by-ckptconv.json", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
     assert_same_value(torch_reference(out), source_ref)  # every tensor bit for bit, every object
     b = boxes(out)
@@ -134,7 +137,8 @@ def test_dry_run_prints_per_rank_plan_and_writes_nothing(store, tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "# target mesh pp2,dp_shard2 (4 ranks)"
-    assert [ln.split(":")[0] for ln in lines[1:5]] == [
+    assert lines[1].startswith("# plan llama (--plan auto): torchtitan Llama names (")
+    assert [ln.split(":")[0] for ln in lines[2:6]] == [
         "rank 0 (pp=0,dp_shard=0)", "rank 1 (pp=0,dp_shard=1)", "rank 2 (pp=1,dp_shard=0)", "rank 3 (pp=1,dp_shard=1)"
     ]
     assert not out.exists()
@@ -222,7 +226,7 @@ def test_flipped_tensor_byte_is_refused(store_copy, tmp_path):
 
 
 def test_unknown_plan(store, tmp_path):
-    _bad(store, tmp_path, "--mesh", "dp2", "--plan", "megatron", needles=("unknown plan", "megatron"))
+    _bad(store, tmp_path, "--mesh", "dp2", "--plan", "megatron-lm", needles=("unknown plan", "megatron-lm", "auto"))
     assert not (tmp_path / "out").exists()
 
 

@@ -329,3 +329,51 @@ def test_plain_optimizer_and_model_only_keys_are_atoms():
     assert atoms[w] == {"param": w, "fp32_param": keys[2], "exp_avg": keys[3]}
     refs, _ = group_atoms({k: guess_path(k) for k in keys[:2]})
     assert all(r.role == "param" for r in refs.values())
+
+
+def _layer_boxes(chunks, stacked: bool) -> set:
+    """A tensor's chunk boxes, a stacked tensor's cut into one box per layer (megatron writes and
+    loads one per layer; a converted box may hold several)."""
+    out = set()
+    for off, size in chunks:
+        if stacked:
+            out |= {((layer, *off[1:]), (1, *size[1:])) for layer in range(off[0], off[0] + size[0])}
+        else:
+            out.add((tuple(off), tuple(size)))
+    return out
+
+
+def test_no_plan_writes_megatrons_own_rank_boxes(tmp_path):
+    """No --plan on megatron's own TP2 x DP2 save, to the same layout: the plan is megatron's
+    (one line says so) and each rank's file holds exactly the boxes megatron saved for its TP
+    coordinate (the boxes its dist_checkpointing.load asks for; tp is the fastest rank dim in both),
+    the gated linear_fc1's two [gate; up] halves included, nothing split over dp."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    code, out, err = run_cli("from-universal", str(FIXTURE), str(tmp_path / "out"), "--mesh", "tp2,dp2",
+                             "--dry-run", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["plan"] == "megatron" and "Megatron-core GPT names" in doc["plan_reason"]
+    assert not [w for w in doc["warnings"] if "mesh dim" in w]
+    md = FileSystemReader(str(FIXTURE)).read_metadata()
+    writer = {}  # (key, offsets) -> the rank whose file holds it in megatron's save
+    for idx, info in md.storage_data.items():
+        if idx.offset is not None:  # (bytes entries have none)
+            writer[(idx.fqn, tuple(idx.offset))] = int(info.relative_path.split("_")[2])
+    stacked = stacked_layers(_index())
+    for t in doc["tensors"]:
+        key = t["key"]
+        saved = md.state_dict_metadata[key]
+        lead = 1 if key in stacked else 0
+        if all(tuple(c.sizes)[lead:] == tuple(saved.size)[lead:] for c in saved.chunks):  # whole over tp
+            assert all(sorted(c["holders"]) == [0, 1, 2, 3] for c in t["chunks"]), key
+            continue
+        for tp in range(2):
+            want = _layer_boxes([(tuple(c.offsets), tuple(c.sizes)) for c in saved.chunks
+                                 if writer[(key, tuple(c.offsets))] % 2 == tp], key in stacked)
+            got = _layer_boxes([(c["offsets"], c["sizes"]) for c in t["chunks"] if c["rank"] % 2 == tp],
+                               key in stacked)
+            assert got == want, (key, tp)
+        for c in t["chunks"]:  # every box held by the ranks of one tp coordinate, on both dp replicas
+            assert sorted(c["holders"]) == [c["rank"] % 2, c["rank"] % 2 + 2], (key, c)

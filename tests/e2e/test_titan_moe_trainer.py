@@ -35,18 +35,25 @@ CASES = [  # (target mesh, plan, DP degree changes: drop the dataloader state)
     ("dp4,ep4", "moe", False),  # another EP degree: 2 of 8 experts per rank, on other ranks
     ("dp4", "torchtitan:deepseek_v3/debugmodel", False),  # EP off: experts FSDP-sharded on the dense mesh
     ("dp2,tp2,ep2", "torchtitan:deepseek_v3/debugmodel", True),  # TP on the dense parts, EP over the tp ranks
+    # No --plan (auto, the default: torchtitan's MoE rules from the names): EP, TP, TP x EP targets
+    ("dp4,ep4", "", False),
+    ("dp2,tp2", "", True),
+    ("dp2,tp2,ep2", "", True),
 ]
 
 
-@pytest.mark.parametrize("dst_mesh,plan,drop", CASES, ids=[f"{SOURCE}-to-{m}-{p.split(':')[0]}" for m, p, _ in CASES])
+@pytest.mark.parametrize("dst_mesh,plan,drop", CASES,
+                         ids=[f"{SOURCE}-to-{m}-{p.split(':')[0] or 'auto'}" for m, p, _ in CASES])
 def test_converted_moe_checkpoint_loads_in_torchtitan(titan_moe_checkpoint, tmp_path, dst_mesh, plan, drop):
     src = titan_moe_checkpoint(SOURCE)
     dump = tmp_path / "job"
     out = dump / "checkpoint" / "step-2"
-    code, stdout, stderr = run_cli("from-universal", str(src / "ckpt"), str(out), "--mesh", dst_mesh, "--plan", plan,
-                                   *(["--drop-dataloader-state"] if drop else []))
+    code, stdout, stderr = run_cli("from-universal", str(src / "ckpt"), str(out), "--mesh", dst_mesh,
+                                   *(["--plan", plan] if plan else []), *(["--drop-dataloader-state"] if drop else []))
     assert code == 0, stdout + stderr
-    assert "matched no rule" not in stderr
+    assert "matched no rule" not in stderr and "warning: mesh dim" not in stderr
+    if not plan:
+        assert "ckptconv: plan moe (--plan auto): torchtitan" in stderr, stderr
     reports = titan_moe_support.run_job({"mesh": dst_mesh, "dump": str(dump), "steps": 3, "reference": str(src / "reference.pt"),
                                          "skip_compare": ["dataloader"] if drop else []}, tmp_path / "run")
     want_loss = json.loads((src / "train.json").read_text())["losses"]["3"]

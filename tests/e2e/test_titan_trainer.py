@@ -40,6 +40,10 @@ CASES = [  # (source mesh, target mesh, plan, drop the dataloader state)
     ("dp_replicate2,dp2", "tp2,dp2", "torchtitan:llama3/debugmodel", True),
     ("dp4", "dp_replicate2,dp2", "llama", False),  # same DP degree: the dataloader state is kept
     ("tp2,dp2", "dp_replicate2", "torchtitan:llama3/debugmodel", True),
+    # No --plan (auto, the default), as a new user runs it: TP target from a TP x FSDP source (the
+    # source's own splits, Llama rules for the rest) and from an FSDP-only source (Llama rules)
+    ("tp2,dp2", "tp2,dp2", "", False),
+    ("dp4", "tp2,dp2", "", True),
     # No pp target: torchtitan 0.3.0 calls PipelineSchedule.step(arg_mbs=..., kwarg_mbs=...), which
     # torch 2.13's schedules do not take ("Expecting 4 arg_mbs but got 1"); its PP needs a newer torch.
 ]
@@ -75,15 +79,19 @@ def _classify(rep: dict, readers: dict[tuple, set[int]]) -> tuple[int, int, list
     return own, shared, foreign
 
 
-@pytest.mark.parametrize("src_mesh,dst_mesh,plan,drop", CASES, ids=[f"{a}-to-{b}-{p.split(':')[0]}" for a, b, p, _ in CASES])
+@pytest.mark.parametrize("src_mesh,dst_mesh,plan,drop", CASES,
+                         ids=[f"{a}-to-{b}-{p.split(':')[0] or 'auto'}" for a, b, p, _ in CASES])
 def test_converted_checkpoint_loads_in_torchtitan(titan_checkpoint, tmp_path, src_mesh, dst_mesh, plan, drop):
     src = titan_checkpoint(src_mesh)
     dump = tmp_path / "job"
     out = dump / "checkpoint" / "step-2"
-    args = ["from-universal", str(src / "ckpt"), str(out), "--mesh", dst_mesh, "--plan", plan]
+    args = ["from-universal", str(src / "ckpt"), str(out), "--mesh", dst_mesh, *(["--plan", plan] if plan else [])]
     code, stdout, stderr = run_cli(*args, *(["--drop-dataloader-state"] if drop else []))
     assert code == 0, stdout + stderr
-    assert "matched no rule" not in stderr
+    assert "matched no rule" not in stderr and "warning: mesh dim" not in stderr
+    if not plan:  # the plan --plan auto chose, and why, in one line
+        chosen = [line for line in stderr.splitlines() if "(--plan auto)" in line]
+        assert len(chosen) == 1 and ("plan source+llama" if "tp" in src_mesh else "plan llama") in chosen[0], stderr
     job = {"mesh": dst_mesh, "dump": str(dump), "steps": 3, "reference": str(src / "reference.pt"),
            "skip_compare": ["dataloader"] if drop else []}
     reports = titan_support.run_job(job, tmp_path / "run")

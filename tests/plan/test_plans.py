@@ -273,7 +273,7 @@ def test_invalid_plan_files(tmp_path, change, match):
 
 def test_bad_plan_names_and_files(tmp_path):
     with pytest.raises(ConfigError, match="unknown plan"):
-        get_plan("megatron")
+        get_plan("megatron-lm")
     with pytest.raises(ConfigError, match="does not exist"):
         get_plan(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
