@@ -44,6 +44,7 @@ from converter.plan.dcp_safetensors import (FORMATS, StorageLayout, consolidatio
 from converter.run.destination import FROM_UNIVERSAL_LEGACY, FROM_UNIVERSAL_ST, option_value, write_complete_marker
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
 from converter.run.sinks import dcp_output, dcp_safetensors_output
+from converter.run.optim_view import fully_reshardable
 from converter.run.sources import framework_files, open_checkpoint
 from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
 from formats.dcp.framework_files import write_framework_files
@@ -395,6 +396,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         raise
     try:
         with planning:
+            reader = fully_reshardable(reader, options.trust_pickle)  # megatron's dp_reshardable optimizer, kept
             index = reader.index()
             refs = _atom_refs(reader, index)
             splits, replicated, source_mesh = _source_hints(reader, index)
@@ -594,6 +596,7 @@ def _to_legacy(src: str | os.PathLike, dst: str | os.PathLike, mesh: Mesh, optio
 
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
+        reader = fully_reshardable(reader, options.trust_pickle)
         index = reader.index()
         refs = _atom_refs(reader, index)
         index = select_entries(index, selection or Selection(), refs).restrict(index)

@@ -13,6 +13,7 @@ from converter.plan.selection import Selection, select_entries
 from converter.plan.source_layout import LayoutReport, SourceHint, detect_layout, source_hints
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
 from converter.run.sinks import universal_output
+from converter.run.optim_view import fully_reshardable
 from converter.run.sources import framework_files, open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
 from formats.dcp.framework_files import write_framework_files
@@ -72,6 +73,7 @@ def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOpt
     options = options or RunOptions()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
+        reader = fully_reshardable(reader, options.trust_pickle)  # megatron's dp_reshardable optimizer, kept
         return run_conversion(_plan(reader, src, dst, options, chunk_bytes, selection, backend), options)
     finally:
         reader.close()

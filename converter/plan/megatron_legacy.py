@@ -367,7 +367,7 @@ def optimizer_states(index: CheckpointIndex) -> dict[str, dict[str, str]]:
     return out
 
 
-def _buffers(chunks: list[list[LocalTensor]], experts: bool | None) -> list[tuple[int, str, list[LocalTensor]]]:
+def optimizer_buffers(chunks: list[list[LocalTensor]], experts: bool | None) -> list[tuple[int, str, list[LocalTensor]]]:
     """(chunk, param dtype, members) of each buffer one optimizer covers, in megatron's order."""
     out = []
     for c, tensors in enumerate(chunks):
@@ -388,9 +388,9 @@ def optimizer_value(chunks: list[list[LocalTensor]], layout: LegacyLayout, folde
     {"param": flat, "exp_avg": flat, ..., "numel_unpadded": n}}}``, a list of two (dense, experts)
     when the experts have their own optimizer."""
     if not layout.chained:
-        return _one_optimizer(_buffers(chunks, None), layout, folder, states, index, fills)
-    dense = _one_optimizer(_buffers(chunks, False), layout, folder, states, index, fills) if folder.ep == 0 else None
-    expert = _one_optimizer(_buffers(chunks, True), layout, folder, states, index, fills)
+        return _one_optimizer(optimizer_buffers(chunks, None), layout, folder, states, index, fills)
+    dense = _one_optimizer(optimizer_buffers(chunks, False), layout, folder, states, index, fills) if folder.ep == 0 else None
+    expert = _one_optimizer(optimizer_buffers(chunks, True), layout, folder, states, index, fills)
     return [dense, expert]
 
 

@@ -457,17 +457,21 @@ def run_job(job: dict, out_dir: "os.PathLike[str] | str", timeout: int = 900) ->
 def save_checkpoint(dest: "os.PathLike[str] | str", tp: int, pp: int, dp: int, spec: GPTSpec = GPTSpec(),
                     steps: int = 2, work: "os.PathLike[str] | str | None" = None, vpp: int = 1, ep: int = 1,
                     etp: int | None = None, legacy: "os.PathLike[str] | str | None" = None,
-                    torch_dist: bool = True) -> list[dict]:
+                    torch_dist: bool = True, also: "dict[str, os.PathLike[str] | str] | None" = None) -> list[dict]:
     """A real megatron checkpoint of ``spec`` at ``tp`` x ``pp`` x ``dp`` (``vpp`` model chunks per stage,
     ``ep`` / ``etp`` expert parallel sizes) after ``steps`` optimizer steps (iteration = steps): torch_dist
     in ``dest`` (unless not ``torch_dist``) and, with ``legacy``, Megatron-LM's legacy format of the same
-    trained state in that folder."""
+    trained state in that folder; ``also`` ({optimizer format: folder}): the same state saved once more
+    in torch_dist with that DistributedOptimizer format (``fully_reshardable``, which megatron reshards on
+    load, is the oracle for a ``dp_reshardable`` save's conversion)."""
     work = Path(work) if work is not None else Path(dest).parent / (Path(dest).name + ".run")
     fmt = "both" if legacy is not None and torch_dist else "legacy" if legacy is not None else "torch_dist"
     job = {"mode": "save", "world": tp * pp * dp, "tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp,
            "spec": asdict(spec), "ckpt": str(Path(dest).resolve()), "steps": steps, "format": fmt}
     if legacy is not None:
         job["legacy"] = str(Path(legacy).resolve())
+    if also:
+        job["also"] = {k: str(Path(v).resolve()) for k, v in also.items()}
     return run_job(job, work)
 
 
@@ -508,8 +512,9 @@ def forward_logits(ckpt: "os.PathLike[str] | str", tokens: list[list[int]], work
 
 def main(argv: list[str] | None = None) -> None:
     """Regenerate a checked-in fixture: ``python tests/support/megatron_support.py DEST --tp 2 --dp 2``
-    (``--legacy``: DEST/legacy in Megatron-LM's legacy format and DEST/torch_dist in torch_dist, the same
-    trained state, of the small model :data:`SMALL`)."""
+    (``--legacy``: DEST/legacy in Megatron-LM's legacy format, DEST/torch_dist in torch_dist
+    (``fully_reshardable`` optimizer) and DEST/dp_reshardable in torch_dist with Megatron-LM's default
+    ``dp_reshardable`` optimizer format: the same trained state, of the small model :data:`SMALL`)."""
     import argparse
     import shutil
 
@@ -531,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     work = dest.parent / (dest.name + ".run")
     if a.legacy:
         save_checkpoint(dest / "torch_dist", a.tp, a.pp, a.dp, SMALL, steps=a.steps, work=work, vpp=a.vpp,
-                        legacy=dest / "legacy")
+                        legacy=dest / "legacy", also={"dp_reshardable": dest / "dp_reshardable"})
     else:
         save_checkpoint(dest, a.tp, a.pp, a.dp, steps=a.steps, work=work)
     shutil.rmtree(work, ignore_errors=True)

@@ -71,9 +71,16 @@ def _optimizer_tensors(opt) -> list[tuple[str, object]]:
 
 def _load(spec, path: str, seed: int, rng: bool):
     """(model chunks, optimizer, loaded common values) after megatron's own ``dist_checkpointing.load``
-    of ``path`` and ``load_state_dict`` on every model chunk and the optimizer, as Megatron-LM does."""
+    of ``path`` and ``load_state_dict`` on every model chunk and the optimizer, as Megatron-LM does
+    (the optimizer's sharding type from the checkpoint's content metadata)."""
+    import dataclasses
+
     from megatron.core import dist_checkpointing
 
+    meta = dist_checkpointing.load_content_metadata(path) or {}  # as Megatron-LM: the checkpoint's own format
+    sharding = meta.get("distrib_optim_sharding_type")
+    if spec.distributed_optimizer and sharding:
+        spec = dataclasses.replace(spec, sharding=sharding)
     models, ddps, opt = ms.build_chunks(spec, seed)
     for o in getattr(opt, "chained_optimizers", [opt]):  # as Megatron-LM before a load: states exist
         if hasattr(o, "_init_optimizer_states_with_dummy_values"):  # the plain optimizers init on is_loading
@@ -169,6 +176,14 @@ def _save(job: dict, spec) -> None:
         dist_checkpointing.save(sd, job["ckpt"], content_metadata=sd.pop("content_metadata"))
     if fmt in ("legacy", "both"):
         ms.save_legacy(job["legacy"], spec, models, opt, job["steps"])
+    for sharding, path in job.get("also", {}).items():  # the same state again, another optimizer format
+        import dataclasses
+
+        other = dataclasses.replace(spec, sharding=sharding)
+        os.makedirs(path, exist_ok=True)
+        sd = ms.sharded_state_dict(other, models if len(models) > 1 else models[0], opt, iteration=job["steps"],
+                                   loading=False, rng=True)
+        dist_checkpointing.save(sd, path, content_metadata=sd.pop("content_metadata"))
 
 
 def main() -> None:
