@@ -12,6 +12,7 @@ Sources are real saves (:mod:`hf_storage_factory`) in DCP's safetensors storage 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,21 @@ def test_consolidated_beside_sharded_loads_too(tmp_path):
 
     bad = [k for k in ref if not bits_equal(got[k], ref[k])]
     assert not bad, bad[:5]
+
+
+def test_expert_parallel_target_loads_rank_locally(tmp_path):
+    """An MoE block under EP (grouped experts Shard(0) over ep, FSDP over efsdp, as torchtitan lays
+    them out): converted to ``dp4,ep2`` from a universal store of the EP save, loaded by the same EP
+    world rank-locally and bit-exact."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "rules": [
+        {"name": "experts", "match": "inner_experts\\.w.*", "experts": True},
+        {"name": "rest", "match": ".*", "tp": "replicate", "dp_shard": "shard(0)"}]}))
+    from cli_runner import run_cli
+
+    assert run_cli("to-universal", str(hfs.shards("ep2dp2")), str(tmp_path / "uni"))[0] == 0
+    out = tmp_path / "out"
+    from_universal(tmp_path / "uni", out, "dp4,ep2", plan=str(plan), format="dcp-safetensors")
+    reports = hf_storage_load.load_in_world({"dp": 4}, out, hfs.get("ep2dp2") / hfs.REFERENCE, tmp_path / "r",
+                                            model="moe")
+    _check_local_reads(out, reports)

@@ -18,7 +18,8 @@ Kinds:
   the router and the dense parts FSDP2 over all 4 ranks, ``expert_bias_E`` replicated; one AdamW
   step on fixed gradients;
 - ``dtypes3``: plain DTensors on 3 ranks of every dtype DCP's HF storage writes (fp32, fp64, fp16,
-  bf16, fp8 e4m3/e5m2 with inf/NaN bit patterns, int8/16/32/64, uint8, bool), row and column
+  bf16, fp8 e4m3fn/e5m2 with inf/NaN bit patterns and their fnuz variants, int8/16/32/64,
+  uint8/16/32/64, bool, complex64; safetensors cannot write float8_e8m0fnu), row and column
   shards, uneven shards with an empty one, 0-d, empty and replicated tensors;
 - ``dense2_float`` : fp32/bf16/fp16/fp8 only, 2 ranks, saved with ``enable_consolidation=True``:
   ``ckpt/sharded/`` and torch's own consolidated files in ``ckpt/`` (torch's consolidation crashes
@@ -94,9 +95,9 @@ def _llama_state(kind: Kind, rank: int) -> dict[str, Any]:
 class _MoE(torch.nn.Module):
     """An MoE block with torchtitan 0.3.0's parameter names (grouped experts, router, bias)."""
 
-    def __init__(self, experts: int = 4, dim: int = 6, hidden: int = 8) -> None:
+    def __init__(self, experts: int = 4, dim: int = 6, hidden: int = 8, seed: int = 5) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(5)
+        g = torch.Generator().manual_seed(seed)
         self.tok_embeddings = torch.nn.Embedding(10, dim)
         self.router = torch.nn.Module()
         self.router.gate = torch.nn.Linear(dim, experts, bias=False)
@@ -107,14 +108,16 @@ class _MoE(torch.nn.Module):
         self.register_buffer("expert_bias_E", torch.linspace(-1, 1, experts))
 
 
-def _moe_state(kind: Kind, rank: int) -> dict[str, Any]:
+def moe_state(seed: int = 5) -> dict[str, Any]:
+    """The MoE block under EP on 4 ranks (ep2 x efsdp2 sparse mesh, dp_shard4 dense), AdamW stepped
+    once: its state (model + optimizer state tensors); ``seed`` picks the initial values."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    torch.manual_seed(0)
-    model = _MoE()
+    torch.manual_seed(seed)
+    model = _MoE(seed=seed)
     sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
     dense = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     experts = model.inner_experts
@@ -140,6 +143,8 @@ def _dtype_values(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
     g = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
         return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
     if not dtype.is_floating_point:
         info = torch.iinfo(dtype)
         lo, hi = max(info.min, -(2**62)), min(info.max, 2**62)
@@ -154,7 +159,8 @@ def _dtype_values(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
 
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
+          torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+          torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64)
 
 
 def plain_values(dtypes: tuple[torch.dtype, ...], edges: bool) -> dict[str, tuple[torch.Tensor, str | None]]:
@@ -195,7 +201,7 @@ def build_state(kind: Kind, rank: int) -> dict[str, Any]:
     if kind.state == "llama":
         return _llama_state(kind, rank)
     if kind.state == "moe":
-        return _moe_state(kind, rank)
+        return moe_state()
     return _plain_state(kind, _values_of(kind))
 
 

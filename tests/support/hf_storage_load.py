@@ -54,12 +54,17 @@ def llama_template(layout: dict[str, int], seed: int = 777) -> dict[str, Any]:
     return {"model": model_sd, "optim": {"state": optim_sd["state"]}}
 
 
-def _load_worker(rank: int, world: int, layout: dict[str, int], path: str, ref: str, out: str) -> None:
+def _load_worker(rank: int, world: int, layout: dict[str, int], path: str, ref: str, out: str, model: str) -> None:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    state = llama_template(layout)
+    if model == "moe":
+        import hf_storage_factory
+
+        state = hf_storage_factory.moe_state(seed=777)  # torchtitan's EP layout on 4 ranks, other values
+    else:
+        state = llama_template(layout)
     reader = _recording_reader(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -83,11 +88,13 @@ def _load_worker(rank: int, world: int, layout: dict[str, int], path: str, ref: 
     Path(out, f"rank{rank}.json").write_text(json.dumps({"errors": errors, "reads": reader.items, "local": local}))
 
 
-def load_in_world(layout: dict[str, int], path: Path, reference_of: Path, tmp: Path) -> dict[int, dict]:
-    """A gloo world of ``layout`` ``dcp.load``-s the tiny Llama's state from ``path`` with torch's
+def load_in_world(layout: dict[str, int], path: Path, reference_of: Path, tmp: Path,
+                  model: str = "llama") -> dict[int, dict]:
+    """A gloo world of ``layout`` ``dcp.load``-s the tiny Llama's state (``model="moe"``: the MoE
+    block of :func:`hf_storage_factory.moe_state` under EP on 4 ranks) from ``path`` with torch's
     ``HuggingFaceStorageReader``; per rank: keys whose local value differs from ``reference_of``
     (a ``reference.pt``), every item read, every local box."""
     world = max(1, math.prod(layout.values()))
     tmp.mkdir(parents=True, exist_ok=True)
-    ckpt_factory.run_world(_load_worker, world, (layout, str(path), str(reference_of), str(tmp)))
+    ckpt_factory.run_world(_load_worker, world, (layout, str(path), str(reference_of), str(tmp), model))
     return {r: json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)}
