@@ -35,9 +35,9 @@ from typing import Any
 
 from formats.base import Box, CheckpointIndex, ChunkRef, Shape, TensorEntry
 from formats.dcp.reader import check_cover, guess_path
-from formats.errors import ConfigError, CorruptCheckpointError, InvalidCheckpointError, PlanError
+from formats.errors import ConfigError, CorruptCheckpointError, InvalidCheckpointError, PlanError, UnsupportedError
 from formats.fsutil import loads_json, short, source_path
-from formats.hf import (FilePlan, HFReader, StEntry, StHeader, TensorSpec, build_header, read_header,
+from formats.hf import (MAX_HEADER_BYTES, FilePlan, HFReader, StEntry, StHeader, TensorSpec, build_header, read_header,
                         split_shards, writer_order)
 
 #: ``__metadata__`` keys torch's HF storage writes (``torch.distributed.checkpoint._hf_utils``).
@@ -298,23 +298,84 @@ def plan_shard_files(chunks: Iterable[Any], file_index: Mapping[str, int] | None
     and the ``rank`` whose file holds it, in the ranks' state-dict order): one file per (rank, file
     index) that holds anything, named :func:`shard_file_name`; tensors laid out as safetensors'
     writer lays them (dtype rank descending, then name), ``__metadata__`` as torch writes it (the
-    sharding JSON in write order). Pure; files in rank, then file-index order."""
+    sharding JSON in write order). Pure; files in rank, then file-index order.
+
+    Headers are joined from JSON fragments made once per key (:class:`_Fragments`): a 1,024-rank
+    layout has millions of entries; byte-identical to :func:`formats.hf.build_header` of
+    :func:`sharding_metadata` (tests compare both)."""
     groups: dict[tuple[int, int], list[Any]] = {}
     for c in chunks:
         groups.setdefault((c.rank, 1 if file_index is None else file_index[c.key]), []).append(c)
+    frag = _Fragments()
     plans = []
     for (rank, f), group in sorted(groups.items()):
         name = shard_file_name(rank, f, files)
-        seen: set[str] = set()
-        for c in group:
-            if c.key in seen:
-                raise ConfigError(f"{name}: rank {rank} holds two chunks of {c.key!r}; a rank's file holds one per tensor")
-            seen.add(c.key)
-        meta = sharding_metadata({c.key: c.box.offsets for c in group})
-        ordered = writer_order(TensorSpec(c.key, c.dtype, tuple(c.box.sizes)) for c in group)
-        header, rel = build_header(ordered, meta)
-        plans.append(FilePlan(name, tuple(ordered), header, {k: len(header) + v for k, v in rel.items()}))
+        if len({c.key for c in group}) != len(group):
+            dup = next(c.key for i, c in enumerate(group) if any(d.key == c.key for d in group[:i]))
+            raise ConfigError(f"{name}: rank {rank} holds two chunks of {dup!r}; a rank's file holds one per tensor")
+        plans.append(frag.plan(name, group))
     return plans
+
+
+class _Fragments:
+    """JSON pieces of per-rank headers, cached per key: the name as safetensors (UTF-8) and as
+    Python's ``json.dumps`` (ASCII, inside the sharding string) write it, the dtype's order."""
+
+    def __init__(self) -> None:
+        from formats.dtypes import by_name
+        from formats.hf import _DTYPE_RANK
+
+        self._by_name, self._rank = by_name, _DTYPE_RANK
+        self._key: dict[str, tuple] = {}
+
+    def _of(self, key: str, dtype: str) -> tuple:
+        found = self._key.get(key)
+        if found is None:
+            d = self._by_name(dtype)
+            found = self._key[key] = (
+                (-self._rank[d.safetensors], key.encode("utf-8")),  # safetensors' writer order
+                json.dumps(key, ensure_ascii=False) + ':{"dtype":"' + d.safetensors + '","shape":[',
+                json.dumps(key),  # inside DCP_SHARDING_INFO (json.dumps' defaults)
+                d.itemsize,
+            )
+        return found
+
+    def plan(self, name: str, group: list[Any]) -> FilePlan:
+        """The file ``name`` holding ``group``'s chunks (in write order)."""
+        of = [self._of(c.key, c.dtype) for c in group]
+        info = "{" + ", ".join(f'{o[2]}: {{"saved_offsets": [{", ".join(map(str, c.box.offsets))}]}}'
+                               for o, c in zip(of, group)) + "}"
+        meta = {SHARDING_KEY: info, VERSION_KEY: HF_DCP_VERSION, "format": "pt"}
+        parts = ['{"__metadata__":' + json.dumps(meta, ensure_ascii=False, separators=(",", ":"))]
+        order = sorted(range(len(group)), key=lambda i: of[i][0])
+        offsets: dict[str, int] = {}
+        specs = []
+        cursor = 0
+        for i in order:
+            c, o = group[i], of[i]
+            sizes = tuple(c.box.sizes)
+            n = o[3]
+            for size in sizes:
+                n *= size
+            parts.append(f'{o[1]}{",".join(map(str, sizes))}],"data_offsets":[{cursor},{cursor + n}]}}')
+            offsets[c.key] = cursor
+            cursor += n
+            specs.append(TensorSpec(c.key, c.dtype, sizes))
+        text = (",".join(parts) + "}").encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        if len(text) > MAX_HEADER_BYTES:
+            raise UnsupportedError(f"{name}: a header of {len(text)} bytes is over safetensors' {MAX_HEADER_BYTES} "
+                                   "byte limit; split the keys into more files (--max-shard-size)")
+        header = struct.pack("<Q", len(text)) + text
+        return FilePlan(name, tuple(specs), header, {k: len(header) + v for k, v in offsets.items()})
+
+
+def plan_shard_file_slow(name: str, group: list[Any]) -> FilePlan:
+    """:meth:`_Fragments.plan` by the general builders (the oracle the tests hold it to)."""
+    meta = sharding_metadata({c.key: c.box.offsets for c in group})
+    ordered = writer_order(TensorSpec(c.key, c.dtype, tuple(c.box.sizes)) for c in group)
+    header, rel = build_header(ordered, meta)
+    return FilePlan(name, tuple(ordered), header, {k: len(header) + v for k, v in rel.items()})
 
 
 def consolidated_name(file_index: int, files: int) -> str:

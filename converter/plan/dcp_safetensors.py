@@ -17,6 +17,7 @@ per-rank files are split the same way (``F`` of ``N``), as torch's writer splits
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,16 +54,27 @@ class WholeTensor:
 @dataclass(frozen=True)
 class StorageLayout:
     """Every file of the output: ``shard_dir`` ("" or ``sharded``) holds the per-rank files
-    ``shards``; ``consolidated`` (with ``index``, its ``model.safetensors.index.json`` bytes) are
-    the hub-shaped files (None without ``--consolidate``); ``file_index``: each key's file index
-    (from 1) of ``files``."""
+    ``shards`` (laid out from ``chunks`` when first asked for: a dry run needs only their names);
+    ``consolidated`` (with ``index``, its ``model.safetensors.index.json`` bytes) are the
+    hub-shaped files (None without ``--consolidate``); ``file_index``: each key's file index (from
+    1) of ``files``."""
 
     shard_dir: str
-    shards: tuple[FilePlan, ...]
+    chunks: Sequence
     file_index: Mapping[str, int]
     files: int
     consolidated: tuple[FilePlan, ...] | None = None
     index: tuple[str, bytes] | None = None
+
+    @functools.cached_property
+    def shards(self) -> tuple[FilePlan, ...]:
+        """The per-rank files (:func:`formats.dcp_safetensors.plan_shard_files`)."""
+        return tuple(plan_shard_files(self.chunks, self.file_index if self.files > 1 else None, self.files))
+
+    @functools.cached_property
+    def n_shard_files(self) -> int:
+        """How many per-rank files (one per rank and file index holding anything)."""
+        return len({(c.rank, self.file_index[c.key]) for c in self.chunks})
 
     def shard_file(self, key: str, rank: int) -> str:
         """The per-rank file (in ``shard_dir``) that holds rank ``rank``'s chunk of ``key``."""
@@ -77,7 +89,7 @@ class StorageLayout:
 
     @property
     def n_files(self) -> int:
-        return len(self.shards) + len(self.consolidated or ()) + (self.index is not None)
+        return self.n_shard_files + len(self.consolidated or ()) + (self.index is not None)
 
 
 def plan_storage(chunks: Sequence, consolidate: bool, max_shard_bytes: int | None,
@@ -87,11 +99,10 @@ def plan_storage(chunks: Sequence, consolidate: bool, max_shard_bytes: int | Non
     ``fqn_index`` (torch's ``fqn_to_index_mapping``, e.g. from a hub model's index, as torchtitan
     builds it) gives each key's file and the consolidated order; it must name every key."""
     specs, file_index, files = _hub_split(chunks, max_shard_bytes, fqn_index)
-    shards = tuple(plan_shard_files(chunks, file_index if files > 1 else None, files))
     if not consolidate:
-        return StorageLayout("", shards, file_index, files)
+        return StorageLayout("", chunks, file_index, files)
     plans = tuple(plan_consolidated(specs, file_index))
-    return StorageLayout(SHARDED_DIR, shards, file_index, files, plans, (INDEX_FILE, consolidated_index(plans)))
+    return StorageLayout(SHARDED_DIR, chunks, file_index, files, plans, (INDEX_FILE, consolidated_index(plans)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +123,7 @@ def plan_hub(index: CheckpointIndex, max_shard_bytes: int | None,
     held = [_Held(key, c.rank or 0, e.dtype, tuple(e.shape)) for key, e in index.tensors.items() for c in e.chunks]
     specs, file_index, files = _hub_split(held, max_shard_bytes, fqn_index)
     plans = tuple(plan_consolidated(specs, file_index))
-    return StorageLayout("", (), file_index, files, plans, (INDEX_FILE, consolidated_index(plans)))
+    return StorageLayout("", (), file_index, files, plans, (INDEX_FILE, consolidated_index(plans)))  # no shards
 
 
 def _hub_split(chunks: Sequence, max_shard_bytes: int | None,

@@ -252,3 +252,29 @@ def test_reader_needs_no_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                           env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
+
+
+def test_fast_shard_headers_are_the_general_builders(tmp_path):
+    """plan_shard_files' headers (joined from cached JSON pieces) are byte for byte what
+    formats.hf.build_header makes of sharding_metadata, on random files: names with quotes,
+    backslashes, control characters and non-ASCII, every dtype, 0-d, empty and 4-d boxes."""
+    from types import SimpleNamespace
+
+    from formats.base import Box
+    from formats.dcp_safetensors import _Fragments, plan_shard_file_slow
+    from formats.dtypes import BY_NAME
+
+    rng = random.Random(7)
+    dtypes = [d for d in BY_NAME if d not in ("float8_e8m0fnu", "complex128")]
+    alphabet = ["a", "b", ".", "0", "9", '"', "\\", "\n", "\x01", "é", "層", "😀", " ", "/"]
+    for trial in range(60):
+        keys = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(rng.randint(1, 30))})
+        group = []
+        for k in keys:
+            ndim = rng.choice([0, 1, 2, 4])
+            sizes = tuple(rng.choice([0, 1, 3, 17]) for _ in range(ndim))
+            offs = tuple(rng.choice([0, 5, 10**12]) for _ in range(ndim))
+            group.append(SimpleNamespace(key=k, dtype=rng.choice(dtypes), box=Box(offs, sizes), rank=0))
+        fast, slow = _Fragments().plan("f", group), plan_shard_file_slow("f", group)
+        assert fast.header == slow.header, trial
+        assert dict(fast.offsets) == dict(slow.offsets) and fast.tensors == slow.tensors, trial
