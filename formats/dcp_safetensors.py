@@ -44,6 +44,9 @@ from formats.hf import (MAX_HEADER_BYTES, FilePlan, HFReader, StEntry, StHeader,
 SHARDING_KEY = "DCP_SHARDING_INFO"
 VERSION_KEY = "DCP_VERSION"
 OFFSETS_KEY = "saved_offsets"
+#: ckptconv's completion marker of the form it writes (torch's readers ignore it): it lists every
+#: per-rank file, so a reader can tell a missing one (torch's own saves have no such list).
+COMPLETE_MARKER = ".ckptconv-complete.json"
 #: The value torch 2.13 writes under ``DCP_VERSION`` (``HF_DCP_VERSION``).
 HF_DCP_VERSION = "1.0"
 #: Where ``enable_consolidation=True`` puts the per-rank files, under the output directory.
@@ -200,6 +203,7 @@ class DCPSafetensorsReader(HFReader):
         if not files:
             raise InvalidCheckpointError(f"{self.root}: no *.safetensors files; pass the directory "
                                          "HuggingFaceStorageWriter saved into (its sharded/ folder)")
+        self._check_listed(set(files))
         self._at: dict[tuple[str, str], StEntry] = {}
         chunks: dict[str, list[tuple[Box, str, StEntry]]] = {}
         sizes: dict[str, int] = {}
@@ -227,6 +231,29 @@ class DCPSafetensorsReader(HFReader):
             "metadata_files": [],
         }
         return CheckpointIndex(FORMAT, str(self.root), tensors, {}, info)
+
+    def _check_listed(self, present: set[str]) -> None:
+        """Where ckptconv wrote the folder, every per-rank file its marker lists must be here (a
+        rank that saved nothing writes no file, so torch's own saves cannot be checked so)."""
+        if not self._storage.is_local:
+            return
+        for marker, prefix in ((self.root / COMPLETE_MARKER, ""), (self.root.parent / COMPLETE_MARKER,
+                                                                   self.root.name + "/")):
+            try:
+                doc = json.loads(marker.read_bytes()) if marker.is_file() else None
+            except (OSError, ValueError):
+                doc = None
+            listed = doc.get("files") if isinstance(doc, dict) else None
+            if not isinstance(listed, list):
+                continue
+            mine = [f[len(prefix):] for f in listed if isinstance(f, str) and f.startswith(prefix)
+                    and "/" not in f[len(prefix):]]
+            missing = sorted(set(mine) - present)
+            if missing:
+                raise CorruptCheckpointError(
+                    f"{self.root / missing[0]}: missing ({len(missing)} of the {len(mine)} per-rank files "
+                    f"{marker.name} lists); copy the whole checkpoint")
+            return
 
     def _header(self, f: str) -> StHeader:
         path = source_path(self.root, f) if self._storage.is_local else self.root / f

@@ -71,7 +71,7 @@ KIND_OF_OP = {"to-universal": UNIVERSAL, "import-hf": UNIVERSAL, "import-ds": UN
               FROM_UNIVERSAL_ST: DCP_ST, FROM_UNIVERSAL_LEGACY: MEGATRON_LEGACY, "export-hf": HF, "consolidate": HF, "export-ds": DEEPSPEED}
 #: The completion marker of a DCP safetensors output (torch's form has none; its readers ignore it),
 #: written last, after the output record.
-ST_MARKER = ".ckptconv-complete.json"
+ST_MARKER = ".ckptconv-complete.json"  # formats.dcp_safetensors.COMPLETE_MARKER (read there: not imported here)
 #: The folder of the per-rank files beside the consolidated ones (``--consolidate``).
 SHARDED_DIR = "sharded"
 _SHARD = r"shard-\d+-model-\d+-of-\d+\.safetensors"

@@ -278,3 +278,19 @@ def test_fast_shard_headers_are_the_general_builders(tmp_path):
         fast, slow = _Fragments().plan("f", group), plan_shard_file_slow("f", group)
         assert fast.header == slow.header, trial
         assert dict(fast.offsets) == dict(slow.offsets) and fast.tensors == slow.tensors, trial
+
+
+def test_a_file_ckptconvs_marker_lists_must_be_there(tmp_path):
+    """ckptconv's outputs list their per-rank files; a missing one is named (even the last rank's,
+    which coverage alone cannot tell: the global shape shrinks with it)."""
+    from converter.run.destination import ST_MARKER
+    from formats.dcp_safetensors import COMPLETE_MARKER
+
+    assert ST_MARKER == COMPLETE_MARKER
+    out = tmp_path / "out"
+    assert run_cli("from-universal", str(hfs.shards("dtypes3")), str(out), "--mesh", "dp2", "--format",
+                   "dcp-safetensors", "--consolidate")[0] == 0
+    DCPSafetensorsReader(out / "sharded")
+    (out / "sharded" / shard_file_name(1)).unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing .1 of the 2 per-rank files"):
+        DCPSafetensorsReader(out / "sharded")
