@@ -100,6 +100,11 @@ def report_result(result: ConversionResult) -> None:
         click.echo(f"ckptconv: {result.plan_choice}", err=True)
     for w in result.warnings:
         click.echo(f"ckptconv: warning: {w}", err=True)
+    for step in result.steps:  # every step of a run: one line each
+        if step.result is not None and result.plan is None:
+            click.echo(f"{step.name}: {step.status}: {result_line(step.result)}")
+        elif result.plan is None:
+            click.echo(f"{step.name}: {step.status}" + (f" ({step.detail})" if step.detail else ""))
     if result.plan is not None:
         click.echo(result.plan)
         click.echo(dry_run_line(result))

@@ -41,14 +41,18 @@ MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k 
               help="Lay the export out as this base model directory: its shard files (names, which tensor in which), "
                    "each tensor's dtype, FP8 where it has it, and its non-weight files (config, generation config, "
                    "tokenizer, ...); a tensor the base lacks or has and the checkpoint lacks is an error.")
+@click.option("--all-steps", is_flag=True, default=False,
+              help="SRC is a run directory: export every step folder in it (a checkpoint each) to OUT/<step>; "
+                   "steps already converted are skipped, interrupted ones resumed, each is checked. A quoted glob "
+                   "SRC ('run/step-*') does the same for the folders it matches.")
 @run_options
 def export_hf_cmd(src: str, out: str, key_map: str, max_shard_size: int | None, dtype: str | None,
-                  config: str | None, quantize: str | None, like: str | None, **kw: Any) -> None:
+                  config: str | None, quantize: str | None, like: str | None, all_steps: bool, **kw: Any) -> None:
     """Write the model weights of SRC (universal store or DCP) as Hugging Face safetensors in OUT."""
     from converter.api import export_hf
 
     report_result(export_hf(src, out, key_map=key_map, max_shard_size=max_shard_size, dtype=dtype, config=config,
-                      options=make_options(**kw), quantize=quantize, like=like))
+                      options=make_options(**kw), quantize=quantize, like=like, all_steps=all_steps))
 
 
 @click.command("import-hf")

@@ -26,12 +26,13 @@ from converter.run.destination import option_value, write_output_record
 from converter.run.journal import index_fingerprint
 from converter.run.mapped_reader import MappedReader
 from converter.run.quant_reader import QuantizingReader, QuantTarget
+from converter.run.steps import find_steps, is_pattern, run_steps, steps_failure
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
 from converter.run.sinks import hf_output
 from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader, full_box
 from formats.dtypes import by_name, cast_dtype
-from formats.errors import CkptConvError, ConfigError
+from formats.errors import CkptConvError, ConfigError, CorruptCheckpointError
 from formats.fsutil import atomic_write_bytes
 from formats.hf import DEFAULT_MAX_SHARD_BYTES, SINGLE_FILE, HFWriter, is_hf_checkpoint, plan_files
 from formats.quant import block_size_of
@@ -47,7 +48,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
               max_shard_size: int | str | None = None, dtype: str | None = None,
               config: str | os.PathLike | Mapping[str, Any] | None = None,
               options: RunOptions | None = None, quantize: str | None = None,
-              like: str | os.PathLike | None = None) -> ConversionResult:
+              like: str | os.PathLike | None = None, all_steps: bool = False) -> ConversionResult:
     """Write the model weights of ``src`` (universal store or DCP) as HF safetensors in ``dst``.
 
     ``key_map``: ``identity``, ``torchtitan-llama`` or a map file; ``max_shard_size``: bytes or
@@ -59,8 +60,14 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     ``quantization_config.weight_block_size``, default 128 x 128). ``like``: an HF model
     directory whose files, dtypes, FP8 weights and non-weight files the export takes
     (:mod:`converter.plan.hf_like`; its config.json gives the head counts unless ``config`` does).
+    ``all_steps`` (or a glob ``src`` such as ``run/step-*``): every step folder of the run
+    directory ``src`` into ``dst/<step>`` (:mod:`converter.run.steps`: done steps skipped,
+    interrupted ones resumed, each checked).
     """
     options = options or RunOptions()
+    if all_steps or (is_pattern(src) and not Path(src).exists()):
+        return _export_steps(src, dst, options, dict(key_map=key_map, max_shard_size=max_shard_size, dtype=dtype,
+                                                     config=config, quantize=quantize, like=like))
     kmap = get_key_map(key_map)
     _check_like(like, max_shard_size, dtype, quantize)
     max_bytes = parse_size(DEFAULT_MAX_SHARD_BYTES if max_shard_size is None else max_shard_size)
@@ -129,6 +136,39 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
             describe=lambda: (shard_summary(file_plans) + "\n" + describe(tasks), None)), options)
     finally:
         reader.close()
+
+
+def _export_steps(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions,
+                  kwargs: dict[str, Any]) -> ConversionResult:
+    """Every step folder of ``src`` exported into ``dst/<step>`` (:func:`converter.run.steps.run_steps`)."""
+    get_key_map(kwargs["key_map"])  # bad options fail before any step
+    check_kind(kwargs["quantize"])
+    _check_like(kwargs["like"], kwargs["max_shard_size"], kwargs["dtype"], kwargs["quantize"])
+    steps = find_steps(src, dst)
+    outcomes = run_steps(steps, lambda s, d, o: export_hf(s, d, options=o, **kwargs), _check_step, options)
+    error = steps_failure(outcomes)
+    if error is not None:
+        raise error
+    done = [o.result for o in outcomes if o.result is not None]
+    notes = tuple(f"step {o.name}: source still being written ({o.detail}); skipped" for o in outcomes
+                  if o.status == "incomplete")
+    plan = None
+    if options.dry_run:
+        plan = "\n".join(f"# step {o.name} -> {Path(dst) / o.name}: {o.status}" + (f"\n{o.result.plan}" if o.result else "")
+                          for o in outcomes)
+    return ConversionResult(str(dst), sum(r.tensors for r in done), 0, sum(r.bytes for r in done),
+                            sum(r.seconds for r in done), plan=plan, warnings=notes, steps=tuple(outcomes))
+
+
+def _check_step(out: Path, result: ConversionResult) -> None:
+    """A step's export read back: headers, coverage and index valid, every tensor there."""
+    from formats.hf import HFReader
+
+    with HFReader(out) as written:
+        n = len(written.index().tensors)
+    if n != result.tensors:
+        raise CorruptCheckpointError(f"{out}: {n} tensors read back but {result.tensors} were written; "
+                                     "rerun with --overwrite")
 
 
 #: The fields of a base's config.json an ``--like`` export reads (head counts for the maps' splits

@@ -69,6 +69,7 @@ class ConversionResult:
     world_size: int | None = None  # from-universal: ranks of the target job
     plan_choice: str | None = None  # from-universal --plan auto: the plan it chose and why (one line)
     already_complete: bool = False  # --resume found this conversion's complete output: nothing written
+    steps: tuple[Any, ...] = ()  # every step of a run (converter.run.steps.StepOutcome), when converted in one go
 
 
 def _nothing() -> None:
