@@ -234,6 +234,27 @@ def copy_bits_into(bits: np.ndarray, out: memoryview) -> None:
     np.copyto(np.frombuffer(out, dtype=bits.dtype).reshape(bits.shape), bits)
 
 
+def read_box(reader: CheckpointReader, entry: TensorEntry, box: Box) -> np.ndarray:
+    """``box`` of ``entry`` as a new bit array, read from every chunk it overlaps."""
+    import numpy as np
+
+    from formats.dtypes import by_name
+
+    d = by_name(entry.dtype)
+    out = np.empty(box.sizes, dtype=d.numpy_dtype)
+    for c in entry.chunks:
+        part = c.box.intersect(box)
+        if part is None or not part.numel:
+            continue
+        if part == box:
+            reader.read_region_into(entry.key, c, box, memoryview(out.reshape(-1).view(np.uint8)))
+            return out
+        tmp = np.empty(part.sizes, dtype=d.numpy_dtype)
+        reader.read_region_into(entry.key, c, part, memoryview(tmp.reshape(-1).view(np.uint8)))
+        out[part.relative_to(box).slices()] = tmp
+    return out
+
+
 class TensorReader:
     """A base for readers that make regions as tensors only: :meth:`read_region_into` copies
     the bits of :meth:`read_region` (a test double, a reader wrapping a framework's loader)."""

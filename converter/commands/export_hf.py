@@ -85,7 +85,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
             cfg = {**from_args(megatron_args(reader, index)), **(cfg or {})} or None
         plan = plan_export(index, kmap, dtype, cfg if base is None or config is not None else _heads(base.config))
         view: CheckpointReader = MappedReader(reader, plan.sources)
-        specs, out_config, layout, warnings = plan.specs, plan.config, None, ()
+        specs, out_config, layout, warnings = plan.specs, plan.config, None, plan.warnings
         qspecs = None
         if quantize is not None:
             block = block_size_of(cfg, "--config")
@@ -94,7 +94,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         if base is not None:
             lp = plan_like(plan.specs, base.index, base.config, str(like))
             qspecs, layout = lp.quantized, lp.layout
-            warnings = tuple(f"{n} left out: the base ties it to the embedding (tie_word_embeddings)" for n in lp.dropped)
+            warnings += tuple(f"{n} left out: the base ties it to the embedding (tie_word_embeddings)" for n in lp.dropped)
             out_config = out_config if config is not None else None
         if qspecs is not None:
             view = QuantizingReader(view, {n: QuantTarget(kind, w, qspecs.block) for n, (kind, w) in qspecs.targets.items()})

@@ -16,7 +16,8 @@ from converter.config import RunOptions
 from converter.plan.atoms import group_atoms
 from converter.plan.copy_tasks import describe, plan_universal, store_tasks, universal_chunk_bytes
 from converter.plan.hf_config import load_config_arg, source_config
-from converter.plan.hf_import import plan_import, tied_notes
+from converter.plan.adapter_maps import AdapterMap
+from converter.plan.hf_import import adapter_notes, plan_import, tied_notes
 from converter.plan.key_maps import KeyMap, get_key_map
 from converter.run.destination import option_value
 from converter.run.mapped_reader import MappedReader
@@ -48,7 +49,10 @@ def _import_config(src: str | os.PathLike, kmap: KeyMap,
 def mx_layout(kmap: KeyMap) -> str:
     """The MXFP4 layout a dequantized import gives the map: torch's reader's (``P_blocks``,
     unpacked in place) for a map that names ``*_blocks`` tensors, as torchtitan's gpt_oss adapter
-    does; transformers' (``P``, dims 1 and 2 swapped) otherwise."""
+    does (and for ``torchtitan:`` adapter maps); transformers' (``P``, dims 1 and 2 swapped)
+    otherwise."""
+    if isinstance(kmap, AdapterMap):  # torchtitan loads MXFP4 through torch's reader
+        return "torch"
     names = [*kmap.from_hf, *kmap.experts]
     return "torch" if any(n.endswith("_blocks") for n in names) else "transformers"
 
@@ -103,7 +107,9 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
                   "--chunk-size": chunk_bytes, **({"--backend": backend} if backend != "zarr" else {}),
                   **({"--dequantize": dq} if dq is not None else {})}
         planned = ConversionResult(str(dst), len(sources), 0, sum(t.nbytes for t in tasks), 0.0,
-                                   warnings=tied_notes(index, cfg) + _dequantize_notes(reader, dq))
+                                   warnings=(() if isinstance(kmap, AdapterMap) else tied_notes(index, cfg))
+                                   + _dequantize_notes(reader, dq)
+                                   + adapter_notes(index, kmap))
         return run_conversion(Conversion(
             "import-hf", src, dst, index, view, tasks, header,
             lambda out: universal_output(out, vindex.tensors, refs, store, source, atoms), planned,

@@ -28,7 +28,7 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -104,9 +104,15 @@ def _load(spec: str, mesh_text: str, order: tuple[str, ...]) -> CodePlan:
 def _cache_path(spec: str, mesh: Mesh) -> Path | None:
     if spec.startswith("python:"):
         return None  # user code may change under the same name
+    return cache_file([spec, str(mesh)])
+
+
+def cache_file(key: Sequence[Any]) -> Path:
+    """Where the answer for ``key`` (a JSON-able list; the installed torch and torchtitan versions
+    are added) is cached: ``$CKPTCONV_PLAN_CACHE`` (default ``~/.cache/ckptconv/plans``)."""
     base = os.environ.get("CKPTCONV_PLAN_CACHE") or Path.home() / ".cache" / "ckptconv" / "plans"
-    key = json.dumps([spec, str(mesh), _versions()])
-    return Path(base) / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    text = json.dumps([*key, _versions()])
+    return Path(base) / (hashlib.sha256(text.encode()).hexdigest()[:24] + ".json")
 
 
 def _versions() -> list[str]:
@@ -121,14 +127,15 @@ def _versions() -> list[str]:
     return out
 
 
-def _cached_doc(spec: str, mesh: Mesh) -> dict:
-    path = _cache_path(spec, mesh)
+def cached_json(path: Path | None, compute: Callable[[], dict]) -> dict:
+    """The JSON document cached at ``path``, else ``compute()`` (then cached, atomically; a cache
+    that cannot be written is only slower)."""
     if path is not None and path.is_file():
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             pass
-    doc = _run_subprocess(spec, mesh)
+    doc = compute()
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -136,27 +143,39 @@ def _cached_doc(spec: str, mesh: Mesh) -> dict:
             tmp.write_text(json.dumps(doc))
             tmp.replace(path)
         except OSError:
-            pass  # a cache we cannot write is only slower
+            pass
     return doc
 
 
+def _cached_doc(spec: str, mesh: Mesh) -> dict:
+    return cached_json(_cache_path(spec, mesh), lambda: _run_subprocess(spec, mesh))
+
+
 def _run_subprocess(spec: str, mesh: Mesh) -> dict:
+    cmd = ["converter.plan.from_code", spec, str(mesh), ",".join(mesh.names)]
+    return run_module(cmd, f"--plan {spec}", f"--plan {spec} on mesh {mesh}",
+                      "building the model's plan", "check that the model builds on the meta device")
+
+
+def run_module(cmd: Sequence[str], option: str, where: str, doing: str, fix: str, stdin: str | None = None) -> dict:
+    """The last stdout line, as JSON, of ``python -m CMD...`` run apart from this process (this
+    checkout first on ``PYTHONPATH``, no torchrun variables, ``knobs.CODE_PLAN_TIMEOUT_S``); its
+    one-line error as a PlanError (``where: ...`` unless it names ``option`` itself)."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)  # never join the converter's own torchrun job
-    cmd = [sys.executable, "-m", "converter.plan.from_code", spec, str(mesh), ",".join(mesh.names)]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=knobs.CODE_PLAN_TIMEOUT_S)
+        proc = subprocess.run([sys.executable, "-m", *cmd], env=env, capture_output=True, text=True, input=stdin,
+                              timeout=knobs.CODE_PLAN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise PlanError(f"--plan {spec}: building the model's plan took over {knobs.CODE_PLAN_TIMEOUT_S} s; "
-                        "check that the model builds on the meta device") from None
+        raise PlanError(f"{option}: {doing} took over {knobs.CODE_PLAN_TIMEOUT_S} s; {fix}") from None
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
         last = lines[-1] if lines else f"exit status {proc.returncode}"
         last = last.removeprefix("ckptconv-plan: ")
-        raise PlanError(last if last.startswith("--plan") else f"--plan {spec} on mesh {mesh}: {last}")
+        raise PlanError(last if last.startswith(option.split()[0]) else f"{where}: {last}")
     out = proc.stdout.strip().splitlines()
     return json.loads(out[-1])
 
@@ -312,16 +331,25 @@ def _python_plan(target: str, mesh: Mesh) -> dict:
 def main(argv: Sequence[str]) -> int:
     """``python -m converter.plan.from_code SPEC MESH ORDER``: print the plan as one JSON line."""
     spec, mesh_text, order = argv
-    try:
+
+    def plan() -> dict:
         mesh = parse_mesh(mesh_text, order)
         if spec.startswith("torchtitan:"):
             from converter.plan.torchtitan import torchtitan_plan
 
-            doc = torchtitan_plan(spec[len("torchtitan:"):], mesh)
-        elif spec.startswith("python:"):
-            doc = _python_plan(spec[len("python:"):], mesh)
-        else:
-            raise ConfigError(f"--plan {spec!r}: code plans start with torchtitan: or python:")
+            return torchtitan_plan(spec[len("torchtitan:"):], mesh)
+        if spec.startswith("python:"):
+            return _python_plan(spec[len("python:"):], mesh)
+        raise ConfigError(f"--plan {spec!r}: code plans start with torchtitan: or python:")
+
+    return answer(plan)
+
+
+def answer(compute: Callable[[], dict]) -> int:
+    """A subprocess's end: ``compute()`` printed as one JSON line (exit 0), or its error as one
+    ``ckptconv-plan:`` line on stderr for :func:`run_module` (exit 2; ``CKPTCONV_DEBUG`` re-raises)."""
+    try:
+        doc = compute()
     except Exception as e:  # one line for the parent, which raises PlanError with it
         if os.environ.get("CKPTCONV_DEBUG"):
             raise

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from converter.plan.adapter_maps import AdapterMap, source_of, unused_note
 from converter.plan.atoms import group_atoms
 from converter.plan.key_maps import CONFIG_FILLERS, KeyMap, fused_halves_rows, fused_qkv_rows, heads_for, rename_all
 from converter.plan.megatron import stacked_layers, unstacked_name
@@ -41,6 +42,7 @@ class ExportPlan:
     sources: dict[str, Source]  # HF name -> source key (+ permutation)
     specs: tuple[TensorSpec, ...]  # HF tensors in source order, target dtypes
     config: dict[str, Any] | None
+    warnings: tuple[str, ...] = ()
 
 
 def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
@@ -54,6 +56,8 @@ def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
         raise InvalidCheckpointError(f"{index.root}: no model weights found (only optimizer / training state); nothing to export")
     if len(set(weights.values())) != len(weights):
         raise InvalidCheckpointError(f"{index.root}: two keys hold the same model weight; cannot export")
+    if isinstance(kmap, AdapterMap):
+        return _plan_adapter_export(index, weights, kmap, dtype, config)
     stacked = {} if kmap.identity else stacked_layers(index)
     fqn_src: dict[str, tuple[str, int | None]] = {}  # native name -> (source key, layer of a stacked tensor)
     for key, fqn in weights.items():
@@ -105,6 +109,21 @@ def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
         target = dtype if dtype is not None and entry.dtype in CASTABLE else entry.dtype
         specs.append(TensorSpec(hf, target, tuple(reversed(shape)) if transpose else tuple(shape)))
     return ExportPlan(sources, tuple(specs), None if config is None else dict(config))
+
+
+def _plan_adapter_export(index: CheckpointIndex, weights: Mapping[str, str], kmap: AdapterMap, dtype: str | None,
+                         config: Mapping[str, Any] | None) -> ExportPlan:
+    """The export torchtitan's own adapter gives (``to_hf`` on probes of the model weights)."""
+    fqn_key = {fqn: key for key, fqn in weights.items()}
+    tensors = {fqn: (tuple(index.tensors[k].shape), index.tensors[k].dtype) for fqn, k in fqn_key.items()}
+    result = kmap.exported(tensors)
+    shapes = {fqn: shape for fqn, (shape, _) in tensors.items()}
+    sources, specs = {}, []
+    for hf, (expr, shape, dt) in result.tensors.items():
+        sources[hf] = source_of(expr, shapes, fqn_key)
+        specs.append(TensorSpec(hf, dtype if dtype is not None and dt in CASTABLE else dt, tuple(shape)))
+    return ExportPlan(sources, tuple(specs), None if config is None else dict(config),
+                      unused_note(result, "to_hf", "model weight"))
 
 
 def _qkv_regrouped_rows(shape: tuple, config: Mapping[str, Any] | None, map_name: str, key: str) -> np.ndarray:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from converter.plan.adapter_maps import AdapterMap, source_of, unused_note
 from converter.plan.key_maps import KeyMap, rename_all
 from converter.plan.mapped_view import Source, row_permutation
 from formats.base import CheckpointIndex
@@ -32,6 +33,8 @@ def plan_import(index: CheckpointIndex, kmap: KeyMap, config: Mapping[str, Any] 
     A tied output projection the checkpoint omits (see :func:`tied_copies`) is recreated from
     the embedding it is tied to, so that the model's state dict (which holds both) loads.
     """
+    if isinstance(kmap, AdapterMap):
+        return _plan_adapter_import(index, kmap, prefix)
     tied = tied_copies(index, config)
     experts = _expert_stacks(index, kmap)
     in_stack = {k for keys in experts.values() for k in keys}
@@ -47,6 +50,28 @@ def plan_import(index: CheckpointIndex, kmap: KeyMap, config: Mapping[str, Any] 
         sources[key] = Source(src, row_permutation(kmap, native, index.tensors[src].shape, config, to_hf=False))
         paths[key] = (prefix, native) if prefix else (native,)
     return sources, paths
+
+
+def _plan_adapter_import(index: CheckpointIndex, kmap: AdapterMap,
+                         prefix: str | None) -> tuple[dict[str, Source], dict[str, tuple]]:
+    """The import torchtitan's own adapter gives (``from_hf`` on probes of the HF tensors)."""
+    tensors = {k: (tuple(e.shape), e.dtype) for k, e in index.tensors.items()}
+    result = kmap.imported(tensors)
+    shapes = {k: s for k, (s, _) in tensors.items()}
+    sources, paths = {}, {}
+    for native, (expr, _, _) in result.tensors.items():
+        key = f"{prefix}.{native}" if prefix else native
+        sources[key] = source_of(expr, shapes)
+        paths[key] = (prefix, native) if prefix else (native,)
+    return sources, paths
+
+
+def adapter_notes(index: CheckpointIndex, kmap: KeyMap | AdapterMap) -> tuple[str, ...]:
+    """The warning an adapter import prints for the HF tensors it drops (cached answer)."""
+    if not isinstance(kmap, AdapterMap):
+        return ()
+    return unused_note(kmap.imported({k: (tuple(e.shape), e.dtype) for k, e in index.tensors.items()}), "from_hf",
+                       "HF tensor")
 
 
 def _expert_stacks(index: CheckpointIndex, kmap: KeyMap) -> dict[str, tuple[str, ...]]:

@@ -443,12 +443,20 @@ BUILTIN_MAPS: dict[str, KeyMap] = {m.name: m for m in (IDENTITY, TORCHTITAN_LLAM
                                                         MEGATRON_GPT2)}
 
 
-def get_key_map(name_or_path: str | KeyMap | None) -> KeyMap:
-    """A built-in map (``identity``, ``torchtitan-llama``) or a JSON map file."""
+def get_key_map(name_or_path: Any) -> Any:
+    """The one resolution of ``--map NAME|FILE|torchtitan:MODEL[/FLAVOR]`` (every command that
+    renames calls it): a built-in :class:`KeyMap` (``identity``, ``torchtitan-llama``, ...), a JSON
+    map file, or torchtitan's own state-dict adapter
+    (:class:`converter.plan.adapter_maps.AdapterMap`, whose names and rearrangements come from
+    the adapter run on the checkpoint's shapes)."""
     if name_or_path is None:
         return IDENTITY
-    if isinstance(name_or_path, KeyMap):
+    if isinstance(name_or_path, KeyMap) or type(name_or_path).__name__ == "AdapterMap":
         return name_or_path
+    if isinstance(name_or_path, str) and name_or_path.startswith("torchtitan:"):
+        from converter.plan.adapter_maps import AdapterMap
+
+        return AdapterMap(name_or_path)
     if name_or_path in BUILTIN_MAPS:
         return BUILTIN_MAPS[name_or_path]
     path = Path(name_or_path)

@@ -29,13 +29,17 @@ class Source(NamedTuple):
     then permuted when ``perm`` is given); or the ``stack`` of source keys (one per expert, a new
     dim 0; ``key`` unused). ``transpose``: the target is the 2-D transpose of that (an HF
     ``Conv1D`` weight, ``[in, out]``, from a ``Linear`` one, ``[out, in]``): its chunks are the
-    source's transposed and a region reads the transposed source box, transposed in memory."""
+    source's transposed and a region reads the transposed source box, transposed in memory.
+    ``expr``: any other rearrangement, an index expression (:mod:`converter.plan.index_expr`: a
+    strided view of one source, or a concatenation of such views); ``key`` is then its first
+    source."""
 
     key: str
     perm: np.ndarray | None = None  # int64 row indices
     index: int | None = None
     stack: tuple[str, ...] = ()
     transpose: bool = False
+    expr: Any = None
 
 
 class ViewLocator(NamedTuple):
@@ -43,6 +47,42 @@ class ViewLocator(NamedTuple):
 
     key: str
     chunk: ChunkRef
+
+
+class ExprLocator(NamedTuple):
+    """The locator of a chunk of an index-expression target: part ``part`` of
+    :func:`expr_parts` (a strided view of one source) fills the chunk's box."""
+
+    key: str
+    part: int
+
+
+def expr_parts(e: Any, offsets: tuple[int, ...] | None = None) -> list[tuple[Box, Any]]:
+    """Every strided view of expression ``e`` with the box of the target it fills (a
+    concatenation's parts side by side along its dim, recursively), in order (pure)."""
+    from converter.plan import index_expr as ix
+
+    offsets = tuple(0 for _ in e.shape) if offsets is None else offsets
+    if isinstance(e, ix.View):
+        return [(Box(offsets, tuple(e.shape)), e)]
+    out, at = [], offsets[e.dim]
+    for p in e.parts:
+        out += expr_parts(p, (*offsets[: e.dim], at, *offsets[e.dim + 1:]))
+        at += p.shape[e.dim]
+    return out
+
+
+def _expr_entry(src_index: CheckpointIndex, target: str, src: Source, path: tuple) -> TensorEntry:
+    """The entry of an index-expression target: one chunk per strided part, in the sources' dtype."""
+    parts = expr_parts(src.expr)
+    dtypes = {src_index.tensors[v.key].dtype for _, v in parts}
+    if len(dtypes) != 1:
+        raise InvalidCheckpointError(f"{target}: the map joins tensors of dtypes {sorted(dtypes)}; they must share one")
+    chunks = []
+    for i, (box, v) in enumerate(parts):
+        first = src_index.tensors[v.key].chunks
+        chunks.append(ChunkRef(box, first[0].file if first else "", ExprLocator(v.key, i), first[0].rank if first else None))
+    return TensorEntry(target, dtypes.pop(), tuple(src.expr.shape), tuple(chunks), path)
 
 
 def permuted_chunks(chunks: Sequence[ChunkRef], perm: np.ndarray, key: str) -> tuple[ChunkRef, ...]:
@@ -133,6 +173,8 @@ def mapped_index(src_index: CheckpointIndex, sources: Mapping[str, Source],
 
 def _view_entry(src_index: CheckpointIndex, target: str, src: Source, path: tuple) -> TensorEntry:
     """The (untransposed) view entry of one target tensor (pure)."""
+    if src.expr is not None:
+        return _expr_entry(src_index, target, src, path)
     if src.stack:
         return stacked_entry(target, [src_index.tensors[k] for k in src.stack], path)
     e = src_index.tensors[src.key]

@@ -9,9 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from converter.plan.mapped_view import (Source, ViewLocator, mapped_index, normalized_sources, source_region,
-                                        transposed_box)
-from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, copy_bits_into
+from converter import knobs
+from converter.plan import index_expr as ix
+from converter.plan.copy_tasks import split_pieces
+from converter.plan.mapped_view import (ExprLocator, Source, ViewLocator, expr_parts, mapped_index, normalized_sources,
+                                        source_region, transposed_box)
+from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, copy_bits_into, read_box
 from formats.dtypes import by_name, from_storage_array
 from formats.errors import PlanError
 
@@ -30,6 +33,7 @@ class MappedReader:
         self.reader = reader
         self.sources = normalized_sources(sources)
         self._index = mapped_index(reader.index(), self.sources, paths)
+        self._parts = {k: expr_parts(s.expr) for k, s in self.sources.items() if s.expr is not None}
 
     def index(self) -> CheckpointIndex:
         return self._index
@@ -41,6 +45,10 @@ class MappedReader:
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
         """A new tensor holding ``region`` of the target tensor ``key``."""
         loc: ViewLocator = chunk.locator
+        if key in self._parts:
+            bits = np.empty(region.sizes, dtype=by_name(self._index.tensors[key].dtype).numpy_dtype)
+            self._gather(key, chunk, region, memoryview(bits.reshape(-1).view(np.uint8)))
+            return from_storage_array(bits, self._index.tensors[key].dtype)
         if self.sources[key].transpose:
             return from_storage_array(self._transposed_bits(key, chunk, region), self._index.tensors[key].dtype)
         if self.sources[key].perm is None:
@@ -51,6 +59,9 @@ class MappedReader:
     def read_region_into(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
         """Fill ``out`` (exactly the region's bytes) with ``region`` of the target tensor, C order."""
         loc: ViewLocator = chunk.locator
+        if key in self._parts:
+            self._gather(key, chunk, region, out)
+            return
         if self.sources[key].transpose:
             copy_bits_into(self._transposed_bits(key, chunk, region), out)
             return
@@ -91,12 +102,36 @@ class MappedReader:
     def pending_checks(self, chunks: Iterable[ChunkRef]) -> bool:
         """Whether the source's check of any chunk behind ``chunks`` is still open."""
         pending = getattr(self.reader, "pending_checks", None)
-        return pending is not None and pending([c.locator.chunk for c in chunks])
+        if pending is None:
+            return False
+        behind: list[ChunkRef] = []
+        for c in chunks:  # a gathered part reads from any chunk of its source
+            loc = c.locator
+            behind += list(self.reader.index().tensors[loc.key].chunks) if isinstance(loc, ExprLocator) else [loc.chunk]
+        return pending(behind)
 
     def finish_checks(self, workers: int = 1) -> int:
         """Complete the source's open checks (:meth:`formats.dcp.DCPReader.finish_checks`)."""
         finish = getattr(self.reader, "finish_checks", None)
         return 0 if finish is None else finish(workers)
+
+    def _gather(self, key: str, chunk: ChunkRef, region: Box, out: memoryview) -> None:
+        """``region`` of an index-expression target (inside one of its parts), slab by slab: each
+        slab reads the smallest source box holding its elements, then takes them in order."""
+        box, view = self._parts[key][chunk.locator.part]
+        entry = self.reader.index().tensors[view.key]
+        item = by_name(entry.dtype).itemsize
+        rel = region.relative_to(box)
+        cursor = 0
+        for slab in split_pieces(rel, 8, knobs.QUANT_SLAB_BYTES) if rel.ndim else [rel]:  # int64 indices
+            lo, sizes, local = ix.source_box(view, entry.shape, slab.offsets, slab.sizes)
+            bits = read_box(self.reader, entry, Box(lo, sizes))
+            idx = np.zeros(slab.sizes, dtype=np.int64)
+            for t, a in enumerate(local):
+                idx += a.reshape([-1 if d == t else 1 for d in range(len(local))])
+            n = slab.numel * item
+            copy_bits_into(bits.reshape(-1)[idx], out[cursor: cursor + n])
+            cursor += n
 
     def read_object_bytes(self, key: str) -> bytes:
         raise PlanError(f"no non-tensor entry {key!r} in a mapped view")

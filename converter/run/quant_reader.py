@@ -17,7 +17,7 @@ import numpy as np
 
 from converter import knobs
 from converter.plan.copy_tasks import split_pieces
-from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, copy_bits_into, full_box
+from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, TensorEntry, copy_bits_into, full_box, read_box
 from formats.dtypes import by_name, from_storage_array
 from formats.errors import InvalidCheckpointError
 from formats.quant import (QuantPair, dequantize_fp8, dequantize_mxfp4, find_pairs, fp8_scale_box, fp8_scale_shape,
@@ -25,23 +25,6 @@ from formats.quant import (QuantPair, dequantize_fp8, dequantize_mxfp4, find_pai
 
 if TYPE_CHECKING:
     import torch
-
-
-def read_box(reader: CheckpointReader, entry: TensorEntry, box: Box) -> np.ndarray:
-    """``box`` of ``entry`` as a new bit array, read from every chunk it overlaps."""
-    d = by_name(entry.dtype)
-    out = np.empty(box.sizes, dtype=d.numpy_dtype)
-    for c in entry.chunks:
-        part = c.box.intersect(box)
-        if part is None or not part.numel:
-            continue
-        if part == box:
-            reader.read_region_into(entry.key, c, box, memoryview(out.reshape(-1).view(np.uint8)))
-            return out
-        tmp = np.empty(part.sizes, dtype=d.numpy_dtype)
-        reader.read_region_into(entry.key, c, part, memoryview(tmp.reshape(-1).view(np.uint8)))
-        out[part.relative_to(box).slices()] = tmp
-    return out
 
 
 class _ViewBase:

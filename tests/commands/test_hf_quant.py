@@ -15,25 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
 
 from converter import api, knobs
 from converter.config import RunOptions
 from formats.errors import ConfigError, InvalidCheckpointError
 from hub_quant import quantize_blocks, write_fp8_hub, write_mxfp4_hub, write_shards
-from oracle import bits_equal
+from oracle import bits_equal, read_safetensors_dir
 
 OPTS = RunOptions(workers=2)
 
 
-def read_hf(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF directory, read by the safetensors library."""
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            out |= {k: st.get_tensor(k) for k in st.keys()}
-    return out
+read_hf = read_safetensors_dir
 
 
 def torch_dequantized(hub: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype, block: int) -> dict[str, torch.Tensor]:

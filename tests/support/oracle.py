@@ -109,3 +109,16 @@ def assert_same_value(a: Any, b: Any, path: str = "value") -> None:
     else:
         if type(a) is not type(b) or a != b:
             raise AssertionError(f"{path}: {a!r:.80} vs {b!r:.80}")
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``path``, read by the safetensors library."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                assert k not in out, f"{k} in two files"
+                out[k] = st.get_tensor(k)
+    return out
