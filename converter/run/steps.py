@@ -2,8 +2,9 @@
 
 The step folders of a run directory (each a checkpoint: DCP, universal store, ...) are converted
 one by one into ``OUT/<step>``, each through the one pipeline with its own destination, lock and
-journal (:mod:`converter.run.destination`): a step already converted (its output complete) is
-skipped, one interrupted (a journal, no completion marker) is resumed, the others are converted;
+journal, as ``--resume`` (:mod:`converter.run.destination`): a step this conversion already
+finished is skipped, one interrupted (a journal, no completion marker) is resumed, the others are
+converted (a step another conversion wrote is refused, naming what differs: ``--overwrite``);
 each output is checked once written; a source step still being written (no ``.metadata`` yet) is
 left for a later run. A failed step does not stop the others; the run then fails, naming it.
 """
@@ -101,7 +102,8 @@ def find_steps(src: str | os.PathLike, out: str | os.PathLike) -> list[Step]:
 
 def step_state(dst: Path) -> str:
     """``new`` (absent or empty), ``done`` (a complete output), ``partial`` (an interrupted run's
-    journal) or ``other`` (anything else: the step's own run says what is wrong)."""
+    journal) or ``other`` (anything else: the step's own run says what is wrong); for the report
+    only: what each step needs is the pipeline's ``--resume`` decision."""
     if not dst.is_dir() or not any(dst.iterdir()):
         return "new"
     if (dst / JOURNAL_NAME).is_file() and complete_marker(dst) is None:
@@ -115,21 +117,23 @@ def run_steps(steps: Sequence[Step], convert: Callable[[Path, Path, Any], Any],
               check: Callable[[Path, Any], None], options: Any) -> list[StepOutcome]:
     """Convert each step (``convert(src, dst, options)``), then ``check(dst, result)`` it.
 
-    Rank 0 decides what each step needs before any is converted (every rank gets its answer);
-    ``--overwrite`` converts every step again. A step that fails is reported and the next one
-    runs; an interrupt stops the run (the step's journal is kept for the next run)."""
+    Each step runs as ``--resume`` (``--overwrite`` when given): the pipeline starts a new one,
+    continues an interrupted one from its journal, and answers "already complete" for one this
+    conversion finished (a complete output of another conversion is refused, naming what differs).
+    Rank 0 reads what each step holds before any is converted (every rank gets its answer). A step
+    that fails is reported and the next one runs; an interrupt stops the run (the step's journal
+    is kept for the next run)."""
     dist = distributed.current()
     states = dist.on_leader(lambda: [step_state(s.dst) for s in steps]) or []
     states = dist.gather(states)[0] if dist.active else states
+    opts = dataclasses.replace(options, resume=not options.overwrite)
     outcomes = []
     for step, state in zip(steps, states):
-        if state == "done" and not options.overwrite:
-            outcomes.append(StepOutcome(step.name, "skipped", "already converted"))
-            continue
-        resume = state == "partial" and not options.overwrite
-        opts = dataclasses.replace(options, resume=resume)
         try:
             result = convert(step.src, step.dst, opts)
+            if getattr(result, "already_complete", False):
+                outcomes.append(StepOutcome(step.name, "skipped", "already converted"))
+                continue
             if not options.dry_run:
                 check(step.dst, result)
         except IncompleteCheckpointError as e:
@@ -138,7 +142,7 @@ def run_steps(steps: Sequence[Step], convert: Callable[[Path, Path, Any], Any],
         except CkptConvError as e:
             outcomes.append(StepOutcome(step.name, "failed", str(e).splitlines()[0] if str(e) else type(e).__name__))
             continue
-        status = "planned" if options.dry_run else "resumed" if resume else "converted"
+        status = "planned" if options.dry_run else "resumed" if state == "partial" and not options.overwrite else "converted"
         outcomes.append(StepOutcome(step.name, status, "", result))
     return outcomes
 

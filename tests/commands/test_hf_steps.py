@@ -110,3 +110,12 @@ def test_bad_run_dirs(dcp_checkpoint, tmp_path):
         api.export_hf(tmp_path / "empty", tmp_path / "out", all_steps=True, options=OPTS)
     with pytest.raises(ConfigError, match="no folder matches"):
         api.export_hf(str(tmp_path / "nothing-*"), tmp_path / "out", options=OPTS)
+
+
+def test_a_step_converted_otherwise_is_refused_until_overwrite(run_dir, tmp_path):
+    out = tmp_path / "out"
+    api.export_hf(run_dir, out, all_steps=True, dtype="bf16", options=OPTS)
+    with pytest.raises(CkptConvError, match=r"^step step-2: .*--dtype .*\(2 of 3 steps failed"):
+        api.export_hf(run_dir, out, all_steps=True, options=OPTS)
+    again = api.export_hf(run_dir, out, all_steps=True, options=RunOptions(workers=2, overwrite=True))
+    assert [s.status for s in again.steps] == ["converted", "converted", "incomplete"]
