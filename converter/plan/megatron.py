@@ -134,7 +134,8 @@ def plan_layout_bound(keys: Iterable[str], mesh: Mesh, policy: str = "drop") -> 
 def stacked_layers(index: CheckpointIndex) -> dict[str, int]:
     """key -> number of layers L of every layer-stacked tensor of a Megatron checkpoint (``{}`` for
     any other): a ``layers`` key with no layer number, at least 2-d, and where chunks carry ranks
-    (a DCP save), each chunk covering exactly one layer (size 1 on dim 0). A universal store's
+    (a DCP save), each chunk covering exactly one layer (size 1 on dim 0) or all of them (what
+    ``--plan megatron`` writes). A universal store's
     chunks are storage chunks: there the key decides."""
     from converter.plan.atoms import is_megatron
 
@@ -148,7 +149,9 @@ def is_stacked(entry: TensorEntry) -> bool:
     """Whether ``entry`` of a Megatron checkpoint is layer-stacked (see :func:`stacked_layers`)."""
     if len(entry.shape) < 2 or not _STACKED.fullmatch(entry.key) or not entry.chunks:
         return False
-    return all(c.box.sizes[0] == 1 for c in entry.chunks if c.box.numel and c.rank is not None)
+    # megatron writes one layer per chunk; ckptconv's --plan megatron keeps the layer axis whole
+    return all(c.box.sizes[0] == 1 or (c.box.offsets[0] == 0 and c.box.sizes[0] == entry.shape[0])
+               for c in entry.chunks if c.box.numel and c.rank is not None)
 
 
 def unstacked_name(key: str, layer: int) -> str:

@@ -377,3 +377,23 @@ def test_no_plan_writes_megatrons_own_rank_boxes(tmp_path):
             assert got == want, (key, tp)
         for c in t["chunks"]:  # every box held by the ranks of one tp coordinate, on both dp replicas
             assert sorted(c["holders"]) == [c["rank"] % 2, c["rank"] % 2 + 2], (key, c)
+
+
+def test_a_megatron_plan_output_reads_back_layer_stacked(tmp_path):
+    """--plan megatron keeps the layer axis whole in a box; read back, the output is still
+    layer-stacked (so export-hf --map megatron-llama unstacks it exactly as from the source)."""
+    out = tmp_path / "out"
+    code, _, err = run_cli("from-universal", str(FIXTURE), str(out), "--mesh", "tp2,dp2")
+    assert code == 0 and "plan megatron (--plan auto)" in err, err
+    assert stacked_layers(_index(out)) == stacked_layers(_index())
+    hf = {}
+    for name, src in (("src", FIXTURE), ("out", out)):
+        code, _, err = run_cli("export-hf", str(src), str(tmp_path / f"hf-{name}"), "--map", "megatron-llama")
+        assert code == 0, err
+        from safetensors.torch import load_file
+
+        hf[name] = {}
+        for f in sorted((tmp_path / f"hf-{name}").glob("*.safetensors")):
+            hf[name] |= load_file(str(f))
+    assert sorted(hf["src"]) == sorted(hf["out"]) and len(hf["src"]) > 9
+    assert all(bits_equal(hf["src"][k], hf["out"][k]) for k in hf["src"])
