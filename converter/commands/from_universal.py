@@ -1,11 +1,8 @@
 """from-universal: universal store (or any readable checkpoint) -> DCP laid out for a target mesh.
 
-1. place: the placement plan gives every parameter its placements on the mesh (and PP stage);
-   optimizer states of a parameter follow it, 0-d tensors and other shapes are replicated;
-2. layout: each rank's box per tensor (what ``compute_local_shape_and_global_offset`` gives),
-   deduplicated: a box held by several ranks is written once, in the least-loaded holder's file
-   (as DCP's own dedup does);
-3. plan + execute: pieces of every rank chunk are filled from the source chunks and streamed
+1. place + layout (:mod:`converter.plan.target_layout`, pure): every parameter's placements on
+   the mesh, each rank's box per tensor, which file keeps a box several ranks hold;
+2. plan + execute: pieces of every rank chunk are filled from the source chunks and streamed
    into that rank's ``__<rank>_0.distcp`` (:func:`converter.run.pipeline.run_conversion`);
    ``.metadata`` is written last, atomically.
 
@@ -18,38 +15,32 @@ also the hub-shaped files torch's consolidation makes of them, in the same run
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
-from itertools import groupby
-from operator import attrgetter
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from converter import knobs
 from converter.config import RunOptions
-from converter.plan.atoms import AtomRef, group_atoms, is_megatron
-from converter.plan.auto_plan import choose_plan, family_plan, model_family, unused_dim_warnings, unused_dims
-from converter.plan.copy_tasks import WriteTask, plan_boxes, target_nbytes, total_target_nbytes
+from converter.plan.copy_tasks import WriteTask, plan_boxes, total_target_nbytes
 from converter.plan.dataloader_state import plan_objects
 from converter.plan.megatron import plan_layout_bound
 from converter.plan.mesh import Mesh, parse_mesh
-from converter.plan.placement_rules import HeadCounts, TensorPlacement, check_head_split, get_plan, plan_all, replicated
+from converter.plan.placement_rules import HeadCounts
 from converter.plan.selection import Selection, select_entries
 from converter.plan.dcp_safetensors import (FORMATS, StorageLayout, consolidation_tasks, load_fqn_index, plan_storage,
                                              tensors_only_warning)
+from converter.plan.target_layout import TargetLayout, atom_refs, chunks_of, layout_tasks, target_layout
 from converter.run.destination import FROM_UNIVERSAL_LEGACY, FROM_UNIVERSAL_ST, option_value, write_complete_marker
 from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
 from converter.run.sinks import dcp_output, dcp_safetensors_output
 from converter.run.optim_view import fully_reshardable
 from converter.run.sources import framework_files, open_checkpoint
-from formats.base import Box, CheckpointIndex, CheckpointReader, TensorEntry
+from formats.base import CheckpointIndex, CheckpointReader
 from formats.dcp.framework_files import write_framework_files
 from formats.dcp.metadata import gc_paused
-from formats.dcp.writer import ChunkSpec, DCPWriter, ObjectSpec
+from formats.dcp.writer import DCPWriter, ObjectSpec
 from formats.dcp_safetensors import FORMAT as ST_FORMAT
 from formats.errors import ConfigError
 from formats.hf import SafetensorsFilesWriter
@@ -61,22 +52,8 @@ from formats.storage import source_label
 LEGACY_FORMAT = "megatron-legacy"
 
 
-@dataclass(frozen=True)
-class TargetLayout:
-    """Every chunk of the target checkpoint, and the warnings the plan raised."""
-
-    mesh: Mesh
-    chunks: tuple[ChunkSpec, ...]
-    warnings: tuple[str, ...] = ()
-    placements: Mapping[str, TensorPlacement] = field(default_factory=dict)
-    key_placements: Mapping[str, TensorPlacement] = field(default_factory=dict)  # per tensor key
-    plan: str = ""  # the plan that placed them (what --plan auto chose)
-    plan_reason: str | None = None  # --plan auto: why (one line)
 
 
-def _atom_refs(reader: CheckpointReader, index: CheckpointIndex) -> dict[str, AtomRef]:
-    paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
-    return group_atoms(paths)[0]
 
 
 def _source_hints(reader: CheckpointReader, index: CheckpointIndex
@@ -94,245 +71,25 @@ def _source_hints(reader: CheckpointReader, index: CheckpointIndex
     return {k: h.tp_dim for k, h in hints.items()}, {k for k, h in hints.items() if h.replicated}, dict(report.mesh)
 
 
-def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mesh, plan_name: str,
-                  tp_splits: Mapping[str, int | None], replicated: set[str],
-                  dtype_override: str | None = None, keep: Collection[str] | None = None,
-                  heads: HeadCounts | None = None, dedup: str = "least-loaded",
-                  source_mesh: Mapping[str, int] | None = None) -> TargetLayout:
-    """Pure: the target chunks (key, box, owner rank) for every tensor of ``index`` on ``mesh``
-    (only the tensors in ``keep`` when given: parameters are still planned from the whole
-    ``index``, so a selected optimizer state follows its parameter's placement). With ``heads``
-    known, a TP degree that does not divide them is refused. ``dedup``: which holder's file keeps
-    a box several ranks hold: ``least-loaded`` (:class:`OwnerPicker`) or ``torch`` (exactly what
-    ``dcp.save``'s dedup picks, :func:`torch_dedup_owners`). ``plan_name`` ``auto`` chooses the
-    plan from the checkpoint (:func:`converter.plan.auto_plan.choose_plan`; ``source_mesh``, the
-    detected source mesh, is named in its reason); a ``tp`` or ``ep`` mesh dim the plan leaves
-    unused is warned about, naming the plan that would use it."""
-    params = {
-        ref.atom: tuple(index.tensors[k].shape)
-        for k, ref in refs.items()
-        if ref.role == "param" and k in index.tensors and k not in replicated and index.tensors[k].shape
-    }
-    stateful = stateful_atoms(index, refs, params, replicated)
-    params |= stateful
-    param_splits = atom_splits(index, refs, tp_splits, stateful)
-    megatron = is_megatron({k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()})
-    reason = None
-    if plan_name == "auto":
-        choice = choose_plan(params, param_splits, megatron, source_mesh)
-        plan, reason = choice.plan, choice.reason
-    else:
-        plan = get_plan(plan_name, source_splits=param_splits, mesh=mesh, params=params)
-    placements, warnings = plan_all(params, plan, mesh)
-    warnings += _unused_dims(params, placements, mesh, plan.name, megatron)
-    check_head_split(placements, mesh, heads)
-    owners = OwnerPicker(mesh.world_size, exact=_huge(index))
-    chunks: list[ChunkSpec] = []
-    by_key: dict[str, TensorPlacement] = {}
-    later: list[tuple[str, str, tuple[int, ...], BoxGroups]] = []  # dedup="torch": owners after the loop
-    for key, entry in index.tensors.items():
-        if keep is not None and key not in keep:
-            continue
-        placement = by_key[key] = _placement_for(entry, refs.get(key), params, placements, mesh)
-        dtype = by_name(_target_dtype(entry, refs.get(key), dtype_override)).name
-        itemsize, shape = by_name(dtype).itemsize, tuple(int(n) for n in entry.shape)
-        groups = owners.groups(placement, shape, mesh)
-        if dedup == "torch":
-            later.append((key, dtype, shape, groups))
-            continue
-        # layout boxes: Python ints
-        chunks += ChunkSpec.many(key, dtype, shape, groups.boxes, owners.pick(groups, itemsize))
-    if later:
-        picked = torch_dedup_owners([(g, math.prod(shape) * by_name(dtype).itemsize) for _, dtype, shape, g in later],
-                                    mesh.world_size)
-        for (key, dtype, shape, groups), ranks in zip(later, picked):
-            chunks += ChunkSpec.many(key, dtype, shape, groups.boxes, ranks)
-    return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key, plan.name, reason)
 
 
-def _unused_dims(params: Mapping[str, tuple], placements: Mapping[str, TensorPlacement], mesh: Mesh,
-                 plan_name: str, megatron: bool) -> list[str]:
-    """Warnings for a ``tp`` / ``ep`` dim of ``mesh`` no placement splits a tensor over, naming the
-    family's plan when it would (placed only then: the warning is rare)."""
-    dims = unused_dims(placements, mesh)
-    if not dims:
-        return []
-    family = model_family(params, megatron)
-    uses: list[str] = []
-    if family is not None and family.plan != plan_name:
-        uses = [d for d in dims if d not in unused_dims(plan_all(params, family_plan(family, params), mesh)[0], mesh)]
-    return unused_dim_warnings(dims, mesh, plan_name, family, uses)
 
 
-def torch_dedup_owners(tensors: list[tuple[BoxGroups, int]], world: int) -> list[list[int]]:
-    """The owner rank of every box of every tensor (``(groups, global bytes)`` in state-dict order)
-    exactly as torch's ``dedup_save_plans`` picks it (``dcp.save``'s default planner): write items
-    are taken rank by rank, each rank's in state-dict order; an item held by several ranks is decided
-    where it first appears (at its lowest holder) and goes to the holder with the fewest bytes so
-    far (ties: the lowest rank); every item adds its tensor's GLOBAL size (0 counts 1) to its
-    owner's bytes. So at a decision in rank ``r``'s turn, rank ``r`` has its own single-holder items
-    of earlier keys, and higher ranks only what earlier decisions gave them (their own items come in
-    their turn): replicated boxes go to the ranks after the first. Decisions only loop in Python;
-    the single-holder items are summed in numpy."""
-    owners: list[list[int | None]] = []
-    decisions: list[tuple[int, int, int]] = []  # (lowest holder, key index, box index)
-    for k, (g, _) in enumerate(tensors):
-        own: list[int | None] = []
-        for b, h in enumerate(g.holders):
-            if len(h) == 1:
-                own.append(h[0])
-            else:
-                own.append(None)
-                decisions.append((min(h), k, b))
-        owners.append(own)
-    if decisions:
-        deciders = sorted({r for r, _, _ in decisions})
-        col = np.full(world + 1, -1, dtype=np.int64)
-        col[deciders] = np.arange(len(deciders))
-        own_bytes = np.zeros((len(tensors), len(deciders)), dtype=np.int64)
-        for k, (g, nbytes) in enumerate(tensors):
-            single = np.array([h[0] for h in g.holders if len(h) == 1], dtype=np.int64)
-            cols = col[single]
-            np.add.at(own_bytes[k], cols[cols >= 0], nbytes or 1)
-        before = np.cumsum(own_bytes, axis=0) - own_bytes  # a decider's own bytes of earlier keys
-        base = np.zeros(world, dtype=np.int64)  # bytes given by decisions so far
-        for r, k, b in sorted(decisions):
-            g, nbytes = tensors[k]
-            holders = np.array(sorted(g.holders[b]), dtype=np.int64)
-            loads = base[holders]
-            loads[0] += before[k, col[r]]  # holders[0] is r: its own earlier items count too
-            owner = int(holders[int(np.argmin(loads))])  # first minimum: the lowest rank
-            base[owner] += nbytes or 1
-            owners[k][b] = owner
-    return owners  # type: ignore[return-value]
 
 
-def _huge(index: CheckpointIndex) -> bool:
-    """Whether per-rank byte counts could leave int64 (then loads are Python ints)."""
-    return sum(math.prod(e.shape) for e in index.tensors.values()) * 16 >= 1 << 62
 
 
-@dataclass(frozen=True)
-class BoxGroups:
-    """A placement's distinct boxes on one shape (:meth:`TensorPlacement.unique_boxes`), with
-    their holders as a table for picking owners of all boxes at once."""
-
-    boxes: tuple[Box, ...]
-    holders: tuple[tuple[int, ...], ...]
-    numels: np.ndarray | None  # int64, per box (None: loads are Python ints)
-    table: np.ndarray | None  # (box, holder) -> rank, short rows padded with the sentinel rank;
     # None when a rank holds two boxes (then owners are picked one box after the other)
 
 
-class OwnerPicker:
-    """The least-loaded rule of DCP's dedup over a whole layout: each box goes to the holder that
-    owns the fewest bytes so far (ties: the first holder, the lowest rank), boxes in layout order.
-
-    A rank holds one box of a tensor, so within a tensor no two boxes share a holder and every
-    box's choice depends only on the loads before the tensor: a tensor's owners are one argmin
-    over its holder table (rows padded with a sentinel rank whose load never wins)."""
-
-    def __init__(self, world_size: int, exact: bool = False) -> None:
-        self.world_size, self.exact = world_size, exact
-        self.loads = np.zeros(world_size + 1, dtype=np.int64)
-        self.loads[world_size] = np.iinfo(np.int64).max  # the padding rank
-        self.py_loads: dict[int, int] = {r: 0 for r in range(world_size)}
-        self._groups: dict[tuple, BoxGroups] = {}
-
-    def groups(self, placement: TensorPlacement, shape: tuple[int, ...], mesh: Mesh) -> BoxGroups:
-        """The placement's boxes on ``shape`` (cached: layouts repeat a few shapes)."""
-        key = (placement.placements, placement.dims, placement.pp_stage, shape)
-        found = self._groups.get(key)
-        if found is None:
-            found = self._groups[key] = self._make(placement.unique_boxes(shape, mesh))
-        return found
-
-    def _make(self, unique: list[tuple[Box, tuple[int, ...]]]) -> BoxGroups:
-        boxes = tuple(b for b, _ in unique)
-        holders = tuple(h for _, h in unique)
-        numels = None if self.exact else np.array([b.numel for b in boxes], dtype=np.int64)
-        flat = [r for h in holders for r in h]
-        table = None
-        if boxes and len(set(flat)) == len(flat) and min(map(len, holders)) > 0:
-            width = max(map(len, holders))
-            table = np.full((len(boxes), width), self.world_size, dtype=np.int64)
-            for i, h in enumerate(holders):
-                table[i, :len(h)] = h
-        return BoxGroups(boxes, holders, numels, table)
-
-    def pick(self, groups: BoxGroups, itemsize: int) -> list[int]:
-        """The owner rank of each of ``groups.boxes``, and their bytes added to the loads."""
-        table = groups.table
-        if self.exact or table is None:
-            return self._pick_each(groups, itemsize)
-        if table.shape[1] == 1:
-            owners = table[:, 0]
-        else:
-            owners = table[np.arange(len(table)), self.loads[table].argmin(axis=1)]
-        self.loads[owners] += groups.numels * itemsize  # owners are distinct: no lost updates
-        return owners.tolist()
-
-    def _pick_each(self, groups: BoxGroups, itemsize: int) -> list[int]:
-        """:meth:`pick` box by box (Python ints; a rank holding two boxes, or loads beyond int64)."""
-        loads = self.py_loads if self.exact else self.loads
-        out = []
-        for box, holders in zip(groups.boxes, groups.holders):
-            owner = min(holders, key=loads.__getitem__)  # least loaded; ties: lowest rank (holders ascend)
-            loads[owner] += box.numel * itemsize
-            out.append(int(owner))
-        return out
 
 
-def stateful_atoms(index: CheckpointIndex, refs: Mapping[str, AtomRef], params: Mapping[str, tuple],
-                   replicated: set[str]) -> dict[str, tuple]:
-    """Atoms with optimizer states but no parameter value among the keys, with the states' shape.
-
-    torchtitan 0.3.0's fused ``qkv_linear.wqkv.weight`` is one: the model's save hook writes it as
-    ``wq``/``wk``/``wv``, the optimizer keeps the fused name. Its states are placed as the
-    parameter they belong to would be (None of them held whole by the source, all one shape).
-    """
-    shapes: dict[str, set[tuple]] = {}
-    held_whole: set[str] = set()
-    for key, ref in refs.items():
-        entry = index.tensors.get(key)
-        if entry is None or ref.role in ("param", "value") or ref.atom in params or not entry.shape:
-            continue
-        shapes.setdefault(ref.atom, set()).add(tuple(entry.shape))
-        if key in replicated:
-            held_whole.add(ref.atom)
-    return {atom: next(iter(s)) for atom, s in shapes.items() if len(s) == 1 and atom not in held_whole}
 
 
-def atom_splits(index: CheckpointIndex, refs: Mapping[str, AtomRef], tp_splits: Mapping[str, int | None],
-                stateful: Mapping[str, tuple]) -> dict[str, int | None]:
-    """Per atom, the TP split dim the source shows (``--plan source``): its parameter value's, or
-    for an atom with optimizer states only (:func:`stateful_atoms`, e.g. torchtitan 0.3.0's fused
-    ``wqkv``) its states' of that shape, when they agree."""
-    out = {refs[k].atom: d for k, d in tp_splits.items() if k in refs and refs[k].role == "param"}
-    found: dict[str, set[int | None]] = {}
-    for key, d in tp_splits.items():
-        ref = refs.get(key)
-        if ref is not None and ref.atom in stateful and ref.atom not in out and key in index.tensors \
-                and tuple(index.tensors[key].shape) == stateful[ref.atom]:
-            found.setdefault(ref.atom, set()).add(d)
-    return out | {atom: next(iter(dims)) for atom, dims in found.items() if len(dims) == 1}
 
 
-def _placement_for(entry: TensorEntry, ref: AtomRef | None, params: Mapping[str, tuple],
-                   placements: Mapping[str, TensorPlacement], mesh: Mesh) -> TensorPlacement:
-    """The parameter's placement for its value and same-shaped states; replicate otherwise."""
-    p = placements.get(ref.atom) if ref is not None else None
-    if p is None:
-        return replicated(mesh)
-    if tuple(entry.shape) != params.get(ref.atom):
-        return replace(replicated(mesh), pp_stage=p.pp_stage)  # 0-d step, or a state of another shape
-    return p
 
 
-def _target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None) -> str:
-    if override and ref is not None and ref.role == "param" and entry.dtype in CASTABLE_FLOATS:
-        return override
-    return entry.dtype
 
 
 @conversion_command("from-universal")
@@ -398,7 +155,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
         with planning:
             reader = fully_reshardable(reader, options.trust_pickle)  # megatron's dp_reshardable optimizer, kept
             index = reader.index()
-            refs = _atom_refs(reader, index)
+            refs = atom_refs(index)
             splits, replicated, source_mesh = _source_hints(reader, index)
             selected = select_entries(index, selection or Selection(), refs)
             heads = _head_counts(src, config)
@@ -417,8 +174,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             if format == ST_FORMAT:
                 object_specs, notes = [], [*notes, *tensors_only_warning([k for k, *_ in object_specs])]
             framework = framework_files(reader, src, options.trust_pickle) if format == "dcp" else {}
-            layout = replace(layout, chunks=_chunks_of(layout.chunks, index.tensors), warnings=layout.warnings + tuple(notes))
-            tasks = _plan(index, layout, options)
+            layout = replace(layout, chunks=chunks_of(layout.chunks, index.tensors), warnings=layout.warnings + tuple(notes))
+            tasks = layout_tasks(index, layout, options.effective_piece_bytes)
             header = {"--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan),
                       "--dtype": dtype,
                       "--keys": None if selection is None or selection.everything else selection.to_json(),
@@ -454,11 +211,6 @@ def _check_format(format: str, consolidate: bool, max_shard_size: int | str | No
     return n
 
 
-def _chunks_of(chunks: tuple[ChunkSpec, ...], keys: Collection[str]) -> tuple[ChunkSpec, ...]:
-    """The ``chunks`` of ``keys`` (``chunks`` itself when every key is kept: C-level checks only)."""
-    if set(map(_KEY, chunks)) <= set(keys):
-        return chunks
-    return tuple(c for c in chunks if c.key in keys)
 
 
 def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: CheckpointIndex, reader: CheckpointReader,
@@ -555,33 +307,10 @@ def _head_counts(src: str | os.PathLike, config: Any) -> HeadCounts | None:
     return head_counts(doc, where)
 
 
-def _plan(index: CheckpointIndex, layout: TargetLayout, options: RunOptions) -> list[WriteTask]:
-    by_key: dict[str, list[ChunkSpec]] = {}
-    for key, group in groupby(layout.chunks, _KEY):  # a key's chunks are contiguous: C-level grouping
-        by_key.setdefault(key, []).extend(group)
-    tasks: list[WriteTask] = []
-    for key, specs in by_key.items():
-        tasks += plan_boxes(index.tensors[key], specs, list(map(_BOX, specs)), options.effective_piece_bytes)
-    return tasks
 
 
-_KEY, _BOX = attrgetter("key"), attrgetter("box")
 
 
-def describe_ranks(layout: TargetLayout, tasks: list[WriteTask]) -> str:
-    """The per-rank plan: files, bytes and chunks per rank, then the warnings."""
-    from converter.units import human_bytes, plural
-
-    per_rank: dict[int, list[int]] = {r: [0, 0] for r in range(layout.mesh.world_size)}
-    for t in tasks:
-        per_rank[t.target.rank][0] += 1
-        per_rank[t.target.rank][1] += target_nbytes(t)
-    lines = [f"# target mesh {layout.mesh} ({layout.mesh.world_size} ranks)"]
-    for rank, (n, nbytes) in per_rank.items():
-        coords = ",".join(f"{n}={c}" for n, c in layout.mesh.rank_coords(rank).items())
-        lines.append(f"rank {rank} ({coords}): __{rank}_0.distcp  {plural(n, 'chunk')}  {human_bytes(nbytes)} ({nbytes} bytes)")
-    lines += [f"warning: {w}" for w in layout.warnings]
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,7 +327,7 @@ def _to_legacy(src: str | os.PathLike, dst: str | os.PathLike, mesh: Mesh, optio
     try:
         reader = fully_reshardable(reader, options.trust_pickle)
         index = reader.index()
-        refs = _atom_refs(reader, index)
+        refs = atom_refs(index)
         index = select_entries(index, selection or Selection(), refs).restrict(index)
         values = _ObjectValues(reader, options.trust_pickle)
         common = values.common()

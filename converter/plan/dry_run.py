@@ -67,7 +67,7 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
                   chunk_lines: int | None = None, rank_file_of: Callable[[int], str] | None = None,
                   files: int | None = None) -> dict[str, Any]:
     """The dry-run document (JSON-able; see the module docstring). ``layout`` is the
-    :class:`converter.commands.from_universal.TargetLayout`, ``tasks`` its copy tasks, ``objects`` the non-tensor
+    :class:`converter.plan.target_layout.TargetLayout`, ``tasks`` its copy tasks, ``objects`` the non-tensor
     entries as ``(key, rank file)``.
 
     ``chunk_lines``: list only the first that many chunks of each key (what the text form shows;

@@ -13,7 +13,7 @@ import sys
 import types
 from typing import Any
 
-from converter.plan.from_code import init_fake_world, read_model
+from converter.plan.model_placements import init_fake_world, read_model
 from converter.plan.mesh import Mesh
 from formats.errors import ConfigError, PlanError
 

@@ -1,7 +1,7 @@
 """The destination of a conversion, in one place for every command: lock, identity, resume, overwrite.
 
 Every conversion (``to-universal``, ``from-universal``, ``export-hf``, ``import-hf``) calls
-:func:`open_destination` once it has planned, and is wrapped in :func:`guarded`:
+:func:`converter.run.pipeline.open_destination` once it has planned, and is wrapped in :func:`guarded`:
 
 * **Lock.** ``<dst>/.ckptconv-lock`` is ``flock``-ed for the whole run and names its holder (pid,
   host, command, start time). A second run on the same destination is refused with one line naming
@@ -789,21 +789,6 @@ def _check_resume(out: Path, dst: Any, header: Mapping[str, Any], world: int) ->
             "exactly as before, or pass --overwrite to start over"
         )
     return RESUME
-
-
-def open_destination(src: str | os.PathLike, dst: str | os.PathLike, header: Mapping[str, Any],
-                     options: Any) -> tuple[Path, Any, str]:
-    """Prepare ``dst`` (rank 0) and open this rank's resume journal: ``(out, journal, what)``,
-    ``what`` as :func:`prepare` found it (every rank learns it; no journal when :data:`COMPLETE`)."""
-    from converter.run import distributed
-
-    dist = distributed.current()
-    out, what = dist.from_leader(lambda: prepare(src, dst, header, overwrite=options.overwrite,
-                                                 resume=options.resume, world=dist.world))
-    if what == COMPLETE:
-        return out, None, what
-    journal = dist.journal(out, dict(header), resume=what == RESUME)
-    return out, journal, what
 
 
 def unfinished_message(path: Path) -> str | None:

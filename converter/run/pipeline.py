@@ -42,7 +42,7 @@ from converter.run.destination import (
     UNIVERSAL,
     conversion_header,
     guarded,
-    open_destination,
+    prepare,
     write_output_record,
 )
 from converter.run.executor import ExecStats, TaskSink, os_errors_as_storage_errors
@@ -139,6 +139,19 @@ def dry_run_result(conv: Conversion) -> ConversionResult:
     p = conv.planned
     return ConversionResult(str(conv.dst), p.tensors, p.objects, p.bytes, 0.0, plan=text, preview=doc,
                             warnings=conv.dry_run_warnings, plan_choice=p.plan_choice)
+
+
+def open_destination(src: str | os.PathLike, dst: str | os.PathLike, header: Mapping[str, Any],
+                     options: Any) -> tuple[Path, Any, str]:
+    """Prepare ``dst`` (rank 0) and open this rank's resume journal: ``(out, journal, what)``,
+    ``what`` as :func:`prepare` found it (every rank learns it; no journal when :data:`COMPLETE`)."""
+    dist = distributed.current()
+    out, what = dist.from_leader(lambda: prepare(src, dst, header, overwrite=options.overwrite,
+                                                 resume=options.resume, world=dist.world))
+    if what == COMPLETE:
+        return out, None, what
+    journal = dist.journal(out, dict(header), resume=what == RESUME)
+    return out, journal, what
 
 
 def run_conversion(conv: Conversion, options: Any) -> ConversionResult:

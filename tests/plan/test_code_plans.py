@@ -9,10 +9,12 @@ import time
 
 import pytest
 
-from converter.plan.from_code import is_code_plan, mesh_dim_groups
+from converter.plan.from_code import is_code_plan
+from converter.plan.model_placements import mesh_dim_groups
 from converter.plan.placements import Replicate, Shard, StridedShard
 from converter.plan.mesh import parse_mesh
-from converter.plan.placement_rules import get_plan, plan_all
+from converter.plan.placement_rules import plan_all
+from converter.plan.plans import get_plan
 from formats.errors import ConfigError, PlanError
 
 import titan_support

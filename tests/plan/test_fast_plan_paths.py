@@ -19,7 +19,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, reject, settings
 
-from converter.commands import from_universal as fu
+from converter.plan import target_layout as tl
 from converter.config import RunOptions
 from converter.plan import copy_tasks, source_layout
 from converter.plan.atoms import group_atoms
@@ -108,7 +108,7 @@ def reference_chunks(index: CheckpointIndex, refs, layout, dtype: str | None) ->
     out = []
     for key, entry in index.tensors.items():
         placement = layout.key_placements[key]
-        target_dtype = by_name(fu._target_dtype(entry, refs.get(key), dtype)).name
+        target_dtype = by_name(tl._target_dtype(entry, refs.get(key), dtype)).name
         itemsize, shape = by_name(target_dtype).itemsize, tuple(entry.shape)
         for box, holders in placement.unique_boxes(shape, mesh):
             owner = min(holders, key=loads.__getitem__)
@@ -210,16 +210,16 @@ def test_layout_and_plan_equal_the_straightforward_loops(index, target, dtype, p
     splits = {k: h.tp_dim for k, h in hints.items()}
     replicated = {k for k, h in hints.items() if h.replicated}
     try:
-        layout = fu.target_layout(index, refs, mesh, plan, splits, replicated, dtype)
+        layout = tl.target_layout(index, refs, mesh, plan, splits, replicated, dtype)
     except PlanError:  # a refusal (uneven _StridedShard, ...) comes before any box is placed
         reject()
     assert layout.chunks == reference_chunks(index, refs, layout, dtype)
     with pytest.MonkeyPatch.context() as m:  # loads beyond int64: the box-by-box path
-        m.setattr(fu, "_huge", lambda index: True)
-        assert fu.target_layout(index, refs, mesh, plan, splits, replicated, dtype) == layout
+        m.setattr(tl, "_huge", lambda index: True)
+        assert tl.target_layout(index, refs, mesh, plan, splits, replicated, dtype) == layout
 
     options = RunOptions(piece_bytes=piece_bytes)
-    tasks = fu._plan(index, layout, options)
+    tasks = tl.layout_tasks(index, layout, options.effective_piece_bytes)
     slow = []
     for key, entry in index.tensors.items():
         specs = [s for s in layout.chunks if s.key == key]
@@ -279,7 +279,7 @@ def test_owner_picker_equals_the_min_loop(holder_lists, start, exact):
     """Holders that overlap or differ in number (the box-by-box path) and disjoint ones (the table)."""
     boxes = [Box((i,), (n + 1,)) for i, n in enumerate(range(len(holder_lists)))]
     unique = [(b, tuple(sorted(h))) for b, h in zip(boxes, holder_lists)]
-    picker = fu.OwnerPicker(8, exact=exact)
+    picker = tl.OwnerPicker(8, exact=exact)
     for r, n in enumerate(start):
         picker.loads[r] += n
         picker.py_loads[r] += n
@@ -309,7 +309,7 @@ def test_chunk_spec_many_equals_of():
 @given(st.lists(st.sampled_from("abc"), max_size=8), st.sets(st.sampled_from("abcd")))
 def test_chunks_of_equals_the_filter(keys, kept):
     chunks = tuple(ChunkSpec.of(k, "float32", (1,), Box((0,), (1,)), 0) for k in keys)
-    assert fu._chunks_of(chunks, kept) == tuple(c for c in chunks if c.key in kept)
+    assert tl.chunks_of(chunks, kept) == tuple(c for c in chunks if c.key in kept)
 
 
 def test_chunk_index_layout_cache_is_bounded(monkeypatch):

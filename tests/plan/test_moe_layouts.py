@@ -18,7 +18,8 @@ import pytest
 
 from converter.plan.placements import Replicate, Shard, StridedShard
 from converter.plan.mesh import parse_mesh
-from converter.plan.placement_rules import MOE_PLAN, get_plan, plan_all
+from converter.plan.placement_rules import MOE_PLAN, plan_all
+from converter.plan.plans import get_plan
 from formats.errors import ConfigError, PlanError, UnsupportedError
 
 import titan_support

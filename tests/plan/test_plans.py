@@ -19,11 +19,11 @@ from converter.plan.placement_rules import (
     SourceSplits,
     TensorPlacement,
     generate_fqn_per_model_part,
-    get_plan,
     load_plan_file,
     plan_all,
     plan_from_doc,
 )
+from converter.plan.plans import get_plan
 from formats.errors import ConfigError, PlanError
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -324,7 +324,7 @@ def test_fused_optimizer_states_follow_their_parameter():
     """An atom with optimizer states but no model value (0.3.0's fused wqkv: the save hook writes
     wq/wk/wv) is placed like its parameter, not written whole."""
     from converter.plan.atoms import AtomRef
-    from converter.commands.from_universal import stateful_atoms, target_layout
+    from converter.plan.target_layout import stateful_atoms, target_layout
     from formats.base import Box, ChunkRef, CheckpointIndex, TensorEntry
 
     def entry(key, shape):
