@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from converter.plan import index_expr as ix
-from converter.plan.mapped_view import Source
+from converter.plan.view_source import Source
 from formats.errors import ConfigError
 
 PREFIX = "torchtitan:"

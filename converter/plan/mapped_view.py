@@ -18,28 +18,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from converter.plan.key_maps import KeyMap, heads_for, parse_transform, rope_permutation
+from converter.plan.view_source import Source
 from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
 from formats.errors import ConfigError, InvalidCheckpointError
-
-
-class Source(NamedTuple):
-    """Where a target tensor comes from: the source key and a row permutation (or None); or one
-    expert ``index`` of a grouped-experts source ``[E, ...]`` (the slice ``[index]``, dim 0
-    dropped), or one layer of a Megatron layer-stacked source ``[L, ...]`` (the same slice, its rows
-    then permuted when ``perm`` is given); or the ``stack`` of source keys (one per expert, a new
-    dim 0; ``key`` unused). ``transpose``: the target is the 2-D transpose of that (an HF
-    ``Conv1D`` weight, ``[in, out]``, from a ``Linear`` one, ``[out, in]``): its chunks are the
-    source's transposed and a region reads the transposed source box, transposed in memory.
-    ``expr``: any other rearrangement, an index expression (:mod:`converter.plan.index_expr`: a
-    strided view of one source, or a concatenation of such views); ``key`` is then its first
-    source."""
-
-    key: str
-    perm: np.ndarray | None = None  # int64 row indices
-    index: int | None = None
-    stack: tuple[str, ...] = ()
-    transpose: bool = False
-    expr: Any = None
 
 
 class ViewLocator(NamedTuple):

@@ -1,0 +1,29 @@
+"""Where a target tensor of a renamed view comes from (:class:`Source`), apart from the view
+itself (:mod:`converter.plan.mapped_view`) so that key maps built from code
+(:mod:`converter.plan.adapter_maps`) name sources without importing the view that imports them."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+class Source(NamedTuple):
+    """Where a target tensor comes from: the source key and a row permutation (or None); or one
+    expert ``index`` of a grouped-experts source ``[E, ...]`` (the slice ``[index]``, dim 0
+    dropped), or one layer of a Megatron layer-stacked source ``[L, ...]`` (the same slice, its rows
+    then permuted when ``perm`` is given); or the ``stack`` of source keys (one per expert, a new
+    dim 0; ``key`` unused). ``transpose``: the target is the 2-D transpose of that (an HF
+    ``Conv1D`` weight, ``[in, out]``, from a ``Linear`` one, ``[out, in]``): its chunks are the
+    source's transposed and a region reads the transposed source box, transposed in memory.
+    ``expr``: any other rearrangement, an index expression (:mod:`converter.plan.index_expr`: a
+    strided view of one source, or a concatenation of such views); ``key`` is then its first
+    source."""
+
+    key: str
+    perm: np.ndarray | None = None  # int64 row indices
+    index: int | None = None
+    stack: tuple[str, ...] = ()
+    transpose: bool = False
+    expr: Any = None
