@@ -6,6 +6,8 @@ adapter with DCP's ``HuggingFaceStorageWriter(save_distributed=True, enable_cons
 
 - ckptconv reads ``sharded/`` as torch's reader does, and it equals torchtitan's consolidated files;
 - ``ckptconv consolidate sharded/`` is byte for byte torchtitan's own consolidated output;
+- the same for an MoE model (deepseek_v3 debugmodel under expert parallelism, ``dp2,ep2``: each
+  expert's HF tensors whole in its EP rank's file);
 - ckptconv's per-rank output for another mesh (``from-universal --format dcp-safetensors``) is what
   torchtitan's own ``checkpoint.initial_load_in_hf`` loads (DCP's ``HuggingFaceStorageReader`` and
   the adapter's ``from_hf``): the next step's loss is bit for bit the loss after loading
@@ -32,16 +34,25 @@ SAVE_MESH = "tp2,dp2"
 HERE = Path(__file__).resolve().parents[1] / "support"
 
 
+MOE = "deepseek_v3/debugmodel"
+MOE_MESH = "dp2,ep2"
+
+
 def _cache() -> fixture_cache.FixtureCache:
     h = hashlib.sha256()
-    for name in ("titan_support.py", "titan_worker.py"):
+    for name in ("titan_support.py", "titan_moe_support.py", "titan_worker.py"):
         h.update((HERE / name).read_bytes())
     root = fixture_cache.base_dir() / f"titan-hf-{torch.__version__}-{h.hexdigest()[:16]}"
 
-    def build(mesh: str, tmp: Path) -> None:
+    def build(name: str, tmp: Path) -> None:
         work = tmp / "run"
-        titan_support.run_job({"mesh": mesh, "dump": str(work), "steps": 2, "save_interval": None,
-                               "last_save_in_hf": True}, work)
+        job = {"dump": str(work), "steps": 2, "save_interval": None, "last_save_in_hf": True}
+        if name == "moe":
+            import titan_moe_support
+
+            titan_moe_support.run_job({**job, "mesh": MOE_MESH, "model": MOE}, work)
+        else:
+            titan_support.run_job({**job, "mesh": name}, work)
         shutil.move(str(work / "checkpoint" / "step-2"), str(tmp / "save"))
         shutil.rmtree(work)
 
@@ -55,6 +66,40 @@ def titan_hf_save() -> Path:
     if reason:
         pytest.skip(reason)
     return _cache().get(SAVE_MESH) / "save"
+
+
+@pytest.fixture(scope="module")
+def titan_moe_hf_save() -> Path:
+    """torchtitan's last_save_in_hf output of its MoE model under EP (READ-ONLY)."""
+    reason = titan_support.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    return _cache().get("moe") / "save"
+
+
+def test_moe_per_rank_form_and_consolidate(titan_moe_hf_save, tmp_path):
+    import hf_storage_factory as hfs
+    from formats.dcp_safetensors import DCPSafetensorsReader
+    from oracle import bits_equal
+
+    sharded = titan_moe_hf_save / "sharded"
+    code, out, err = run_cli("diff", str(sharded), str(titan_moe_hf_save))
+    assert code == 0 and "same:" in out, out + err
+    index = DCPSafetensorsReader(sharded).index()
+    assert any(".mlp.experts." in k for k in index.tensors) and index.info["world_size"] == 2
+    want = hfs.torch_hf_read(sharded)
+    code, _, err = run_cli("to-universal", str(sharded), str(tmp_path / "uni"))
+    assert code == 0, err
+    code, _, err = run_cli("from-universal", str(tmp_path / "uni"), str(tmp_path / "dcp"), "--mesh", "dp3")
+    assert code == 0, err
+    from oracle import torch_reference
+
+    got = torch_reference(tmp_path / "dcp")
+    assert set(got) == set(want) and all(bits_equal(got[k], want[k]) for k in want)
+    code, _, err = run_cli("consolidate", str(sharded), str(tmp_path / "out"))
+    assert code == 0, err
+    for name in sorted(p.name for p in titan_moe_hf_save.glob("model*")):
+        assert (tmp_path / "out" / name).read_bytes() == (titan_moe_hf_save / name).read_bytes(), name
 
 
 def test_per_rank_form_reads_as_torch_reads_it(titan_hf_save):
