@@ -295,3 +295,17 @@ def test_url_destination_and_source(s3_bucket, tmp_path):
     for side in (f"{url}/sharded", url):
         code, out, err = run_cli("diff", src, side)
         assert code == 0 and "same:" in out, out + err
+
+
+def test_dtype_cast_in_both_file_kinds(tmp_path):
+    """--dtype bf16 casts the parameters in the per-rank and the consolidated files alike (torch's
+    Tensor.to bits); optimizer states keep their dtype."""
+    out = tmp_path / "out"
+    code, _, err = run_cli("from-universal", str(hfs.shards("fsdp3")), str(out), "--mesh", "dp2", "--format",
+                           "dcp-safetensors", "--consolidate", "--dtype", "bf16")
+    assert code == 0, err
+    ref = hfs.reference("fsdp3")
+    for got in (hfs.torch_hf_read(out / "sharded"), hfs.torch_hf_read(out)):
+        for k, v in ref.items():
+            want = v.to(torch.bfloat16) if k.startswith("model.") else v
+            assert bits_equal(got[k], want), k
