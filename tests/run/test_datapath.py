@@ -235,3 +235,10 @@ def test_each_step_within_3x_of_a_user_space_copy(tmp_path):
         print(f"{name}: {wall:.2f} s (start-up {startup:.2f} s), user-space copy {user:.2f} s, peak RSS {rss / MIB:.0f} MiB")
         assert wall - startup <= 3 * user, (name, wall, startup, user)
         assert rss < 256 * MIB, (name, rss)
+
+
+def test_the_user_space_copy_copies_the_tree(ckpt, tmp_path):
+    """bench/datapath.py's baseline copy (what the bounds above compare with) copies every byte."""
+    subprocess.run([sys.executable, str(ROOT / "bench" / "datapath.py"), "usercopy", str(ckpt), str(tmp_path / "c")],
+                   check=True, timeout=300)
+    assert _files(ckpt) == _files(tmp_path / "c") and _files(ckpt)
