@@ -29,6 +29,7 @@ import shutil
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,21 +42,49 @@ T = TypeVar("T")
 
 #: Per-task cost added to its bytes when balancing (a file to create, a metadata record).
 TASK_OVERHEAD_BYTES = 4096
+#: Runs of neighbouring tasks per rank's share when balancing (more: finer balance, fewer source
+#: chunks kept whole in one process).
+RUNS_PER_RANK = 8
 #: Seconds a collective waits for a peer before the run fails.
 TIMEOUT_SECONDS = float(os.environ.get("CKPTCONV_DIST_TIMEOUT", "1800") or 1800)
 RANK_DIR = ".ckptconv-rank-{}"
 
 
 def assign(tasks: Sequence[WriteTask], world: int) -> list[int]:
-    """Pure: the owning rank of each task. Largest first (ties by task id) to the least-loaded
-    rank (ties by rank number): every rank computes the same answer from the same plan."""
-    order = sorted(range(len(tasks)), key=lambda i: (-tasks[i].nbytes, task_id(tasks[i])))
+    """Pure: the owning rank of each task; every rank computes the same answer from the same plan,
+    whatever order it lists its tasks in.
+
+    A tensor's tasks, in box order, are cut into runs of at most 1/:data:`RUNS_PER_RANK` of a
+    rank's share of the bytes (a task larger than that is a run by itself); the runs go largest
+    first (ties by their first task's id) to the least-loaded rank (ties by rank number). Tasks
+    next to each other in a tensor read the same source chunks (a store chunk across two target
+    ranks' boxes), so keeping them on one rank keeps each chunk's parts in one process, where the
+    source check sees them all (no rank reads the parts another copied: :mod:`formats.integrity`).
+    """
+    if world <= 1:
+        return [0] * len(tasks)
+    cost = [t.nbytes + TASK_OVERHEAD_BYTES for t in tasks]
+    cap = max(1, sum(cost) // (RUNS_PER_RANK * world))
+    order = sorted(range(len(tasks)), key=lambda i: (tasks[i].key, tasks[i].box.offsets, task_id(tasks[i])))
+    runs: list[tuple[int, str, list[int]]] = []
+    for _, group in groupby(order, key=lambda i: tasks[i].key):
+        run: list[int] = []
+        size = 0
+        for i in group:
+            if run and size + cost[i] > cap:
+                runs.append((-size, task_id(tasks[run[0]]), run))
+                run, size = [], 0
+            run.append(i)
+            size += cost[i]
+        runs.append((-size, task_id(tasks[run[0]]), run))
+    runs.sort(key=lambda r: (r[0], r[1]))
     loads = [(0, r) for r in range(world)]
     owners = [0] * len(tasks)
-    for i in order:
+    for neg, _, run in runs:
         load, rank = heapq.heappop(loads)
-        owners[i] = rank
-        heapq.heappush(loads, (load + tasks[i].nbytes + TASK_OVERHEAD_BYTES, rank))
+        for i in run:
+            owners[i] = rank
+        heapq.heappush(loads, (load - neg, rank))
     return owners
 
 

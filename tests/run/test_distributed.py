@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from converter.run.distributed import assign, share
+from converter.run.distributed import RUNS_PER_RANK, TASK_OVERHEAD_BYTES, assign, share
 from converter.run.journal import task_id
 from converter.plan.copy_tasks import Piece, WriteTask
 from formats.base import Box
@@ -44,11 +44,31 @@ def test_share_is_a_balanced_deterministic_partition():
         assert ids == sorted(task_id(t) for t in tasks)  # every task exactly once
         loads = [sum(t.nbytes for t in s) for s in shares]
         biggest = max(t.nbytes for t in tasks)
-        assert max(loads) - min(loads) <= biggest  # greedy largest-first bound
+        run = sum(t.nbytes + TASK_OVERHEAD_BYTES for t in tasks) // (RUNS_PER_RANK * world)
+        assert max(loads) - min(loads) <= max(biggest, run)  # greedy largest-first bound over runs
         assert shares == [share(tasks, r, world) for r in range(world)]  # deterministic
         # the owner does not depend on the order the plan lists its tasks
         rev = assign(list(reversed(tasks)), world)[::-1]
         assert rev == assign(tasks, world)
+
+
+def test_share_keeps_a_tensors_neighbouring_tasks_together():
+    """A tensor's tasks in box order change rank only between runs of about 1/RUNS_PER_RANK of a
+    rank's share: neighbours (which read the same source chunks) stay in one process."""
+    tasks = []
+    for k in range(6):
+        for r in range(0, 64, 4):  # 16 tasks of 4 rows each per tensor, listed shuffled
+            box = Box((r, 0), (4, 1024))
+            tasks.append(WriteTask(f"t{k}", "float32", (k, r), box, (Piece(box, ()),)))
+    tasks = tasks[::3] + tasks[1::3] + tasks[2::3]
+    for world in (2, 3, 4):
+        owners = assign(tasks, world)
+        by_key: dict[str, list[tuple[int, int]]] = {}
+        for t, o in zip(tasks, owners):
+            by_key.setdefault(t.key, []).append((t.box.offsets[0], o))
+        changes = sum(sum(1 for a, b in zip(sorted(v), sorted(v)[1:]) if a[1] != b[1]) for v in by_key.values())
+        total = sum(t.nbytes + TASK_OVERHEAD_BYTES for t in tasks)
+        assert changes <= total // (total // (RUNS_PER_RANK * world)) + len(by_key), (world, changes)
 
 
 def test_share_ties_go_to_the_lowest_rank_and_keep_plan_order():
