@@ -233,7 +233,7 @@ def read_error(path: object, exc: OSError, what: str = "") -> Exception:
 DIRECT_ALIGN = 4096
 #: Writes whose aligned middle is smaller than this go through the page cache (one copy is cheaper
 #: than a synchronous device write for small runs).
-DIRECT_MIN_BYTES = 1 << 20
+DIRECT_MIN_BYTES = 256 << 10
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
