@@ -71,21 +71,27 @@ def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
     counts: dict[str, int] = {}  # fused fqn -> its number of parts
     for f, i in parts.values():
         counts[f] = max(counts.get(f, 0), i + 1)
+    expert_rows = _expert_part_rows(kmap, shapes, parts, counts)  # fused experts [E, rows, ...]: rows per part
     filler = CONFIG_FILLERS.get(kmap.name)
     if config is not None and filler is not None:
-        config = filler(_part_shapes(shapes, parts, config, kmap.name, counts), config)
+        config = filler(_part_shapes(shapes, parts, config, kmap.name, counts, expert_rows), config)
     natives = [p for fqn in fqn_key for p in ([q for q, (f, _) in parts.items() if f == fqn] or [fqn])]
-    grouped = {f: kmap.expert_names(f, int(shapes[f][0])) for f in natives if shapes.get(f) and len(shapes[f]) >= 2}
+    natives_shape = {f: _native_shape(f, shapes, parts, expert_rows) for f in natives}
+    grouped = {f: kmap.expert_names(f, int(natives_shape[f][0])) for f in natives
+               if natives_shape[f] and len(natives_shape[f]) >= 2}
     grouped = {f: names for f, names in grouped.items() if names is not None}
     names = rename_all([f for f in natives if f not in grouped], kmap.exporter(), kmap.name, "export")
     sources, specs = {}, []
     for fqn in natives:
-        if fqn in grouped:  # one HF tensor per expert: the slice [e], a region of the grouped tensor
-            entry = index.tensors[fqn_key[fqn]]
+        if fqn in grouped:  # one HF tensor per expert: the slice [e] (of layer i when stacked), its part's rows
+            fused, part = parts.get(fqn, (fqn, None))
+            key, layer = fqn_src[fused]
+            entry = index.tensors[key]
+            rows = expert_rows.get(fqn)
             target = dtype if dtype is not None and entry.dtype in CASTABLE else entry.dtype
             for e, hf in enumerate(grouped[fqn]):
-                sources[hf] = Source(fqn_key[fqn], index=e)
-                specs.append(TensorSpec(hf, target, tuple(entry.shape[1:])))
+                sources[hf] = Source(key, rows, index=e if layer is None else (layer, e))
+                specs.append(TensorSpec(hf, target, tuple(natives_shape[fqn][1:])))
             continue
         if fqn not in names:
             continue  # dropped by the map
@@ -141,6 +147,27 @@ def _qkv_regrouped_rows(shape: tuple, config: Mapping[str, Any] | None, map_name
     return np.concatenate(fused_qkv_rows(int(shape[0]), n_heads, n_kv, key))
 
 
+def _expert_part_rows(kmap: KeyMap, shapes: Mapping[str, tuple], parts: Mapping[str, tuple[str, int]],
+                      counts: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """The rows (of dim 1) of each part of a fused grouped-experts tensor ``[E, rows, ...]`` (Megatron's
+    experts' GLU ``linear_fc1``: ``[gate; up]`` halves of every expert)."""
+    out = {}
+    for name, (fused, i) in parts.items():
+        shape = shapes.get(fused)
+        if shape and len(shape) >= 3 and kmap.expert_names(name, 1) is not None:
+            out[name] = fused_halves_rows(int(shape[1]), counts[fused], fused)[i]
+    return out
+
+
+def _native_shape(name: str, shapes: Mapping[str, tuple], parts: Mapping[str, tuple[str, int]],
+                  expert_rows: Mapping[str, np.ndarray]) -> tuple | None:
+    """The shape of a native tensor, or of a fused grouped-experts tensor's part (None: another part)."""
+    if name in expert_rows:
+        fused = shapes[parts[name][0]]
+        return (fused[0], len(expert_rows[name]), *fused[2:])
+    return shapes.get(name)
+
+
 def _fused_parts(kmap: KeyMap, shapes: Mapping[str, tuple]) -> dict[str, tuple[str, int]]:
     """Native name of each part of a fused tensor -> (the fused tensor's name, part number)."""
     out = {}
@@ -173,10 +200,14 @@ def _fused_rows(shape: tuple, config: Mapping[str, Any] | None, map_name: str, k
 
 
 def _part_shapes(shapes: Mapping[str, tuple], parts: Mapping[str, tuple[str, int]],
-                 config: Mapping[str, Any], map_name: str, counts: Mapping[str, int] | None = None) -> dict[str, tuple]:
+                 config: Mapping[str, Any], map_name: str, counts: Mapping[str, int] | None = None,
+                 expert_rows: Mapping[str, np.ndarray] | None = None) -> dict[str, tuple]:
     """``shapes`` with each fused tensor replaced by its parts' shapes (for the config filler)."""
     out = {f: s for f, s in shapes.items() if not any(f == fused for fused, _ in parts.values())}
     for name, (fused, i) in parts.items():
+        if expert_rows and name in expert_rows:
+            out[name] = _native_shape(name, shapes, parts, expert_rows)
+            continue
         n = (counts or {}).get(fused, 3)
         if n != 3 or isinstance(config.get("num_attention_heads"), int):
             rows = _fused_rows(shapes[fused], config, map_name, fused, n)[i]

@@ -437,10 +437,48 @@ MEGATRON_GPT2 = KeyMap(
     regroup_qkv=(_MQKV + "weight", _MQKV + "bias"),
     export_only=True,
 )
+_MEXP = _ML + "mlp.experts.experts."
+_MHF = "model.layers.{}.block_sparse_moe."
+#: Megatron-core GPT with MoE layers (SequentialMLP or TEGroupedMLP experts, top-k router, SwiGLU
+#: experts, no shared experts) -> HF Mixtral (``MixtralForCausalLM``). The experts are stacked on
+#: the layer and expert axes (``decoder.layers.mlp.experts.experts.*``, ``(L, E, ...)``): each HF
+#: expert tensor reads one (layer, expert) slice, ``linear_fc1``'s ``[gate; up]`` halves as ``w1`` /
+#: ``w3``. megatron's router (top-k of the logits, softmax over them) is Mixtral's (softmax, top-k,
+#: renormalised). The norm before the MoE layer: ``pre_mlp_layernorm`` (TE spec) or, in the local
+#: spec's sharded names, ``mlp.linear_fc1.layer_norm_weight``.
+MEGATRON_MIXTRAL = KeyMap(
+    "megatron-mixtral",
+    from_hf={
+        "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+        "model.layers.{}.input_layernorm.weight": _MQKV + "layer_norm_weight",
+        "model.layers.{}.self_attn.q_proj.weight": _MQKV + "q.weight",
+        "model.layers.{}.self_attn.k_proj.weight": _MQKV + "k.weight",
+        "model.layers.{}.self_attn.v_proj.weight": _MQKV + "v.weight",
+        "model.layers.{}.self_attn.o_proj.weight": _ML + "self_attention.linear_proj.weight",
+        "model.layers.{}.post_attention_layernorm.weight": _ML + "pre_mlp_layernorm.weight",
+        _MHF + "gate.weight": _ML + "mlp.router.weight",
+        "model.norm.weight": "decoder.final_layernorm.weight",
+        "lm_head.weight": "output_layer.weight",
+    },
+    export_aliases={
+        _ML + "input_layernorm.weight": "model.layers.{}.input_layernorm.weight",
+        _MFC1 + "layer_norm_weight": "model.layers.{}.post_attention_layernorm.weight",
+    },
+    fused={
+        _MQKV + "weight": (_MQKV + "q.weight", _MQKV + "k.weight", _MQKV + "v.weight"),
+        _MEXP + "linear_fc1.weight": (_MEXP + "linear_fc1.gate.weight", _MEXP + "linear_fc1.up.weight"),
+    },
+    experts={
+        _MHF + "experts.{}.w1.weight": _MEXP + "linear_fc1.gate.weight",
+        _MHF + "experts.{}.w3.weight": _MEXP + "linear_fc1.up.weight",
+        _MHF + "experts.{}.w2.weight": _MEXP + "linear_fc2.weight",
+    },
+    export_only=True,
+)
 IDENTITY = KeyMap("identity", identity=True)
 BUILTIN_MAPS: dict[str, KeyMap] = {m.name: m for m in (IDENTITY, TORCHTITAN_LLAMA, TORCHTITAN_LLAMA3,
                                                         TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_QWEN3, MEGATRON_LLAMA,
-                                                        MEGATRON_GPT2)}
+                                                        MEGATRON_GPT2, MEGATRON_MIXTRAL)}
 
 
 def get_key_map(name_or_path: Any) -> Any:
@@ -609,6 +647,30 @@ def megatron_llama_config(shapes: Mapping[str, Sequence[int]], given: Mapping[st
     return cfg
 
 
+def megatron_mixtral_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` completed with what the megatron-mixtral weights' shapes say (HF MixtralConfig
+    names: the Llama fields, ``num_local_experts``, ``intermediate_size`` of one expert)."""
+    cfg = megatron_llama_config(shapes, {k: v for k, v in given.items() if k not in ("architectures", "model_type")})
+    cfg["architectures"], cfg["model_type"] = ["MixtralForCausalLM"], "mixtral"
+    gate = shapes.get(_MEXP.format(0) + "linear_fc1.gate.weight")
+    if gate is not None:
+        derived = {"num_local_experts": int(gate[0]), "intermediate_size": int(gate[1])}
+        for name, value in derived.items():
+            if name in given and given[name] != value:
+                raise ConfigError(f"config.json says {name}={given[name]!r} but the weights give {value!r}; fix the config")
+            cfg[name] = value
+    return cfg
+
+
+def megatron_moe_args_config(args: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`megatron_args_config` and the router's ``num_experts_per_tok`` (``moe_router_topk``)."""
+    out = megatron_args_config(args)
+    topk = args.get("moe_router_topk")
+    if isinstance(topk, int) and not isinstance(topk, bool):
+        out["num_experts_per_tok"] = topk
+    return out
+
+
 def megatron_args_config(args: Mapping[str, Any]) -> dict[str, Any]:
     """HF config fields from Megatron's training arguments (``vars(args)`` of the checkpoint's
     ``argparse.Namespace``): head counts first (the fused ``linear_qkv`` split needs them)."""
@@ -681,6 +743,7 @@ def megatron_gpt2_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str
 
 #: Megatron maps: (the HF config from the checkpoint's ``args``, the config field naming the heads)
 MEGATRON_ARGS_CONFIG = {"megatron-llama": (megatron_args_config, "num_attention_heads"),
+                        "megatron-mixtral": (megatron_moe_args_config, "num_attention_heads"),
                         "megatron-gpt2": (megatron_gpt2_args_config, "n_head")}
 
 
@@ -775,6 +838,7 @@ def deepseek_v3_config(shapes: Mapping[str, Sequence[int]], given: Mapping[str, 
 
 CONFIG_FILLERS = {"torchtitan-llama": llama_config, "torchtitan-llama3": llama_config,
                   "megatron-llama": megatron_llama_config, "megatron-gpt2": megatron_gpt2_config,
+                  "megatron-mixtral": megatron_mixtral_config,
                   "torchtitan-qwen3": qwen3_config,
                   "torchtitan-deepseek-v3": deepseek_v3_config}
 

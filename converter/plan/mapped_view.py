@@ -87,11 +87,19 @@ def permuted_chunks(chunks: Sequence[ChunkRef], perm: np.ndarray, key: str) -> t
     return tuple(out)
 
 
-def expert_chunks(entry: TensorEntry, index: int) -> tuple[ChunkRef, ...]:
-    """Virtual chunks of expert ``index`` of a grouped tensor ``[E, ...]``: the source chunks
-    holding that expert, their dim 0 dropped (pure)."""
-    return tuple(ChunkRef(Box(c.box.offsets[1:], c.box.sizes[1:]), c.file, ViewLocator(entry.key, c), c.rank)
-                 for c in entry.chunks if c.box.numel and c.box.offsets[0] <= index < c.box.ends[0])
+def leading(index: int | tuple[int, ...]) -> tuple[int, ...]:
+    """A :class:`Source` index as its tuple of leading indices."""
+    return index if isinstance(index, tuple) else (index,)
+
+
+def expert_chunks(entry: TensorEntry, index: int | tuple[int, ...]) -> tuple[ChunkRef, ...]:
+    """Virtual chunks of expert ``index`` of a grouped tensor ``[E, ...]`` (a tuple: the slice at
+    those leading indices): the source chunks holding it, its leading dims dropped (pure)."""
+    lead = leading(index)
+    n = len(lead)
+    return tuple(ChunkRef(Box(c.box.offsets[n:], c.box.sizes[n:]), c.file, ViewLocator(entry.key, c), c.rank)
+                 for c in entry.chunks
+                 if c.box.numel and all(o <= i < o + s for i, o, s in zip(lead, c.box.offsets, c.box.sizes)))
 
 
 def stacked_entry(target: str, parts: Sequence[TensorEntry], path: tuple) -> TensorEntry:
@@ -129,7 +137,8 @@ def source_region(src: Source, region: Box) -> Box:
     order): an expert slice reads ``[index]`` of its source, one expert of a stack drops the new
     dim (a stack's chunks each hold one expert)."""
     if src.index is not None:
-        return Box((src.index, *region.offsets), (1, *region.sizes))
+        lead = leading(src.index)
+        return Box((*lead, *region.offsets), (*(1 for _ in lead), *region.sizes))
     if src.stack:
         return Box(region.offsets[1:], region.sizes[1:])
     return region
@@ -160,11 +169,11 @@ def _view_entry(src_index: CheckpointIndex, target: str, src: Source, path: tupl
         return stacked_entry(target, [src_index.tensors[k] for k in src.stack], path)
     e = src_index.tensors[src.key]
     if src.index is not None and src.perm is None:
-        return TensorEntry(target, e.dtype, tuple(e.shape[1:]), expert_chunks(e, src.index), path)
+        return TensorEntry(target, e.dtype, tuple(e.shape[len(leading(src.index)):]), expert_chunks(e, src.index), path)
     if src.index is not None:  # rows of one slice: permute the slice's chunks, locate the source's
         chunks = permuted_chunks(expert_chunks(e, src.index), src.perm, src.key)
         chunks = tuple(replace(c, locator=ViewLocator(src.key, c.locator.chunk.locator.chunk)) for c in chunks)
-        return TensorEntry(target, e.dtype, (len(src.perm), *e.shape[2:]), chunks, path)
+        return TensorEntry(target, e.dtype, (len(src.perm), *e.shape[len(leading(src.index)) + 1:]), chunks, path)
     if src.perm is None:
         chunks = tuple(ChunkRef(c.box, c.file, ViewLocator(src.key, c), c.rank) for c in e.chunks)
     else:

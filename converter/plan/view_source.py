@@ -14,7 +14,8 @@ class Source(NamedTuple):
     expert ``index`` of a grouped-experts source ``[E, ...]`` (the slice ``[index]``, dim 0
     dropped), or one layer of a Megatron layer-stacked source ``[L, ...]`` (the same slice, its rows
     then permuted when ``perm`` is given); or the ``stack`` of source keys (one per expert, a new
-    dim 0; ``key`` unused). ``transpose``: the target is the 2-D transpose of that (an HF
+    dim 0; ``key`` unused). ``index`` may be a tuple of leading indices: one expert of one layer of
+    Megatron's layer- and expert-stacked ``[L, E, ...]``. ``transpose``: the target is the 2-D transpose of that (an HF
     ``Conv1D`` weight, ``[in, out]``, from a ``Linear`` one, ``[out, in]``): its chunks are the
     source's transposed and a region reads the transposed source box, transposed in memory.
     ``expr``: any other rearrangement, an index expression (:mod:`converter.plan.index_expr`: a
@@ -23,7 +24,7 @@ class Source(NamedTuple):
 
     key: str
     perm: np.ndarray | None = None  # int64 row indices
-    index: int | None = None
+    index: int | tuple[int, ...] | None = None
     stack: tuple[str, ...] = ()
     transpose: bool = False
     expr: Any = None

@@ -67,6 +67,8 @@ class GPTSpec:
     num_experts: int = 0
     moe_ffn_hidden_size: int = 24
     moe_router_topk: int = 2
+    #: the weights' init std (megatron's init_method_std; larger: the experts move the logits visibly)
+    init_std: float = 0.02
 
 
 def skip_reason() -> str | None:
@@ -199,7 +201,7 @@ def transformer_config(spec: GPTSpec) -> Any:
         params_dtype=dtype, pipeline_dtype=dtype, bf16=spec.bf16,
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        virtual_pipeline_model_parallel_size=vpp, **moe,
+        virtual_pipeline_model_parallel_size=vpp, init_method_std=spec.init_std, **moe,
     )
 
 
