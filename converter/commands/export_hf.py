@@ -20,7 +20,7 @@ from converter.plan.copy_tasks import describe, plan_tensor
 from converter.plan.hf_config import CONFIG_FILE, config_bytes, load_config_arg
 from converter.plan.hf_export import plan_export, shard_summary
 from converter.plan.hf_like import plan_like
-from converter.plan.hf_quant import check_kind, plan_quantize, quantized_config
+from converter.plan.hf_quant import check_kind, plan_quantize, quantized_config, scales_after_weights
 from converter.plan.key_maps import MEGATRON_ARGS_CONFIG, KeyMap, get_key_map
 from converter.run.destination import option_value, write_output_record
 from converter.run.journal import index_fingerprint
@@ -103,7 +103,8 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
             specs = lp.specs
         file_plans = plan_files(specs, max_bytes, layout=layout)
         entries = view.index().tensors
-        tasks = [t for s in specs
+        order = specs if qspecs is None else scales_after_weights(specs, qspecs.targets, 2 * options.workers)
+        tasks = [t for s in order
                  for t in plan_tensor(entries[s.name], [(s.name, full_box(s.shape))], options.effective_piece_bytes)]
         total = sum(s.nbytes for s in specs)
         dtypes = {s.name: by_name(s.dtype).name for s in specs}

@@ -91,3 +91,21 @@ def quantized_config(config: Mapping[str, Any], block: tuple[int, int]) -> dict[
     """``config`` with DeepSeek-V3's ``quantization_config`` (kept when it has one)."""
     qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
     return {**config, "quantization_config": config.get("quantization_config") or qc}
+
+
+def scales_after_weights(specs: Sequence[TensorSpec], targets: Mapping[str, tuple[str, str]], lag: int) -> list[TensorSpec]:
+    """``specs`` in task order: each ``weight_scale_inv`` after its weight and ``lag`` more tensors
+    (the workers have finished the weight by then, so its scales are kept, not computed again),
+    the last ones at the end (pure). The file layout keeps ``specs``' order."""
+    out: list[TensorSpec] = []
+    waiting: list[tuple[int, TensorSpec]] = []
+    others = 0  # tensors other than scales placed so far
+    for s in specs:
+        if targets.get(s.name, ("",))[0] == "scale":
+            waiting.append((others + lag, s))
+            continue
+        out.append(s)
+        others += 1
+        while waiting and waiting[0][0] <= others:
+            out.append(waiting.pop(0)[1])
+    return out + [s for _, s in waiting]

@@ -174,7 +174,8 @@ class QuantizingReader(_ViewBase):
             chunk = ChunkRef(full_box(shape), e.chunks[0].file if e.chunks else "", ("quantized", name))
             tensors[name] = TensorEntry(name, dtype, shape, (chunk,), (name,))
         self._index = CheckpointIndex(src.format, src.root, tensors, src.objects, src.info)
-        self._memo: dict[tuple[str, tuple[int, ...]], tuple[int, np.ndarray]] = {}
+        self._memo: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._block = {t.source: t.block for t in self.targets.values()}
         self._memo_bytes = 0
         self._lock = threading.Lock()
 
@@ -194,7 +195,7 @@ class QuantizingReader(_ViewBase):
         dest = np.frombuffer(out, dtype=by_name(entry.dtype).numpy_dtype).reshape(region.sizes)
         blocks = fp8_scale_box(region, t.block) if t.kind == "weight" else region
         lead = len(region.offsets) - 2
-        for part in _slabs(blocks, 4 * t.block[0] * t.block[1]):  # whole blocks, one slab of float32 each
+        for part in self._parts(t, blocks):
             q, inv, elems = self._quantize(t, part, lead)
             if t.kind == "scale":
                 dest[part.relative_to(region).slices()] = inv
@@ -203,6 +204,15 @@ class QuantizingReader(_ViewBase):
             hit = elems.intersect(region)
             if hit is not None:
                 dest[hit.relative_to(region).slices()] = q[hit.relative_to(elems).slices()]
+
+    def _parts(self, t: QuantTarget, blocks: Box) -> list[Box]:
+        """``blocks`` (a box of whole blocks) in slabs of whole block rows (all their columns: one
+        pread run each, and scales kept row by row for the scale tensor) of at most one slab of
+        float32 work, or of one row up to 16 slabs; a wider row is split into columns."""
+        block = 4 * t.block[0] * t.block[1]  # float32 work of one block
+        row = block * blocks.sizes[-1]
+        budget = knobs.QUANT_SLAB_BYTES if row > 16 * knobs.QUANT_SLAB_BYTES else max(row, knobs.QUANT_SLAB_BYTES)
+        return split_pieces(blocks, block, budget)
 
     def _quantize(self, t: QuantTarget, blocks: Box, lead: int) -> tuple[np.ndarray | None, np.ndarray, Box]:
         """(fp8 bits or None, scale_inv, element box) of the blocks ``blocks`` of ``t``'s source."""
@@ -219,30 +229,38 @@ class QuantizingReader(_ViewBase):
         return q, inv, elems
 
     def _remember(self, source: str, blocks: Box, inv: np.ndarray) -> None:
-        """Keep each block row of ``inv`` (the scales of ``blocks``) for the scale tensor's reads."""
+        """Keep ``inv`` (the scales of ``blocks``) row by row for the scale tensor's reads (each
+        block row one float32 array of every block column, filled as its parts are quantized)."""
         lead = len(blocks.offsets) - 2
+        width = fp8_scale_shape(tuple(self._src.tensors[source].shape), self._block[source])[-1]
+        c0, c1 = blocks.offsets[-1], blocks.ends[-1]
         with self._lock:
-            for idx in np.ndindex(*blocks.sizes[:lead], blocks.sizes[lead]):
-                row = inv[idx]
-                if self._memo_bytes + row.nbytes > knobs.QUANT_SCALE_MEMO_BYTES:
-                    return
+            for idx in np.ndindex(*blocks.sizes[:lead + 1]):
                 at = (source, tuple(o + i for o, i in zip(blocks.offsets, idx)))
-                if at in self._memo:
-                    continue
-                self._memo[at] = (blocks.offsets[-1], row)
-                self._memo_bytes += row.nbytes
+                row = self._memo.get(at)
+                if row is None:
+                    if self._memo_bytes + 5 * width > knobs.QUANT_SCALE_MEMO_BYTES:
+                        return
+                    row = self._memo[at] = (np.zeros(width, np.float32), np.zeros(width, bool), np.zeros(width, bool))
+                    self._memo_bytes += 6 * width
+                row[0][c0:c1] = inv[idx]
+                row[1][c0:c1] = True
 
     def _recall(self, source: str, blocks: Box) -> np.ndarray | None:
-        """The scales of ``blocks`` when every block row of them was kept (taken out), else None."""
+        """The scales of ``blocks`` when every one of them was kept (each block's taken once; a row
+        is dropped once all its blocks were taken), else None."""
         lead = len(blocks.offsets) - 2
         c0, c1 = blocks.offsets[-1], blocks.ends[-1]
         with self._lock:
             keys = [(source, tuple(o + i for o, i in zip(blocks.offsets, idx)))
-                    for idx in np.ndindex(*blocks.sizes[:lead], blocks.sizes[lead])]
+                    for idx in np.ndindex(*blocks.sizes[:lead + 1])]
             rows = [self._memo.get(k) for k in keys]
-            if any(r is None or r[0] > c0 or r[0] + len(r[1]) < c1 for r in rows):
+            if any(r is None or not r[1][c0:c1].all() for r in rows):
                 return None
+            out = np.stack([r[0][c0:c1] for r in rows]).reshape(blocks.sizes)
             for k, r in zip(keys, rows):
-                del self._memo[k]
-                self._memo_bytes -= r[1].nbytes
-        return np.stack([r[1][c0 - r[0]: c1 - r[0]] for r in rows]).reshape(blocks.sizes)
+                r[2][c0:c1] = True
+                if r[2].all():
+                    del self._memo[k]
+                    self._memo_bytes -= 6 * len(r[0])
+        return out

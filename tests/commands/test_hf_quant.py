@@ -315,3 +315,14 @@ def test_inspect_shows_logical_shapes(mx_hub, fp8_hub):
     fp8 = {t["key"]: t for t in build_report(open_checkpoint(fp8_hub[0]))["tensors"]}
     assert fp8["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]["quant"]["logical_shape"] == [80, 192]
     assert "quant" not in fp8["model.norm.weight"]
+
+
+def test_scale_tasks_come_after_their_weights():
+    from converter.plan.hf_quant import plan_quantize, scales_after_weights
+    from formats.hf import TensorSpec
+
+    specs = [TensorSpec(f"l{i}.weight", "bfloat16", (256, 256)) for i in range(5)]
+    q = plan_quantize(specs, (128, 128), only={s.name for s in specs})
+    order = [s.name for s in scales_after_weights(q.specs, q.targets, 2)]
+    assert order == ["l0.weight", "l1.weight", "l2.weight", "l0.weight_scale_inv", "l3.weight", "l1.weight_scale_inv",
+                     "l4.weight", "l2.weight_scale_inv", "l3.weight_scale_inv", "l4.weight_scale_inv"]

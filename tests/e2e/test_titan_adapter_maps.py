@@ -146,3 +146,27 @@ def test_an_adapter_computing_on_values_is_refused():
         run_adapter(Scaling(), "to_hf", {"w": ((4, 6), "float32")})
     docs, unused = run_adapter(Rearranging(), "to_hf", {"w": ((4, 6), "float32"), "x": ((2,), "float32")})
     assert unused == ["x"] and docs["kq"]["shape"] == [6, 4] and docs["row"]["shape"] == [6]
+
+
+def test_fp8_hub_checkpoint_into_torchtitan_deepseek(tmp_path):
+    """A DeepSeek-V3 FP8 hub checkpoint (torchtitan's debug shapes, 128 x 128 blocks, edge blocks
+    partial) imported with --dequantize fp32 --map torchtitan:deepseek_v3 equals torchtitan's own
+    path: torch's QuantizedHuggingFaceStorageReader (dcp.load, float32) then the adapter's from_hf."""
+    from hub_quant import write_fp8_hub
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    spec = model_spec("deepseek_v3/debugmodel")
+    hf_shapes = {k: tuple(v.shape) for k, v in
+                 spec.state_dict_adapter(spec.model, None).to_hf(model_state("deepseek_v3/debugmodel")).items()}
+    tensors = write_fp8_hub(tmp_path / "hub", shapes=hf_shapes)
+    assert any(v.dtype == torch.float8_e4m3fn for v in tensors.values())
+    sd = {k: torch.empty(v.shape, dtype=torch.float32 if v.dtype == torch.float8_e4m3fn else v.dtype)
+          for k, v in tensors.items() if not k.endswith("_scale_inv")}
+    dcp.load(sd, storage_reader=QuantizedHuggingFaceStorageReader(str(tmp_path / "hub"), target_dtype=torch.float32))
+    want = spec.state_dict_adapter(spec.model, None).from_hf(sd)
+    api.import_hf(tmp_path / "hub", tmp_path / "uni", key_map="torchtitan:deepseek_v3", dequantize="fp32", options=OPTS)
+    api.export_hf(tmp_path / "uni", tmp_path / "native", options=OPTS)
+    got = read_hf(tmp_path / "native")
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert bits_equal(got[k], v.contiguous()), k
