@@ -26,6 +26,7 @@ the hub-shaped files of torch's ``consolidate_safetensors_files``); the bytes ar
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -37,8 +38,9 @@ from formats.base import Box, CheckpointIndex, ChunkRef, Shape, TensorEntry
 from formats.dcp.reader import check_cover, guess_path
 from formats.errors import ConfigError, CorruptCheckpointError, InvalidCheckpointError, PlanError, UnsupportedError
 from formats.fsutil import loads_json, short, source_path
-from formats.hf import (MAX_HEADER_BYTES, FilePlan, HFReader, StEntry, StHeader, TensorSpec, build_header, read_header,
-                        split_shards, writer_order)
+from formats.hf import (MAX_HEADER_BYTES, FilePlan, HFReader, SafetensorsFilesWriter, StEntry, StHeader, TensorSpec,
+                        build_header, read_header, split_shards, writer_order)
+from formats.manifest import Manifest
 
 #: ``__metadata__`` keys torch's HF storage writes (``torch.distributed.checkpoint._hf_utils``).
 SHARDING_KEY = "DCP_SHARDING_INFO"
@@ -465,3 +467,35 @@ def consolidated_order(chunks: Iterable[Any]) -> list[str]:
         if was is None or c.rank < was[0]:
             first[c.key] = (c.rank, was[1] if was is not None else i)
     return sorted(first, key=first.__getitem__)
+
+
+#: How the hub-shaped copy of a tensor is named in a manifest beside its per-rank chunks.
+CONSOLIDATED = " (consolidated)"
+
+
+def shards_manifest(writer: SafetensorsFilesWriter, where: str = "") -> Manifest:
+    """What the per-rank files ``writer`` is about to publish hold, read from their headers (as
+    ``HuggingFaceStorageReader`` reads them): each tensor once, of its chunks' dtype and its global
+    shape (the largest ``saved_offsets + shape`` per dim); each chunk's byte range (files named
+    ``where`` + name); any tensor whose chunks differ in dtype or do not add up to its shape, and
+    any chunk not all written."""
+    m = Manifest()
+    seen: dict[str, list] = {}  # key -> [dtype, ends per dim, elements]
+    for file, (meta, entries) in writer.headers().items():
+        sharding = json.loads((meta or {}).get(SHARDING_KEY, "{}"))
+        for name, (dtype, shape, begin, end) in entries.items():
+            m.extent(name, where + file, begin, end)
+            offsets = sharding.get(name, {}).get(OFFSETS_KEY, [0] * len(shape))
+            ends = [o + n for o, n in zip(offsets, shape)]
+            got = seen.setdefault(name, [dtype, ends, 0])
+            if got[0] != dtype:
+                m.problem(f"tensor {name!r}: chunks of {got[0]} and of {dtype} ({file})")
+            got[1] = [max(a, b) for a, b in zip(got[1], ends)]
+            got[2] += math.prod(shape)
+    for name, (dtype, ends, numel) in seen.items():
+        m.tensor(name, dtype, tuple(ends))
+        if numel != math.prod(ends):
+            m.problem(f"tensor {name!r}: its chunks hold {numel} of the {math.prod(ends)} elements of {ends}")
+    writer.unwritten(m)
+    return m
+

@@ -506,6 +506,7 @@ class AtomWriter:
 
     def __init__(self, path: Path, dtype: str, shape: Sequence[int], wrapped: bool = True) -> None:
         self.path = Path(path)
+        self.dtype, self.shape = by_name(dtype).name, tuple(int(n) for n in shape)  # what the archive records
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -60,6 +60,11 @@ class StorageError(CkptConvError, OSError):
     """Reading or writing failed at the OS level (full disk, file size limit, I/O error)."""
 
 
+class InternalError(CkptConvError, RuntimeError):
+    """A check of ckptconv's own work failed (an output that is not its plan): a bug, never the
+    input's fault; nothing was published. Its message starts with ``internal error:``."""
+
+
 def clip(text: str, limit: int = 200) -> str:
     """``text`` on one line, at most ``limit`` characters: cut at the last word boundary before the
     limit with ``...`` appended, never in the middle of a word (only a first word longer than the

@@ -34,6 +34,7 @@ import numpy as np
 
 from formats.base import Box, CheckpointIndex, ChunkRef, Shape, TensorEntry, copy_bits_into, full_box
 from formats.dtypes import by_name, by_safetensors, from_storage_array, is_torch_tensor, raw_bytes
+from formats.manifest import Manifest
 from formats.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -648,6 +649,60 @@ class SafetensorsFilesWriter:
         """Count tensor ``name`` of ``file`` as written by an interrupted run (resume)."""
         with self._lock:
             self._written[(file, name)] = self._where[(file, name)][2]
+
+    def headers(self) -> dict[str, tuple[dict[str, str] | None, dict[str, tuple[str, Shape, int, int]]]]:
+        """What each file's header (written by :meth:`start`) records: file -> (``__metadata__``,
+        name -> (torch dtype name, shape, first byte, end byte)), byte offsets in the file."""
+        out = {}
+        for plan in self.plans:
+            n = struct.unpack("<Q", plan.header[:8])[0]
+            doc = json.loads(plan.header[8:8 + n])
+            meta = doc.pop("__metadata__", None)
+            out[plan.name] = (meta, {name: (by_safetensors(e["dtype"]).name, tuple(e["shape"]),
+                                            8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1])
+                                     for name, e in doc.items()})
+        return out
+
+    def manifest(self, suffix: str = "", where: str = "") -> Manifest:
+        """What :meth:`commit` is about to publish, read from its files' headers and the index it
+        writes, for files of whole tensors (HF, hub-shaped): each tensor a loader finds (through
+        the index, where there is one) with its dtype and shape (its key + ``suffix``), each
+        tensor's byte range (files named ``where`` + name), and any tensor the index and the headers
+        disagree on, any file its tensors do not cover, any tensor not all written."""
+        m = Manifest()
+        headers = self.headers()
+        for plan in self.plans:
+            entries = headers[plan.name][1]
+            for name, (_, _, begin, end) in entries.items():
+                m.extent(name + suffix, where + plan.name, begin, end)
+            data_start = struct.unpack("<Q", plan.header[:8])[0] + 8
+            stored = sum(end - begin for _, _, begin, end in entries.values())
+            if data_start + stored != plan.size:  # safetensors: the data is covered, no gaps
+                m.problem(f"{plan.name}: its tensors hold {stored} bytes of the {plan.size - data_start} "
+                          "after the header")
+        if self.index is not None:
+            weight_map = json.loads(self.index[1])["weight_map"]
+        else:
+            weight_map = {name: file for file, (_, entries) in headers.items() for name in entries}
+        for name, file in weight_map.items():
+            e = headers.get(file, (None, {}))[1].get(name)
+            if e is None:
+                m.problem(f"tensor {name!r}: the index names {file}, whose header does not hold it")
+                continue
+            m.tensor(name + suffix, e[0], e[1])
+        unlisted = next((n for f, (_, entries) in headers.items() for n in entries if weight_map.get(n) != f), None)
+        if unlisted is not None:
+            m.problem(f"tensor {unlisted!r} is in a file's header but the index does not lead to it")
+        self.unwritten(m)
+        return m
+
+    def unwritten(self, m: Manifest) -> None:
+        """Add to ``m`` the first tensor whose bytes are not all written (or adopted)."""
+        short_written = next((k for k, w in self._written.items() if w != self._where[k][2]), None)
+        if short_written is not None:
+            file, name = short_written
+            m.problem(f"tensor {name!r} of {file}: {self._written[short_written]} of its "
+                      f"{self._where[short_written][2]} bytes written")
 
     def commit(self) -> list[str]:
         """fsync, rename every file into place, then publish the index (if any)."""

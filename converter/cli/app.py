@@ -1,7 +1,8 @@
 """The ``ckptconv`` command line (click). Every command calls the Python API in ``converter.api``.
 
 Errors: a :class:`formats.errors.CkptConvError` prints one line ``ckptconv: error: ...`` and exits
-with status 2; anything else is an internal error (status 3). ``--debug`` shows tracebacks.
+with status 2; an :class:`~formats.errors.InternalError` (ckptconv's check of its own output
+failed) and anything else are internal errors (status 3). ``--debug`` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from converter.cli import tools as tool_commands
 from converter.cli import ds as ds_commands
 from converter.cli.common import (EXIT_ERROR, EXIT_INTERNAL, SIZE, echo_doc, make_options, make_selection,
                                  report_result, run_options, selection_options)
-from formats.errors import CkptConvError
+from formats.errors import CkptConvError, InternalError
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptconv")
@@ -354,6 +355,11 @@ def _run(argv: list[str] | None) -> object:
         else:
             click.echo(f"ckptconv: error: {usage_error_text(e)}", err=True)
         sys.exit(EXIT_ERROR)
+    except InternalError as e:  # a check of ckptconv's own work failed: a bug (status 3)
+        if debug:
+            raise
+        click.echo(f"ckptconv: {e}", err=True)
+        sys.exit(EXIT_INTERNAL)
     except CkptConvError as e:
         if debug:
             raise

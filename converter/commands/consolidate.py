@@ -20,9 +20,11 @@ from converter.config import RunOptions, parse_size
 from converter.plan.copy_tasks import describe, total_target_nbytes
 from converter.plan.dcp_safetensors import consolidation_tasks, load_fqn_index, plan_hub, tensors_only_warning
 from converter.run.destination import option_value
-from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
+from converter.run.pipeline import (Conversion, ConversionResult, Output, PlannedOutput, conversion_command,
+                                     run_conversion)
 from converter.run.sinks import dcp_safetensors_output
 from converter.run.sources import open_checkpoint
+from formats.dcp_safetensors import CONSOLIDATED
 from formats.errors import ConfigError
 from formats.hf import SafetensorsFilesWriter
 
@@ -64,7 +66,9 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_siz
 
         header = {"--max-shard-size": max_bytes, "--fqn-index": option_value(fqn_index)}
         planned = ConversionResult(str(dst), len(index.tensors), 0, nbytes, 0.0, warnings=warnings)
+        expected = PlannedOutput.of((k + CONSOLIDATED, e.dtype, e.shape) for k, e in index.tensors.items())
         return run_conversion(Conversion("consolidate", src, dst, index, reader, tasks, header, open_output, planned,
-                                         describe=lambda: (text(), None), dry_run_warnings=warnings), options)
+                                         describe=lambda: (text(), None), dry_run_warnings=warnings,
+                                         expected=expected), options)
     finally:
         reader.close()

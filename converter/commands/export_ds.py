@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from converter.plan.atoms import AtomRef, group_atoms
 from converter.config import RunOptions
 from converter.run.destination import guarded
 from converter.run.executor import os_errors_as_storage_errors
-from converter.run.pipeline import Conversion, ConversionResult, Output, run_conversion
+from converter.run.pipeline import Conversion, ConversionResult, Output, PlannedOutput, run_conversion
 from converter.plan.copy_tasks import Piece, WriteTask, describe, plan_tensor
 from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, full_box
@@ -42,6 +43,7 @@ from formats.deepspeed import (LATEST_UNIVERSAL, MASTER, MODEL_STATES_FILES, OPT
 from formats.dtypes import by_name, from_storage_array, to_storage_array
 from formats.errors import ConfigError, InvalidCheckpointError
 from formats.fsutil import atomic_write_bytes
+from formats.manifest import Manifest
 
 #: Optimizer roots of DCP's key styles (``get_state_dict``'s ``optim``, torchtitan's ``optimizer``).
 _OPTIM_ROOTS = ("optim", "optimizer")
@@ -170,27 +172,51 @@ def _check_tag(tag: str) -> None:
 
 
 class _AtomSink:
-    """Execute sink: each task streams into its atom file (temp name, renamed when complete)."""
+    """Execute sink: each task streams into its atom file (temp name, renamed when complete);
+    ``done`` records each finished file's dtype and shape (as its archive was written, or as the
+    journal of an interrupted run says)."""
 
     def __init__(self, out: Path, files: Mapping[str, AtomFile]) -> None:
         self.out, self.files = out, files
+        self.done: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._lock = threading.Lock()
 
     def open(self, task: WriteTask) -> _AtomSink._One:
         f = self.files[task.target]
-        return _AtomSink._One(AtomWriter(self.out / f.rel, task.dtype, task.box.sizes, wrapped=f.wrapped))
+        return _AtomSink._One(self, f.rel, AtomWriter(self.out / f.rel, task.dtype, task.box.sizes, wrapped=f.wrapped))
+
+    def adopt(self, task: WriteTask) -> None:
+        with self._lock:
+            self.done[task.target] = (task.dtype, tuple(task.box.sizes))
 
     def sync(self) -> None:
         pass  # each file is fsynced before its rename
 
+    def manifest(self, shapes: Mapping[str, tuple[int, ...]], tag: str) -> Manifest:
+        """The atom files about to be published, and the model-states shapes the commit writes:
+        each parameter's shape there must be its ``fp32`` file's."""
+        m = Manifest()
+        for rel, (dtype, shape) in self.done.items():
+            m.tensor(rel, dtype, shape)
+            m.whole(rel, str((self.out / rel).resolve()))
+        for fqn, shape in shapes.items():
+            rel = f"{tag}/{atom_path(fqn, MASTER)}"
+            if rel in self.done and tuple(self.done[rel][1]) != tuple(shape):
+                m.problem(f"parameter {fqn!r}: the model states give it shape {list(shape)}, its {MASTER}.pt holds "
+                          f"{list(self.done[rel][1])}")
+        return m
+
     class _One:
-        def __init__(self, writer: AtomWriter) -> None:
-            self.writer = writer
+        def __init__(self, owner: _AtomSink, rel: str, writer: AtomWriter) -> None:
+            self.owner, self.rel, self.writer = owner, rel, writer
 
         def write(self, piece: Piece, data: np.ndarray) -> None:
             self.writer.write(np.ascontiguousarray(data))
 
         def close(self) -> None:
             self.writer.close()
+            with self.owner._lock:
+                self.owner.done[self.rel] = (self.writer.dtype, self.writer.shape)
 
 
 def _read_whole(reader: Any, index: CheckpointIndex, key: str) -> Any:
@@ -248,12 +274,15 @@ def _plan(reader: Any, src: str | os.PathLike, dst: str | os.PathLike, tag: str 
                 atomic_write_bytes(folder / name, states)
             atomic_write_bytes(out / LATEST_UNIVERSAL, plan.tag.encode())  # the completion marker
 
-        return Output(sink=_AtomSink(out, by_rel), commit=commit, bytes_written=lambda stats: total)
+        sink = _AtomSink(out, by_rel)
+        return Output(sink=sink, commit=commit, manifest=lambda: sink.manifest(plan.shapes, plan.tag),
+                      adopt=lambda task, info: sink.adopt(task), bytes_written=lambda stats: total)
 
     total = sum(t.nbytes for t in tasks)
     planned = ConversionResult(str(dst), len(plan.files), 0, total, 0.0, warnings=plan.warnings)
+    expected = PlannedOutput.of((f.rel, index.tensors[f.key].dtype, index.tensors[f.key].shape) for f in plan.files)
     return Conversion("export-ds", src, dst, index, reader, tasks, header_options, open_output, planned,
-                      describe=lambda: (describe(tasks), None), dry_run_warnings=plan.warnings)
+                      describe=lambda: (describe(tasks), None), dry_run_warnings=plan.warnings, expected=expected)
 
 
 def _first_step(reader: Any, index: CheckpointIndex, atoms: Mapping[str, Mapping[str, str]]) -> float | None:

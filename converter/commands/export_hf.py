@@ -27,7 +27,8 @@ from converter.run.journal import index_fingerprint
 from converter.run.mapped_reader import MappedReader
 from converter.run.quant_reader import QuantizingReader, QuantTarget
 from converter.run.steps import find_steps, is_pattern, run_steps, steps_failure
-from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
+from converter.run.pipeline import (Conversion, ConversionResult, Output, PlannedOutput,
+                                     conversion_command, run_conversion)
 from converter.run.sinks import hf_output
 from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader, full_box
@@ -134,7 +135,8 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         planned = ConversionResult(str(dst), len(specs), 0, total, 0.0, warnings=warnings)
         return run_conversion(Conversion(
             "export-hf", src, dst, index, view, tasks, header, open_output, planned,
-            describe=lambda: (shard_summary(file_plans) + "\n" + describe(tasks), None)), options)
+            describe=lambda: (shard_summary(file_plans) + "\n" + describe(tasks), None),
+            expected=PlannedOutput.of((s.name, s.dtype, s.shape) for s in specs)), options)
     finally:
         reader.close()
 

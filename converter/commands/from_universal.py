@@ -31,9 +31,10 @@ from converter.plan.placement_rules import HeadCounts
 from converter.plan.selection import Selection, select_entries
 from converter.plan.dcp_safetensors import (FORMATS, StorageLayout, consolidation_tasks, load_fqn_index, plan_storage,
                                              tensors_only_warning)
-from converter.plan.target_layout import TargetLayout, atom_refs, chunks_of, layout_tasks, target_layout
+from converter.plan.target_layout import TargetLayout, atom_refs, chunks_of, layout_tasks, target_dtype, target_layout
 from converter.run.destination import FROM_UNIVERSAL_LEGACY, FROM_UNIVERSAL_ST, option_value, write_complete_marker
-from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
+from converter.run.pipeline import (Conversion, ConversionResult, Output, PlannedOutput,
+                                     conversion_command, run_conversion)
 from converter.run.sinks import dcp_output, dcp_safetensors_output
 from converter.run.optim_view import fully_reshardable
 from converter.run.sources import framework_files, open_checkpoint
@@ -41,7 +42,7 @@ from formats.base import CheckpointIndex, CheckpointReader
 from formats.dcp.framework_files import write_framework_files
 from formats.dcp.metadata import gc_paused
 from formats.dcp.writer import DCPWriter, ObjectSpec
-from formats.dcp_safetensors import FORMAT as ST_FORMAT
+from formats.dcp_safetensors import CONSOLIDATED, FORMAT as ST_FORMAT
 from formats.errors import ConfigError
 from formats.hf import SafetensorsFilesWriter
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_dtype
@@ -181,14 +182,16 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                       "--keys": None if selection is None or selection.everything else selection.to_json(),
                       "--drop-dataloader-state": bool(drop_dataloader), "--config": option_value(config),
                       **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {})}
+            expected = PlannedOutput.of(((k, target_dtype(e, refs.get(k), dtype), e.shape)
+                                         for k, e in index.tensors.items()), (k for k, *_ in object_specs))
             if format == ST_FORMAT:
                 header.update({"--format": format, "--consolidate": consolidate, "--max-shard-size": max_shard_bytes,
                                "--fqn-index": option_value(fqn_index)})
                 conversion = _st_conversion(src, dst, index, reader, layout, tasks, header, plan, preview_chunks,
-                                            consolidate, max_shard_bytes, options, mapping)
+                                            consolidate, max_shard_bytes, options, mapping, expected)
             else:
                 conversion = _conversion(src, dst, index, reader, layout, tasks, object_specs, header, plan,
-                                         preview_chunks, framework)
+                                         preview_chunks, framework, expected)
         return run_conversion(conversion, options)
     finally:
         reader.close()
@@ -216,7 +219,7 @@ def _check_format(format: str, consolidate: bool, max_shard_size: int | str | No
 def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: CheckpointIndex, reader: CheckpointReader,
                 layout: TargetLayout, tasks: list[WriteTask], object_specs: list, header: dict[str, Any],
                 plan_name: str, preview_chunks: int | None = None, framework: Mapping[str, bytes] | None = None,
-                ) -> Conversion:
+                expected: PlannedOutput | None = None) -> Conversion:
     """The planned conversion: a DCP writer for the layout's chunks and the objects' specs (and the
     ``framework`` files copied beside them); its dry run is the target plan (``preview_chunks``
     chunks listed per key; None: all)."""
@@ -241,13 +244,15 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
     planned = ConversionResult(str(dst), len(index.tensors), len(object_specs), total_target_nbytes(tasks),
                                0.0, warnings=layout.warnings, mesh=str(mesh), world_size=mesh.world_size,
                                plan_choice=choice)
-    return Conversion("from-universal", src, dst, index, reader, tasks, header, open_output, planned, describe)
+    return Conversion("from-universal", src, dst, index, reader, tasks, header, open_output, planned, describe,
+                      expected=expected)
 
 
 def _st_conversion(src: str | os.PathLike, dst: str | os.PathLike, index: CheckpointIndex, reader: CheckpointReader,
                    layout: TargetLayout, tasks: list[WriteTask], header: dict[str, Any], plan_name: str,
                    preview_chunks: int | None, consolidate: bool, max_shard_bytes: int | None,
-                   options: RunOptions, fqn_index: Mapping[str, int] | None = None) -> Conversion:
+                   options: RunOptions, fqn_index: Mapping[str, int] | None = None,
+                   expected: PlannedOutput | None = None) -> Conversion:
     """The planned conversion to DCP's per-rank safetensors storage (and, ``consolidate``, its
     hub-shaped files): the same target chunks, in the files :func:`plan_storage` lays out."""
     storage = plan_storage(layout.chunks, consolidate, max_shard_bytes, fqn_index)  # the layout's boxes are distinct
@@ -275,8 +280,11 @@ def _st_conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkp
 
     planned = ConversionResult(str(dst), len(index.tensors), 0, total_target_nbytes(tasks) + total_target_nbytes(whole),
                                0.0, warnings=layout.warnings, mesh=str(mesh), world_size=mesh.world_size)
+    if expected is not None and storage.consolidated is not None:  # the hub-shaped copy of every tensor too
+        expected = PlannedOutput.of([*((k, *v) for k, v in expected.tensors.items()),
+                                     *((k + CONSOLIDATED, *v) for k, v in expected.tensors.items())])
     return Conversion(FROM_UNIVERSAL_ST, src, dst, index, reader, [*tasks, *whole], header, open_output, planned,
-                      describe)
+                      describe, expected=expected)
 
 
 def _consolidated_text(storage: StorageLayout) -> str:
@@ -453,7 +461,7 @@ def _legacy_conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Ch
                        layout: Any, warnings: tuple[str, ...]) -> Conversion:
     from converter.run.sinks import legacy_output
     from converter.units import human_bytes
-    from formats.megatron.legacy_writer import LegacyWriter
+    from formats.megatron.legacy_writer import LegacyWriter, storage_key
 
     def describe() -> tuple[str, dict]:
         lines = [f"# megatron-legacy target: tp{layout.tp} pp{layout.pp} vpp{layout.vpp} ep{layout.ep} dp{layout.dp}, "
@@ -470,4 +478,8 @@ def _legacy_conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Ch
 
     planned = ConversionResult(str(dst), len(index.tensors), 0, total_target_nbytes(tasks), 0.0, warnings=warnings,
                                mesh=f"tp{layout.tp},pp{layout.pp},dp{layout.dp}", world_size=layout.tp * layout.pp * layout.dp)
-    return Conversion(FROM_UNIVERSAL_LEGACY, src, dst, index, reader, tasks, header, open_output, planned, describe)
+    # every storage a task fills: each file's tensors as the plan pickled them (their sizes)
+    expected = PlannedOutput.of((storage_key(rel, i), "uint8", (s,)) for rel, _, storages in files
+                                for i, s in enumerate(storages) if not isinstance(s, (bytes, bytearray)))
+    return Conversion(FROM_UNIVERSAL_LEGACY, src, dst, index, reader, tasks, header, open_output, planned, describe,
+                      expected=expected)

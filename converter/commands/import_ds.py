@@ -15,7 +15,8 @@ from pathlib import Path
 from converter.config import RunOptions
 from converter.plan.atoms import group_atoms
 from converter.plan.copy_tasks import describe, plan_universal, store_tasks, universal_chunk_bytes
-from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
+from converter.run.pipeline import (Conversion, ConversionResult, Output, PlannedOutput,
+                                     conversion_command, run_conversion)
 from converter.run.sinks import universal_output
 from formats.deepspeed import DeepSpeedReader
 from formats.objects import object_label, preview_value
@@ -71,4 +72,5 @@ def _plan(reader: DeepSpeedReader, dst: str | os.PathLike, options: RunOptions, 
     header = {"--chunk-size": chunk_bytes, **({"--backend": backend} if backend != DEFAULT_BACKEND else {})}
     planned = ConversionResult(str(dst), len(index.tensors), len(index.objects), sum(t.nbytes for t in tasks), 0.0)
     return Conversion("import-ds", src, dst, index, reader, tasks, header, open_output, planned,
-                      describe=lambda: (describe(tasks), None), check=check)
+                      describe=lambda: (describe(tasks), None), check=check,
+                      expected=PlannedOutput.of_entries(index.tensors, index.objects))

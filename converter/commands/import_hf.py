@@ -22,7 +22,7 @@ from converter.plan.key_maps import KeyMap, get_key_map
 from converter.run.destination import option_value
 from converter.run.mapped_reader import MappedReader
 from converter.run.quant_reader import DequantizedReader
-from converter.run.pipeline import Conversion, ConversionResult, conversion_command, run_conversion
+from converter.run.pipeline import Conversion, ConversionResult, PlannedOutput, conversion_command, run_conversion
 from converter.run.sinks import universal_output
 from converter.run.sources import detect_format, open_checkpoint
 from formats.dtypes import cast_dtype
@@ -113,6 +113,6 @@ def import_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
         return run_conversion(Conversion(
             "import-hf", src, dst, index, view, tasks, header,
             lambda out: universal_output(out, vindex.tensors, refs, store, source, atoms), planned,
-            describe=lambda: (describe(tasks), None)), options)
+            describe=lambda: (describe(tasks), None), expected=PlannedOutput.of_entries(vindex.tensors)), options)
     finally:
         reader.close()

@@ -11,7 +11,8 @@ from converter.plan.atoms import group_atoms
 from converter.plan.copy_tasks import describe, plan_universal, store_tasks, universal_chunk_bytes
 from converter.plan.selection import Selection, select_entries
 from converter.plan.source_layout import LayoutReport, SourceHint, detect_layout, source_hints
-from converter.run.pipeline import Conversion, ConversionResult, Output, conversion_command, run_conversion
+from converter.run.pipeline import (Conversion, ConversionResult, Output, PlannedOutput,
+                                     conversion_command, run_conversion)
 from converter.run.sinks import universal_output
 from converter.run.optim_view import fully_reshardable
 from converter.run.sources import framework_files, open_checkpoint
@@ -112,4 +113,5 @@ def _plan(reader: CheckpointReader, src: str | os.PathLike, dst: str | os.PathLi
               **({"--backend": backend} if backend != DEFAULT_BACKEND else {})}
     planned = ConversionResult(str(dst), len(index.tensors), len(index.objects), sum(t.nbytes for t in tasks), 0.0)
     return Conversion("to-universal", src, dst, index, reader, tasks, header, open_output, planned,
-                      describe=lambda: (describe(tasks), None), check=check)
+                      describe=lambda: (describe(tasks), None), check=check,
+                      expected=PlannedOutput.of_entries(index.tensors, index.objects))

@@ -86,7 +86,7 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
         if keep is not None and key not in keep:
             continue
         placement = by_key[key] = _placement_for(entry, refs.get(key), params, placements, mesh)
-        dtype = by_name(_target_dtype(entry, refs.get(key), dtype_override)).name
+        dtype = by_name(target_dtype(entry, refs.get(key), dtype_override)).name
         itemsize, shape = by_name(dtype).itemsize, tuple(int(n) for n in entry.shape)
         groups = owners.groups(placement, shape, mesh)
         if dedup == "torch":
@@ -127,7 +127,9 @@ def _placement_for(entry: TensorEntry, ref: AtomRef | None, params: Mapping[str,
     return p
 
 
-def _target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None) -> str:
+def target_dtype(entry: TensorEntry, ref: AtomRef | None, override: str | None) -> str:
+    """The dtype a tensor is written in: ``override`` (``--dtype``) for a floating-point parameter,
+    else its own."""
     if override and ref is not None and ref.role == "param" and entry.dtype in CASTABLE_FLOATS:
         return override
     return entry.dtype

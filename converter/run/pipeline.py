@@ -15,9 +15,11 @@ The pipeline then does, identically for every conversion::
     adopt the tasks the journal says are done (--resume)       Output.adopt
     write the non-tensor entries (rank 0)                      Output.write_objects
     execute this rank's share of the tasks (journaled)         run.distributed / run.executor
-    publish (rank 0, after every rank succeeded): adopt every rank's tasks, record the
-        conversion (.written-by-ckptconv.json), commit the output (its completion marker last),
-        drop the journals                                      Output.commit
+    publish (rank 0, after every rank succeeded): adopt every rank's tasks, check what the
+        writer is about to commit against the plan             Output.manifest, run.output_check
+        (every planned tensor once, planned dtype and shape, no shared bytes: else an internal
+        error, nothing published), record the conversion (.written-by-ckptconv.json), commit the
+        output (its completion marker last), drop the journals Output.commit
     the result
 
 Under torchrun every rank plans identically and runs the same pipeline (:mod:`converter.run.distributed`);
@@ -47,8 +49,11 @@ from converter.run.destination import (
 )
 from converter.run.executor import ExecStats, TaskSink, os_errors_as_storage_errors
 from converter.run.journal import task_id
+from converter.run.output_check import PlannedOutput, check_output
 from converter.run.remote import remote_destination
 from formats.base import CheckpointIndex
+from formats.errors import InternalError
+from formats.manifest import Manifest
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -85,15 +90,18 @@ class Output:
     files: rank 0 first, then the other ranks with ``resume=True``; ``adopt(task, info)`` counts a
     task as written (one a journal or another rank finished; ``info`` is what its writer's
     ``close`` returned when ``needs_info``, else None); ``write_objects`` writes the non-tensor
-    entries (rank 0); ``commit`` publishes the output, its completion marker last (rank 0);
-    ``close`` releases the writer (after a failure, and on the other ranks after the commit);
-    ``bytes_written(stats)`` is the result's byte count (every rank calls it; default: the bytes
-    the executor wrote); ``record_files`` are the top-level files it writes beyond its format's
-    own (named in the output record, so ``--overwrite`` may remove them).
+    entries (rank 0); ``manifest()`` is what the writer is about to commit, from the metadata it
+    will write (rank 0, after every task is adopted; the pipeline checks it against the plan);
+    ``commit`` publishes the output, its completion marker last (rank 0); ``close`` releases the
+    writer (after a failure, and on the other ranks after the commit); ``bytes_written(stats)`` is
+    the result's byte count (every rank calls it; default: the bytes the executor wrote);
+    ``record_files`` are the top-level files it writes beyond its format's own (named in the output
+    record, so ``--overwrite`` may remove them).
     """
 
     sink: TaskSink
     commit: Callable[[], None]
+    manifest: Callable[[], Manifest]
     prepare: Callable[[bool], None] = lambda resume: None
     adopt: Callable[[WriteTask, Any], None] = lambda task, info: None
     write_objects: Callable[[], None] | None = None
@@ -116,7 +124,9 @@ class Conversion:
     pipeline fills in where, how many bytes and how long); ``describe()`` is the dry run's text
     and, optionally, its JSON document (pure: it runs instead of everything else); ``check`` runs
     before the destination is touched (reading and checking what must be sound first);
-    ``dry_run_warnings`` are printed beside the dry run's text (for warnings the text does not show).
+    ``dry_run_warnings`` are printed beside the dry run's text (for warnings the text does not show);
+    ``expected`` is what the output must hold (every tensor key with its dtype and shape, the
+    non-tensor entries), from the plan: the output is checked against it before it is published.
     """
 
     op: str
@@ -131,6 +141,7 @@ class Conversion:
     describe: Callable[[], tuple[str, dict | None]]
     check: Callable[[], None] | None = None
     dry_run_warnings: tuple[str, ...] = ()
+    expected: PlannedOutput | None = None
 
 
 def dry_run_result(conv: Conversion) -> ConversionResult:
@@ -159,6 +170,8 @@ def run_conversion(conv: Conversion, options: Any) -> ConversionResult:
     destination, journal, resume, execute (this rank's share), publish; its result."""
     if options.dry_run:
         return dry_run_result(conv)
+    if conv.expected is None:
+        raise InternalError(f"internal error: {conv.op}: the conversion plans no output to check its output against")
     dist = distributed.current()
     header = conversion_header(conv.op, conv.src, conv.index, conv.header_options)
     if conv.check is not None:
@@ -187,6 +200,7 @@ def run_conversion(conv: Conversion, options: Any) -> ConversionResult:
             if dist.active:  # every rank wrote its share: count the others' as written
                 for task in conv.tasks:
                     output.adopt(task, info[task_id(task)] if gather else None)
+            check_output(conv.op, conv.expected, output.manifest())  # before the marker: else nothing published
             write_output_record(out, header, output.record_files)  # before the marker: a complete output names its conversion
             output.commit()
             _fault("committed")

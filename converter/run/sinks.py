@@ -24,7 +24,9 @@ from converter.plan.source_layout import SourceHint
 from converter.run.pipeline import Output
 from converter.run.remote import spool_hook
 from formats.base import TensorEntry
+from formats.dcp_safetensors import CONSOLIDATED, shards_manifest
 from formats.dtypes import by_name, cast_bits, raw_bytes
+from formats.manifest import Manifest
 from formats.universal import StorePlan, UniversalWriter
 from formats.universal_meta import SourceInfo
 
@@ -222,7 +224,8 @@ def universal_output(out: Path, tensors: Mapping[str, TensorEntry], refs: Mappin
         created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         writer.commit(source, __version__, dict(atoms), created)
 
-    return Output(sink=ChunkSink(writer), commit=commit, prepare=lambda resume: writer.prepare(),
+    return Output(sink=ChunkSink(writer), commit=commit, manifest=writer.manifest,
+                  prepare=lambda resume: writer.prepare(),
                   adopt=lambda task, info: writer.restore_chunk(task.key, task.target, info),
                   write_objects=None if write_objects is None else lambda: write_objects(writer), needs_info=True)
 
@@ -238,7 +241,8 @@ def dcp_output(writer: Any, extra_files: Callable[[], None] | None = None) -> Ou
         if extra_files is not None:
             extra_files()
 
-    return Output(sink=sink, commit=writer.commit, prepare=lambda resume: writer.prepare(resume=resume),
+    return Output(sink=sink, commit=writer.commit, manifest=writer.manifest,
+                  prepare=lambda resume: writer.prepare(resume=resume),
                   adopt=lambda task, info: writer.adopt_chunk(task.target), write_objects=write_objects,
                   close=writer.close, bytes_written=lambda stats: sum(distributed.current().gather(sink.written)))
 
@@ -262,7 +266,7 @@ def hf_output(writer: Any, dtypes: Mapping[str, str], planned_bytes: int,
             before_prepare()
         writer.start(resume=resume)
 
-    return Output(sink=HFSink(writer, dtypes), commit=commit, prepare=prepare,
+    return Output(sink=HFSink(writer, dtypes), commit=commit, manifest=writer.manifest, prepare=prepare,
                   adopt=lambda task, info: writer.adopt(task.key), close=writer.close,
                   bytes_written=lambda stats: planned_bytes, record_files=tuple(record_files))
 
@@ -295,7 +299,14 @@ def dcp_safetensors_output(shards: Any, layout: StorageLayout, consolidated: Any
         for w in writers:
             w.close()
 
-    return Output(sink=sink, commit=commit, prepare=prepare, adopt=adopt, close=close,
+    def manifest() -> Manifest:
+        m = shards_manifest(shards, f"{layout.shard_dir}/" if layout.shard_dir else "") if shards is not None \
+            else Manifest()
+        if consolidated is not None:
+            m.extend(consolidated.manifest(suffix=CONSOLIDATED))
+        return m
+
+    return Output(sink=sink, commit=commit, manifest=manifest, prepare=prepare, adopt=adopt, close=close,
                   bytes_written=lambda stats: planned_bytes)
 
 
@@ -313,5 +324,6 @@ def legacy_output(writer: Any, before_commit: Callable[[], None] | None = None) 
             before_commit()
         writer.commit()
 
-    return Output(sink=LegacySink(writer), commit=commit, prepare=lambda resume: writer.prepare(resume=resume),
-                  adopt=adopt, close=writer.close, needs_info=True)
+    return Output(sink=LegacySink(writer), commit=commit, manifest=writer.manifest,
+                  prepare=lambda resume: writer.prepare(resume=resume), adopt=adopt, close=writer.close,
+                  needs_info=True)

@@ -539,6 +539,11 @@ class TorchFileWriter:
         """Where storage ``storage``'s bytes start, relative to the file."""
         return self.records[4 + storage].data_offset
 
+    def filled_storages(self) -> list[tuple[int, int, int]]:
+        """``(storage, first byte, size)`` in the file of each storage the writes fill (the others
+        were given as bytes)."""
+        return [(s, self.records[4 + s].data_offset, self.records[4 + s].size) for s in sorted(self._ledgers)]
+
     def _write_fixed(self, storages: list[bytes | int]) -> None:
         parts: list[tuple[int, bytes]] = []
         for rec in self.records:

@@ -74,6 +74,7 @@ class _TensorProperties(Named):
     _pickle_as = (_MD, "TensorProperties")
 
     def __init__(self, dtype: str) -> None:
+        self.dtype = dtype  # its name (not pickled: the state below is)
         self.state = (dtype_global(dtype), _STRIDED, False, _CONTIGUOUS_FORMAT, False)
 
     def __reduce_ex__(self, protocol: int) -> tuple:
@@ -117,6 +118,11 @@ def tensor_storage_metadata(dtype: str, size: tuple[int, ...], chunks: list[tupl
 def bytes_storage_metadata() -> Any:
     """``BytesStorageMetadata()``."""
     return _obj(_BytesStorageMetadata)
+
+
+def is_bytes_entry(entry: Any) -> bool:
+    """True for a stand-in ``BytesStorageMetadata`` (a non-tensor entry)."""
+    return type(entry) is _BytesStorageMetadata
 
 
 def metadata(sd_md: dict, planner_data: dict, storage: dict, checkpoint_id: Any, save_id: str,

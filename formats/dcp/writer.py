@@ -25,7 +25,7 @@ import math
 import os
 import threading
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
 from dataclasses import dataclass
@@ -38,7 +38,8 @@ from formats.base import Box, first_overlap
 from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
 from formats.dtypes import by_name
 from formats.errors import ConfigError, DestinationError, IncompleteCheckpointError
-from formats.fsutil import DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, fsync_dir, run_parallel, safe_join
+from formats.fsutil import DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, fsync_dir, run_parallel, safe_join, short
+from formats.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
@@ -260,6 +261,7 @@ class DCPWriter:
         self._fds: dict[int, DirectWrites] = {}
         self._sinks: dict[tuple, TensorArchiveWriter] = {}
         self._objects_written = False
+        self._final: Any = None  # the Metadata manifest() described, which commit() then writes
         self._state = "new"  # new -> prepared -> committed | aborted
 
     # -- layout (pure) -------------------------------------------------------------------------
@@ -384,7 +386,10 @@ class DCPWriter:
             run_parallel(lambda f: f.sync(), [f for f in self._fds.values() if f.dirty])
             self._close_fds()
             fsync_dir(self.root)
-            atomic_write_bytes(self.root / METADATA_NAME, self.metadata_bytes())
+            final = self._final if self._final is not None else self._stand_in_metadata()
+            from formats.dcp import metadata_pickle as mp
+
+            atomic_write_bytes(self.root / METADATA_NAME, mp.dumps(final))  # what manifest() described
             self._state = "committed"
 
     def abort(self) -> None:
@@ -425,6 +430,12 @@ class DCPWriter:
         ``save_id`` defaults to a new uuid4, as in ``dcp.save``."""
         from formats.dcp import metadata_pickle as mp
 
+        return mp.dumps(self._stand_in_metadata(save_id))
+
+    def _stand_in_metadata(self, save_id: str | None = None) -> Any:
+        """The stand-in ``Metadata`` that :meth:`metadata_bytes` pickles."""
+        from formats.dcp import metadata_pickle as mp
+
         sd_md: dict = {k: mp.bytes_storage_metadata() for k in self._object_loc}
         index: dict[tuple, Any] = {}
         for key, specs in self._tensors.items():
@@ -441,9 +452,37 @@ class DCPWriter:
         storage = {mi: mp.storage_info(loc.relative_path, loc.offset, loc.length) for mi, loc in items}
         ordered = {k: sd_md[k] for k in self._planner_data}
         with_meta, with_version = mp.torch_fields()
-        md = mp.metadata(ordered, dict(self._planner_data), storage, self.root, save_id or str(uuid.uuid4()),
-                         DCP_VERSION if with_version else None, with_meta)
-        return mp.dumps(md)
+        return mp.metadata(ordered, dict(self._planner_data), storage, self.root, save_id or str(uuid.uuid4()),
+                           DCP_VERSION if with_version else None, with_meta)
+
+    def manifest(self) -> Manifest:
+        """What :meth:`commit` is about to publish, read from the very ``Metadata`` it pickles
+        (built here once and kept for the commit): each tensor's dtype, shape and chunk count,
+        where each chunk's and object's bytes lie in the rank files, and any chunk not written or
+        without storage."""
+        from formats.dcp import metadata_pickle as mp
+
+        if self._final is None:
+            self._final = self._stand_in_metadata()
+        m = Manifest()
+        state = self._final.__dict__
+        chunks: dict[str, int] = {}
+        for key, entry in state["state_dict_metadata"].items():
+            if mp.is_bytes_entry(entry):
+                m.objects.append(key)
+                continue
+            m.tensor(key, entry.properties.dtype, tuple(entry.size))
+            chunks[key] = len(entry.chunks)
+        for mi, info in state["storage_data"].items():
+            m.extent(mi.fqn, info.relative_path, info.offset, info.offset + info.length)
+        stored = Counter(m.owners)
+        odd = next((k for k, n in chunks.items() if stored[k] != n), None)
+        if odd is not None:
+            m.problem(f"tensor {short(repr(odd))} has {chunks[odd]} chunks and {stored[odd]} storage entries")
+        unwritten = [c for c in self._chunk_loc if c not in self._sinks or not self._sinks[c].closed]
+        if unwritten:
+            m.problem(f"tensor {short(repr(unwritten[0][0]))}: {len(unwritten)} chunk(s) not written")
+        return m
 
     def metadata(self) -> Any:
         """The ``Metadata`` that :meth:`metadata_bytes` stands for, built from torch's own classes

@@ -20,7 +20,13 @@ from typing import Any
 from formats.dcp.archive_writer import TorchFileWriter
 from formats.errors import DestinationError
 from formats.fsutil import atomic_write_bytes, safe_join
+from formats.manifest import Manifest
 from formats.megatron.folders import TRACKER
+
+
+def storage_key(rel: str, storage: int) -> str:
+    """How storage ``storage`` of file ``rel`` is named in a manifest (and in the plan's)."""
+    return f"{rel}:data/{storage}"
 
 
 class LegacyWriter:
@@ -71,6 +77,20 @@ class LegacyWriter:
     def sync(self) -> None:
         for fd in self._fds.values():
             os.fsync(fd)
+
+    def manifest(self) -> Manifest:
+        """What :meth:`commit` is about to publish: each file's storages that tasks fill (a
+        tensor's bytes; recorded as ``<file>:data/<i>``, ``uint8`` of its size) and where each lies
+        in its file (the archive's record layout, fixed by the pickle and the storage sizes)."""
+        m = Manifest()
+        if not self._writers:
+            self.prepare(resume=True)
+        for i, (rel, _, _) in enumerate(self._files):
+            for storage, begin, size in self._writers[i].filled_storages():
+                key = storage_key(rel, storage)
+                m.tensor(key, "uint8", (size,))
+                m.extent(key, os.path.normpath(rel), begin, begin + size)
+        return m
 
     def commit(self) -> None:
         """Finish every archive, sync, then write the tracker file (last)."""

@@ -40,6 +40,7 @@ from formats.errors import (
 from formats.fsutil import (DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, fsync_paths, loads_json,
                             pooled_buffer, read_error, short, source_path, start_writeback)
 from formats.integrity import ChunkChecks, StreamedHash, block_fill
+from formats.manifest import Manifest
 from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
 from formats.universal import safetensors_backend, zarr_backend
 from formats.universal.plan import (
@@ -230,6 +231,22 @@ class UniversalWriter:
         )
         if self._on_final is not None:  # spool mode: the object file is final
             self._on_final(file)
+
+    def manifest(self) -> Manifest:
+        """What :meth:`commit` is about to record (its ``ckptconv.json`` is these records): each
+        tensor's dtype and shape and its array (a folder of its own), each object's file, and any
+        tensor whose chunks are not all written."""
+        m = Manifest()
+        for key, r in self._tensors.items():
+            m.tensor(key, r.dtype, r.shape)
+            m.whole(key, r.array)
+            chunks = math.prod(math.ceil(s / c) if s else 0 for s, c in zip(r.shape, r.chunk_shape))
+            if len(r.checksums) != chunks:
+                m.problem(f"tensor {short(repr(key))} has {len(r.checksums)} of its {chunks} chunks written")
+        for key, o in self._objects.items():
+            m.objects.append(key)
+            m.whole(key, o.file)
+        return m
 
     def commit(self, source: SourceInfo, tool_version: str, atoms: dict[str, dict[str, str]], created: str) -> None:
         """fsync every written file, then publish ``ckptconv.json`` atomically (the marker)."""

@@ -43,6 +43,7 @@ def stores(dcp_checkpoint, tmp_path_factory) -> dict[str, Path]:
 
 
 A, B = "model.layers.0.attention_norm.weight", "model.layers.0.attention.wk.weight"
+FFN = "model.layers.0.ffn_norm.weight"  # A's shape
 
 
 def _shared(store: Path, dst: Path, how: str) -> Path:
@@ -126,3 +127,129 @@ def test_the_pristine_dcp_exports_norm_weight(dcp_checkpoint, tmp_path):
     assert code == 0, err
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         assert "norm.weight" in set(f.keys())
+
+
+# ---------------------------------------------------------------------------------------------
+# every conversion checks its output against its plan before publishing it
+
+
+def _fails_the_output_check(fn, needle: str, marker: Path) -> str:
+    from formats.errors import InternalError
+
+    with pytest.raises(InternalError) as e:
+        fn()
+    text = str(e.value)
+    assert text.startswith("internal error: ") and "not its plan" in text and needle in text, text
+    assert "\n" not in text and "nothing was published" in text
+    assert not marker.exists()
+    return text
+
+
+@pytest.fixture
+def dcp_writer_drops_norm(monkeypatch) -> None:
+    """Planted: the DCP writer builds ``.metadata`` without ``model.norm.weight`` (as a filter over
+    planner_data would)."""
+    from formats.dcp.writer import DCPWriter
+
+    real = DCPWriter._stand_in_metadata
+
+    def drops_norm(self, save_id=None):
+        md = real(self, save_id)
+        md.__dict__["state_dict_metadata"].pop(NORM)
+        return md
+
+    monkeypatch.setattr(DCPWriter, "_stand_in_metadata", drops_norm)
+
+
+def test_a_dcp_writer_that_drops_a_key_publishes_nothing(stores, tmp_path, dcp_writer_drops_norm):
+    dst = tmp_path / "dcp"
+    _fails_the_output_check(lambda: api.from_universal(stores["zarr"], dst, "dp2"), f"planned tensor {NORM!r}",
+                            dst / ".metadata")
+
+
+def test_a_dcp_writer_that_lays_two_chunks_over_one_another_publishes_nothing(stores, tmp_path, monkeypatch):
+    """Planted: one chunk's storage entry pointing at another key's bytes."""
+    from formats.dcp.writer import DCPWriter
+
+    real = DCPWriter._stand_in_metadata
+
+    def overlapping(self, save_id=None):
+        md = real(self, save_id)
+        storage = md.__dict__["storage_data"]
+        (ia, a), (ib, b) = [(i, v) for i, v in storage.items() if i.fqn in (A, B)][:2]
+        b.__dict__.update(relative_path=a.relative_path, offset=a.offset)
+        return md
+
+    monkeypatch.setattr(DCPWriter, "_stand_in_metadata", overlapping)
+    dst = tmp_path / "dcp"
+    _fails_the_output_check(lambda: api.from_universal(stores["zarr"], dst, "dp2"), "share bytes", dst / ".metadata")
+
+
+@pytest.mark.parametrize("backend", ["zarr", "safetensors"])
+def test_a_store_planned_with_one_array_for_two_keys_publishes_nothing(dcp_checkpoint, tmp_path, monkeypatch, backend):
+    """Planted: the store's plan names one array for two keys of one shape (the second key's
+    chunk files silently replace the first's): the writer's records say so, and the check
+    refuses to publish."""
+    import dataclasses
+
+    from converter.commands import to_universal as cmd
+
+    real = cmd.plan_universal
+
+    def same_array(tensors, chunk_bytes, backend="zarr"):
+        store = real(tensors, chunk_bytes, backend)
+        arrays = dict(store.arrays)
+        arrays[A] = dataclasses.replace(arrays[A], array=arrays[FFN].array)
+        return dataclasses.replace(store, arrays=arrays)
+
+    monkeypatch.setattr(cmd, "plan_universal", same_array)
+    dst = tmp_path / "uni"
+    _fails_the_output_check(lambda: api.to_universal(dcp_checkpoint("fsdp4"), dst, backend=backend),
+                            "are both stored in", dst / "ckptconv.json")
+
+
+def test_an_hf_header_with_a_wrong_shape_publishes_nothing(stores, tmp_path, monkeypatch):
+    """Planted: the header of the export's file records one tensor with another shape."""
+    import formats.hf as hf
+
+    real = hf.build_header
+
+    def wrong_shape(specs, metadata):
+        specs = [hf.TensorSpec(s.name, s.dtype, (*s.shape[:-1], s.shape[-1] // 2, 2)) if s.name == "norm.weight" else s
+                 for s in specs]
+        return real(specs, metadata)
+
+    monkeypatch.setattr(hf, "build_header", wrong_shape)
+    dst = tmp_path / "hf"
+    text = _fails_the_output_check(lambda: api.export_hf(stores["zarr"], dst), "'norm.weight' is recorded as",
+                                   dst / "model.safetensors")
+    assert "[16, 2]" in text and "planned as float32 [32]" in text
+
+
+def test_a_deepspeed_export_with_wrong_model_states_publishes_nothing(tmp_path, monkeypatch):
+    """Planted: the parameter shapes export-ds writes into the model-states files are not its
+    atoms' (DeepSpeed's loader reshapes by them)."""
+    import dataclasses
+
+    from converter.commands import export_ds as cmd
+    from ds_support import import_ds, universal_of
+
+    import_ds(universal_of(2), tmp_path / "uni")
+    real = cmd.plan_export_ds
+
+    def wrong_shapes(*args, **kw):
+        plan = real(*args, **kw)
+        fqn = next(iter(plan.shapes))
+        return dataclasses.replace(plan, shapes={**plan.shapes, fqn: (1, *plan.shapes[fqn])})
+
+    monkeypatch.setattr(cmd, "plan_export_ds", wrong_shapes)
+    dst = tmp_path / "ds"
+    _fails_the_output_check(lambda: cmd.export_ds(tmp_path / "uni", dst), "the model states give it shape",
+                            dst / "latest_universal")
+
+
+def test_an_output_check_failure_is_one_line_with_status_3(stores, tmp_path, dcp_writer_drops_norm):
+    code, _, err = run_cli("from-universal", str(stores["zarr"]), str(tmp_path / "dcp"), "--mesh", "dp2")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 3 and len(lines) == 1 and lines[0].startswith("ckptconv: internal error: "), err
+    assert repr(NORM) in lines[0] and not (tmp_path / "dcp" / ".metadata").exists()

@@ -108,7 +108,7 @@ def reference_chunks(index: CheckpointIndex, refs, layout, dtype: str | None) ->
     out = []
     for key, entry in index.tensors.items():
         placement = layout.key_placements[key]
-        target_dtype = by_name(tl._target_dtype(entry, refs.get(key), dtype)).name
+        target_dtype = by_name(tl.target_dtype(entry, refs.get(key), dtype)).name
         itemsize, shape = by_name(target_dtype).itemsize, tuple(entry.shape)
         for box, holders in placement.unique_boxes(shape, mesh):
             owner = min(holders, key=loads.__getitem__)
