@@ -1,7 +1,13 @@
 """Interrupted conversions: SIGKILL at many points, refuse without --resume, resume bit-identical;
 ``--resume`` is idempotent, so a shell retry loop (``until ckptconv ... --resume; do :; done``)
 killed at random points (before the destination exists, mid-copy, after the marker) ends with
-the uninterrupted run's output."""
+the uninterrupted run's output.
+
+Every command that copies is interrupted mid-copy (to-universal, from-universal, export-hf,
+import-hf, import-ds, export-ds) and compared file for file with an uninterrupted run, its
+metadata included; the only field allowed to differ is ``ckptconv.json``'s ``created`` (the time
+of the commit).
+"""
 
 from __future__ import annotations
 
@@ -210,3 +216,86 @@ def test_a_retry_loop_killed_at_random_times_ends_bit_identical(source, referenc
         done = ckptconv(*args, "--resume")
         assert done.returncode == 0, done.stderr
     assert dcp_without_save_id(out) == dcp_without_save_id(reference[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# interrupted mid-copy (SIGKILL after N bytes written: CKPTCONV_FAULT_KILL_AFTER_BYTES), resumed, and
+# compared with an uninterrupted run file for file: every byte, ckptconv.json included, less its
+# one volatile field ("created", the commit's time; universal_without_timestamp)
+
+
+#: A small source's tasks finish faster than the executor journals them: slowed pieces (a wait per
+#: piece) let the journal record tasks before the kill, so the resume has work to adopt.
+SLOW_PIECES = {"CKPTCONV_FAULT_SLOW_PIECE_SECONDS": "0.05"}
+
+
+def _killed_then_resumed(args: tuple[str, ...], dst: Path, marker: str, kill_after: int, env: dict | None = None) -> None:
+    """Run ``args`` killed after ``kill_after`` written bytes (mid-copy: tasks written and
+    journaled, nothing published), check a plain rerun is refused, then finish it with ``--resume``."""
+    killed = ckptconv(*args, env={"CKPTCONV_FAULT_KILL_AFTER_BYTES": str(kill_after), **(env or {})})
+    assert killed.returncode == -9, killed.stderr
+    assert not (dst / marker).exists()
+    journaled = (dst / ".ckptconv-journal.jsonl").read_text().splitlines()
+    assert len(journaled) >= 2, "no task journaled before the kill: the resume would adopt nothing"  # header + tasks
+    refused = ckptconv(*args)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    done = ckptconv(*args, "--resume")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def hf_source(reference, tmp_path_factory) -> tuple[Path, Path]:
+    """The source as HF shards (export-hf of its store) and import-hf's uninterrupted store of it."""
+    root = tmp_path_factory.mktemp("hf-resume")
+    hf, ref = root / "hf", root / "ref"
+    assert ckptconv("export-hf", "--max-shard-size", "3MB", str(reference[0]), str(hf)).returncode == 0
+    assert ckptconv("import-hf", "--chunk-size", "256KiB", str(hf), str(ref)).returncode == 0
+    return hf, ref
+
+
+MODEL_BYTES = TOTAL  # export-hf takes every model tensor: all of the source's tensor bytes but the 0-d step
+
+
+@pytest.mark.parametrize("kill_after", [MODEL_BYTES // 3, pytest.param(1, marks=SLOW),
+                                        pytest.param((4 * MODEL_BYTES) // 5, marks=SLOW)])
+def test_import_hf_resumes_mid_copy_bit_identical(hf_source, tmp_path, kill_after):
+    hf, ref = hf_source
+    dst = tmp_path / "uni"
+    _killed_then_resumed(("import-hf", "--chunk-size", "256KiB", str(hf), str(dst)), dst, "ckptconv.json", kill_after)
+    assert universal_without_timestamp(dst) == universal_without_timestamp(ref)
+
+
+def _ds_fixture() -> Path:
+    from ds_support import universal_of
+
+    return universal_of(2)
+
+
+@pytest.fixture(scope="module")
+def ds_reference(tmp_path_factory) -> tuple[Path, Path, int]:
+    """import-ds's store of the checked-in ZeRO-2 universal checkpoint (4 KiB chunks: many tasks),
+    export-ds's checkpoint of that store, and the store's tensor bytes."""
+    root = tmp_path_factory.mktemp("ds-resume")
+    uni, out = root / "uni", root / "ds"
+    assert ckptconv("import-ds", "--chunk-size", "4KiB", str(_ds_fixture()), str(uni)).returncode == 0
+    assert ckptconv("export-ds", str(uni), str(out)).returncode == 0
+    total = sum(p.stat().st_size for p in (uni / "tensors").rglob("*") if p.is_file() and p.name != "zarr.json")
+    return uni, out, total  # (chunk files: the tensor bytes, edge chunks padded)
+
+
+@pytest.mark.parametrize("fraction", [3, pytest.param(7, marks=SLOW)])
+def test_import_ds_resumes_mid_copy_bit_identical(ds_reference, tmp_path, fraction):
+    uni, _, total = ds_reference
+    dst = tmp_path / "uni"
+    _killed_then_resumed(("import-ds", "--chunk-size", "4KiB", str(_ds_fixture()), str(dst)), dst, "ckptconv.json",
+                         total // fraction, SLOW_PIECES)
+    assert universal_without_timestamp(dst) == universal_without_timestamp(uni)
+
+
+@pytest.mark.parametrize("fraction", [2, pytest.param(5, marks=SLOW)])
+def test_export_ds_resumes_mid_copy_bit_identical(ds_reference, tmp_path, fraction):
+    """Every file byte-equal to the uninterrupted export (export-ds writes no timestamp)."""
+    uni, ref, total = ds_reference
+    dst = tmp_path / "ds"
+    _killed_then_resumed(("export-ds", str(uni), str(dst)), dst, "latest_universal", total // fraction, SLOW_PIECES)
+    assert tree_bytes(dst) == tree_bytes(ref)
