@@ -25,8 +25,8 @@ net). Checked per case:
 - nothing outside the destination written or changed, a hostile payload never run (its marker
   file never appears), a hostile entry never converted without ``--trust-pickle``;
 - a conversion that succeeds is correct: for a DCP source, torch's own reading of the mutated
-  source (``dcp_to_torch_save``) equals torch's ``dcp.load`` of the store; for an HF source, the
-  safetensors library's reading equals the store; and no conversion succeeds on an input whose
+  source (``dcp_to_torch_save``) equals the store as stock zarr / safetensors and ``torch.load``
+  read it; for an HF source, the safetensors library's reading equals the store; and no conversion succeeds on an input whose
   integrity data ``verify`` rejects ("silent corruption"); for classes that change no tensor
   (``same_data``), every tensor of the pristine base is in the output, and every model weight in
   the export-hf output.
@@ -911,15 +911,13 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _store_by_torch(store: Path, like: dict) -> dict:
-    """torch's dcp.load of a universal store (UniversalStorageReader) into templates of ``like``."""
-    from formats.universal_dcp import UniversalStorageReader
+def _store_by_libraries(store: Path, like: dict) -> dict:
+    """The entries of ``like`` in a universal store as stock zarr / the safetensors library (tensors)
+    and ``torch.load`` (objects) read them, never ckptconv's reader (tests/support/store_oracle.py);
+    a key the store lacks is left out (the caller counts it missing)."""
+    from store_oracle import read_store
 
-    sd = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else None) for k, v in like.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(sd, storage_reader=UniversalStorageReader(store))
-    return sd
+    return {k: v for k, v in read_store(store).items() if k in like}
 
 
 def _read_hf(src: Path) -> dict:
@@ -985,7 +983,7 @@ def check_result(fmt: str, src: Path, dst: Path, pristine: dict, verify_ok: bool
                 want = None
             meta = json.loads((dst / "ckptconv.json").read_text())
             in_store = set(meta["tensors"]) | set(meta.get("objects", {}))  # keys renamed by the mutation: compared
-            got = _store_by_torch(dst, {k: v for k, v in (want if want is not None else pristine).items()
+            got = _store_by_libraries(dst, {k: v for k, v in (want if want is not None else pristine).items()
                                         if k in in_store})  # by what they hold, not by name
     except (Exception, BaseException) as e:  # noqa: BLE001
         if isinstance(e, (Hang, KeyboardInterrupt)):
@@ -1008,12 +1006,12 @@ def check_result(fmt: str, src: Path, dst: Path, pristine: dict, verify_ok: bool
 def check_complete(fmt: str, dst: Path, pristine: dict) -> str | None:
     """Why the output of a class that changes no tensor (``same_data``) is wrong: every tensor of
     the pristine base must be in it, bit-exact, as torch reads it (``dcp_to_torch_save`` of a
-    DCP output, ``dcp.load`` of a store)."""
+    DCP output; stock zarr, safetensors and ``torch.load`` of a store)."""
     from oracle import torch_reference
 
     want = {k: v for k, v in pristine.items() if isinstance(v, torch.Tensor)}
     try:
-        got = torch_reference(dst) if fmt == "universal" else _store_by_torch(dst, want)
+        got = torch_reference(dst) if fmt == "universal" else _store_by_libraries(dst, want)
     except Exception as e:  # noqa: BLE001
         return f"output unreadable by torch: {type(e).__name__}: {str(e).splitlines()[-1][:200] if str(e) else ''}"
     missing = sorted(set(want) - set(got))
