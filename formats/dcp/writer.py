@@ -16,17 +16,24 @@ shape). Then:
 The ``.metadata`` matches what ``dcp.save`` (torch 2.13, ``FileSystemWriter``) writes: the same
 ``TensorProperties`` defaults, ``MetadataIndex(fqn, offsets, index)`` keys, ``_StorageInfo`` values,
 ``StorageMeta(checkpoint_id=Path(root), save_id=uuid4)`` and ``version="1.0.0"``.
+
+**Rank-local metadata** (``readers``): instead of one ``.metadata``, each rank ``R`` gets
+``__R.metadata`` naming only the items it loads, as ``dcp.save(..., use_collectives=False)``
+writes them; ``dcp.load`` of a folder without ``.metadata`` reads its rank's file (and plans with
+no collective). A box several ranks hold may then be stored once per file (:class:`ChunkCopy`),
+so every rank (or every node) reads only its own files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import threading
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import repeat
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +53,12 @@ if TYPE_CHECKING:
 
 METADATA_NAME = ".metadata"
 DCP_VERSION = "1.0.0"
+
+
+def rank_metadata_name(rank: int) -> str:
+    """The rank-local metadata file of ``rank`` (``dcp.save(..., use_collectives=False)``'s name,
+    which ``dcp.load`` reads when the folder has no ``.metadata``)."""
+    return f"__{rank}{METADATA_NAME}"
 
 
 def default_file_name(rank: int) -> str:
@@ -99,6 +112,16 @@ class ChunkSpec:
 
 _SET_KEY, _SET_DTYPE, _SET_SHAPE = ChunkSpec.key.__set__, ChunkSpec.dtype.__set__, ChunkSpec.global_shape.__set__
 _SET_BOX, _SET_RANK = ChunkSpec.box.__set__, ChunkSpec.rank.__set__
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCopy(ChunkSpec):
+    """One copy of a chunk stored in several rank files (rank- or node-local outputs): the same
+    key and box as the others, its own file; its copy task is journaled apart (``journal_tag``)."""
+
+    @property
+    def journal_tag(self) -> str:
+        return f"rank{self.rank}"
 
 
 #: Tuples of plain ints by value (layouts repeat a few offsets and sizes millions of times).
@@ -167,13 +190,19 @@ def _check_disjoint(key: str, boxes: list[Box]) -> None:
         )
 
 
-def _group_chunks(chunks: Sequence[ChunkSpec]) -> list[ChunkSpec]:
+def _group_chunks(chunks: Sequence[ChunkSpec], readers: Sequence[Sequence[int]] | None = None
+                  ) -> tuple[list[ChunkSpec], list[tuple[int, ...]] | None]:
     """The chunks to store, in the given order, validated per key: one dtype and shape, boxes in
-    bounds, disjoint and covering the tensor. Repeats of an empty box of one key are dropped
-    (``dcp.save`` deduplicates them the same way)."""
+    bounds, the distinct boxes disjoint and covering the tensor. Repeats of an empty box of one key
+    are dropped (``dcp.save`` deduplicates them the same way; their ``readers`` read the one kept).
+    Without ``readers`` a box is stored once; with them (aligned with ``chunks``) a non-empty box
+    may be stored in several rank files, once per file. Returns the kept chunks and their readers."""
     kept: list[ChunkSpec] = []
+    kept_readers: list[tuple[int, ...]] | None = None if readers is None else []
     by_key: dict[str, list[ChunkSpec]] = {}
-    for spec in chunks:
+    empty: dict[tuple, int] = {}  # (key, box) of an empty box -> its kept position
+    copies: set[tuple] = set()
+    for i, spec in enumerate(chunks):
         specs = by_key.setdefault(spec.key, [])
         first = specs[0] if specs else spec
         if (spec.dtype, spec.global_shape) != (first.dtype, first.global_shape):
@@ -182,18 +211,32 @@ def _group_chunks(chunks: Sequence[ChunkSpec]) -> list[ChunkSpec]:
                 f"({first.dtype}{list(first.global_shape)} vs {spec.dtype}{list(spec.global_shape)})"
             )
         _check_box(spec)
-        if not any(spec.box == s.box and not s.box.numel for s in specs):
-            specs.append(spec)
-            kept.append(spec)
+        box = spec.box
+        if not box.numel:
+            at = empty.get((spec.key, box))
+            if at is not None:  # a repeat: its readers read the kept one
+                if kept_readers is not None:
+                    kept_readers[at] = tuple(sorted({*kept_readers[at], *readers[i]}))
+                continue
+            empty[(spec.key, box)] = len(kept)
+        elif readers is not None:
+            if (spec.key, box, spec.rank) in copies:
+                raise ConfigError(f"chunk {spec.key!r} {box.to_json()} is stored twice in rank {spec.rank}'s file")
+            copies.add((spec.key, box, spec.rank))
+        specs.append(spec)
+        kept.append(spec)
+        if kept_readers is not None:
+            kept_readers.append(tuple(readers[i]))
     for key, specs in by_key.items():
+        boxes = list({s.box: None for s in specs}) if readers is not None else [s.box for s in specs]
         total = math.prod(specs[0].global_shape)
-        stored = sum(s.box.numel for s in specs)
-        _check_disjoint(key, [s.box for s in specs])
+        stored = sum(b.numel for b in boxes)
+        _check_disjoint(key, boxes)
         if stored != total:
             raise ConfigError(
                 f"tensor {key!r}: chunks hold {stored} of its {total} elements; cover it exactly once"
             )
-    return kept
+    return kept, kept_readers
 
 
 def _check_names(
@@ -201,6 +244,7 @@ def _check_names(
     objects: Sequence[ObjectSpec],
     planner_data: Mapping[str, tuple],
     world_size: int,
+    copies: bool = False,
 ) -> None:
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -208,10 +252,11 @@ def _check_names(
         if not 0 <= item.rank < world_size:
             raise ConfigError(f"item {item.key!r}: rank {item.rank} is outside world size {world_size}")
     tensor_keys = {c.key for c in chunks}
-    object_keys = [o.key for o in objects]
-    if len(set(object_keys)) != len(object_keys) or tensor_keys & set(object_keys):
-        dup = sorted({k for k in object_keys if object_keys.count(k) > 1 or k in tensor_keys})
+    object_keys = [(o.key, o.rank) if copies else o.key for o in objects]
+    if len(set(object_keys)) != len(object_keys) or tensor_keys & {o.key for o in objects}:
+        dup = sorted({o.key for o, k in zip(objects, object_keys) if object_keys.count(k) > 1 or o.key in tensor_keys})
         raise ConfigError(f"keys stored twice: {dup}; each key is one tensor or one object")
+    object_keys = [o.key for o in objects]
     missing = (tensor_keys | set(object_keys)) ^ set(planner_data)
     if missing:
         raise ConfigError(
@@ -239,21 +284,36 @@ class DCPWriter:
         *,
         file_name: Callable[[int], str] = default_file_name,
         direct_io: bool = True,
+        readers: Sequence[Sequence[int]] | None = None,
+        object_readers: Sequence[Sequence[int]] | None = None,
+        ranks: Collection[int] | None = None,
     ) -> None:
         """``direct_io``: send the large aligned part of each piece straight to the device
         (``O_DIRECT`` where the file system takes it: no page-cache copy, no writeback left for
-        the commit's fsync), the rest through the page cache."""
-        _check_names(chunks, objects, planner_data, world_size)
+        the commit's fsync), the rest through the page cache.
+
+        ``readers`` (one entry per chunk) and ``object_readers`` (per object): the ranks that load
+        each stored item; then every rank ``R`` gets rank-local metadata ``__R.metadata`` naming
+        the items it loads, and no ``.metadata`` is written (a box or an object may be stored in
+        several rank files). ``ranks``: the rank files this writer creates, writes and publishes
+        (with their rank metadata): one node's, when each node writes its own folder (default all).
+        """
+        local = readers is not None
+        if local and (len(readers) != len(chunks) or object_readers is None or len(object_readers) != len(objects)):
+            raise ConfigError("readers and object_readers name the loading ranks of every chunk and object")
+        _check_names(chunks, objects, planner_data, world_size, copies=local)
         self.root = Path(root)
         self.world_size = world_size
         self._files = {r: file_name(r) for r in range(world_size)}
         if len(set(self._files.values())) != world_size:
             raise ConfigError("file_name must give each rank its own file")
-        self._chunks = _group_chunks(chunks)  # given order, repeated empty boxes dropped
+        self._own = set(range(world_size)) if ranks is None else set(ranks)
+        self._chunks, self._readers = _group_chunks(chunks, readers)  # given order, repeated empty boxes dropped
         self._tensors: dict[str, list[ChunkSpec]] = {}
         for spec in self._chunks:
             self._tensors.setdefault(spec.key, []).append(spec)
         self._objects = list(objects)
+        self._object_readers = None if object_readers is None else [tuple(r) for r in object_readers]
         self._planner_data = {k: tuple(v) for k, v in planner_data.items()}
         self._chunk_loc, self._object_loc, self._sizes = self._compute_layout()
         self._lock = threading.Lock()
@@ -264,13 +324,29 @@ class DCPWriter:
         self._final: Any = None  # the Metadata manifest() described, which commit() then writes
         self._state = "new"  # new -> prepared -> committed | aborted
 
+    @property
+    def rank_local(self) -> bool:
+        """Whether each rank gets its own ``__<rank>.metadata`` (no ``.metadata``)."""
+        return self._readers is not None
+
+    def metadata_names(self) -> list[str]:
+        """The metadata files :meth:`commit` publishes (``.metadata``, or this writer's ranks'
+        ``__<rank>.metadata``)."""
+        if not self.rank_local:
+            return [METADATA_NAME]
+        return [rank_metadata_name(r) for r in sorted(self._own)]
+
+    def data_files(self) -> list[str]:
+        """The data files this writer creates (one per rank of its ranks)."""
+        return [self._files[r] for r in sorted(self._own)]
+
     # -- layout (pure) -------------------------------------------------------------------------
 
     def _compute_layout(self):
         cursor = dict.fromkeys(range(self.world_size), 0)
         object_loc, chunk_loc = {}, {}
         for obj in self._objects:
-            object_loc[obj.key] = ItemLocation(self._files[obj.rank], cursor[obj.rank], len(obj.data))
+            object_loc[_object_id(obj)] = ItemLocation(self._files[obj.rank], cursor[obj.rank], len(obj.data))
             cursor[obj.rank] += len(obj.data)
         for spec in self._chunks:
             length = archive_size(spec.dtype, spec.box.sizes)
@@ -286,7 +362,9 @@ class DCPWriter:
         """Where a chunk's archive (or an object's bytes, by spec or key) lies."""
         if isinstance(item, ChunkSpec):
             return self._chunk_loc[_chunk_id(item)]
-        return self._object_loc[item.key if isinstance(item, ObjectSpec) else item]
+        if isinstance(item, ObjectSpec):
+            return self._object_loc[_object_id(item)]
+        return next(self._object_loc[_object_id(o)] for o in self._objects if o.key == item)
 
     # -- I/O -----------------------------------------------------------------------------------
 
@@ -300,13 +378,16 @@ class DCPWriter:
             if self._state == "prepared":
                 return
             self.root.mkdir(parents=True, exist_ok=True)
-            if (self.root / METADATA_NAME).exists():
+            done = next((n for n in self.metadata_names() if (self.root / n).exists()), None)
+            if done is not None:
                 raise DestinationError(
-                    f"{self.root} already holds a checkpoint ({METADATA_NAME}); write to an empty directory"
+                    f"{self.root} already holds a checkpoint ({done}); write to an empty directory"
                 )
             flags = os.O_RDWR | os.O_CREAT | (0 if resume else os.O_TRUNC)
             try:
                 for rank, name in self._files.items():
+                    if rank not in self._own:
+                        continue
                     path = safe_join(self.root, name)
                     fd = os.open(path, flags, 0o644)
                     direct = self._direct_io and self._sizes[rank] >= DIRECT_MIN_BYTES
@@ -326,6 +407,9 @@ class DCPWriter:
             raise ConfigError(
                 f"chunk {spec.key!r} {spec.box.to_json()} of rank {spec.rank} is not in this writer's plan"
             )
+        if spec.rank not in self._own:
+            raise ConfigError(f"chunk {spec.key!r} {spec.box.to_json()} goes to rank {spec.rank}'s file, which this "
+                              "writer does not write")
         self.prepare()
         loc = self._chunk_loc[cid]
         with self._lock:
@@ -366,7 +450,8 @@ class DCPWriter:
             if self._objects_written:
                 return
             for obj in self._objects:
-                self._fds[obj.rank].pwrite(obj.data, self._object_loc[obj.key].offset)
+                if obj.rank in self._own:
+                    self._fds[obj.rank].pwrite(obj.data, self._object_loc[_object_id(obj)].offset)
             self._objects_written = True
 
     def commit(self) -> None:
@@ -376,7 +461,7 @@ class DCPWriter:
         self.write_objects()
         with self._lock:
             self._check_state("commit")
-            unclosed = [c for c in self._chunk_loc if c not in self._sinks or not self._sinks[c].closed]
+            unclosed = [c for c in self._chunk_loc if c[1] in self._own and (c not in self._sinks or not self._sinks[c].closed)]
             if unclosed:
                 key, _, offsets, _ = unclosed[0]
                 raise IncompleteCheckpointError(
@@ -386,10 +471,13 @@ class DCPWriter:
             run_parallel(lambda f: f.sync(), [f for f in self._fds.values() if f.dirty])
             self._close_fds()
             fsync_dir(self.root)
-            final = self._final if self._final is not None else self._stand_in_metadata()
-            from formats.dcp import metadata_pickle as mp
+            final = self._final if self._final is not None else self._metadata_to_publish()
+            if self.rank_local:
+                self._publish_rank_metadata(final)
+            else:
+                from formats.dcp import metadata_pickle as mp
 
-            atomic_write_bytes(self.root / METADATA_NAME, mp.dumps(final))  # what manifest() described
+                atomic_write_bytes(self.root / METADATA_NAME, mp.dumps(final))  # what manifest() described
             self._state = "committed"
 
     def abort(self) -> None:
@@ -399,7 +487,7 @@ class DCPWriter:
                 return
             self._close_fds()
             if self._state == "prepared":
-                for name in self._files.values():
+                for name in self.data_files():
                     try:
                         os.unlink(self.root / name)
                     except FileNotFoundError:
@@ -430,13 +518,23 @@ class DCPWriter:
         ``save_id`` defaults to a new uuid4, as in ``dcp.save``."""
         from formats.dcp import metadata_pickle as mp
 
+        if self.rank_local:
+            raise ConfigError("a writer of rank-local metadata has no .metadata; see rank_metadata_bytes")
         return mp.dumps(self._stand_in_metadata(save_id))
+
+    def _metadata_to_publish(self) -> Any:
+        """What :meth:`commit` publishes: the stand-in ``.metadata``, or (rank-local) each own
+        rank's stand-in ``__<rank>.metadata`` by rank, sharing one save id."""
+        if not self.rank_local:
+            return self._stand_in_metadata()
+        items, save_id = self.rank_items(), str(uuid.uuid4())  # one save, as dcp.save's ranks share its id
+        return {r: self._rank_metadata(r, items[r], save_id) for r in sorted(self._own)}
 
     def _stand_in_metadata(self, save_id: str | None = None) -> Any:
         """The stand-in ``Metadata`` that :meth:`metadata_bytes` pickles."""
         from formats.dcp import metadata_pickle as mp
 
-        sd_md: dict = {k: mp.bytes_storage_metadata() for k in self._object_loc}
+        sd_md: dict = {o.key: mp.bytes_storage_metadata() for o in self._objects}
         index: dict[tuple, Any] = {}
         for key, specs in self._tensors.items():
             specs = sorted(specs, key=lambda s: s.rank)  # dcp.save gathers plans in rank order
@@ -445,7 +543,7 @@ class DCPWriter:
                 [(s.box.offsets, s.box.sizes) for s in specs],
             )
             index.update({_chunk_id(s): mp.MetadataIndex(key, s.box.offsets, i) for i, s in enumerate(specs)})
-        items = [(mp.MetadataIndex(o.key), self._object_loc[o.key]) for o in self._objects]
+        items = [(mp.MetadataIndex(o.key), self._object_loc[_object_id(o)]) for o in self._objects]
         items += [(index[_chunk_id(s)], self._chunk_loc[_chunk_id(s)]) for s in self._chunks]
         ranks = {name: r for r, name in self._files.items()}
         items.sort(key=lambda it: (ranks[it[1].relative_path], it[1].offset))  # file order, like dcp.save
@@ -463,26 +561,110 @@ class DCPWriter:
         from formats.dcp import metadata_pickle as mp
 
         if self._final is None:
-            self._final = self._stand_in_metadata()
+            self._final = self._metadata_to_publish()
         m = Manifest()
-        state = self._final.__dict__
-        chunks: dict[str, int] = {}
-        for key, entry in state["state_dict_metadata"].items():
-            if mp.is_bytes_entry(entry):
-                m.objects.append(key)
-                continue
-            m.tensor(key, entry.properties.dtype, tuple(entry.size))
-            chunks[key] = len(entry.chunks)
-        for mi, info in state["storage_data"].items():
-            m.extent(mi.fqn, info.relative_path, info.offset, info.offset + info.length)
-        stored = Counter(m.owners)
-        odd = next((k for k, n in chunks.items() if stored[k] != n), None)
-        if odd is not None:
-            m.problem(f"tensor {short(repr(odd))} has {chunks[odd]} chunks and {stored[odd]} storage entries")
-        unwritten = [c for c in self._chunk_loc if c not in self._sinks or not self._sinks[c].closed]
+        published = self._final if self.rank_local else {None: self._final}
+        kinds: dict[str, tuple] = {}  # key -> (dtype, shape), or () for an object: each recorded once
+        extents: set[tuple[str, int, int]] = set()  # a copy several ranks' metadata name: one extent
+        for rank, md in published.items():
+            state = md.__dict__
+            chunks: dict[str, int] = {}
+            for key, entry in state["state_dict_metadata"].items():
+                kind = () if mp.is_bytes_entry(entry) else (entry.properties.dtype, tuple(entry.size))
+                if key not in kinds:
+                    kinds[key] = kind
+                    if kind:
+                        m.tensor(key, *kind)
+                    else:
+                        m.objects.append(key)
+                elif kinds[key] != kind:
+                    m.problem(f"entry {short(repr(key))} differs between the ranks' metadata (rank {rank})")
+                if kind:
+                    chunks[key] = len(entry.chunks)
+            stored: Counter = Counter()
+            for mi, info in state["storage_data"].items():
+                stored[mi.fqn] += 1
+                extent = (info.relative_path, info.offset, info.offset + info.length)
+                if extent not in extents:
+                    extents.add(extent)
+                    m.extent(mi.fqn, *extent)
+            odd = next((k for k, n in chunks.items() if stored[k] != n), None)
+            if odd is not None:
+                where = "" if rank is None else f" in rank {rank}'s metadata"
+                m.problem(f"tensor {short(repr(odd))} has {chunks[odd]} chunks and {stored[odd]} storage entries{where}")
+        unwritten = [c for c in self._chunk_loc
+                     if c[1] in self._own and (c not in self._sinks or not self._sinks[c].closed)]
         if unwritten:
             m.problem(f"tensor {short(repr(unwritten[0][0]))}: {len(unwritten)} chunk(s) not written")
         return m
+
+    def rank_items(self) -> dict[int, tuple[list[int], list[int]]]:
+        """Rank -> (positions of the chunks, positions of the objects) its metadata names (rank-local)."""
+        out: dict[int, tuple[list[int], list[int]]] = {r: ([], []) for r in range(self.world_size)}
+        for i, readers in enumerate(self._readers or ()):
+            for r in readers:
+                out[r][0].append(i)
+        for i, readers in enumerate(self._object_readers or ()):
+            for r in readers:
+                out[r][1].append(i)
+        return out
+
+    def rank_metadata_bytes(self, rank: int, items: tuple[list[int], list[int]] | None = None,
+                            save_id: str | None = None) -> bytes:
+        """``__<rank>.metadata``: what ``dcp.save(..., use_collectives=False)`` writes for a rank
+        holding exactly the items ``rank`` loads (``items``: :meth:`rank_items`' entry), each
+        mapped to the copy it reads; built without torch like :meth:`metadata_bytes`."""
+        from formats.dcp import metadata_pickle as mp
+
+        return mp.dumps(self._rank_metadata(rank, self.rank_items()[rank] if items is None else items, save_id))
+
+    def _rank_metadata(self, rank: int, items: tuple[list[int], list[int]], save_id: str | None = None) -> Any:
+        """The stand-in ``Metadata`` that :meth:`rank_metadata_bytes` pickles."""
+        from formats.dcp import metadata_pickle as mp
+
+        chunk_pos, object_pos = items
+        objects = [self._objects[i] for i in object_pos]
+        specs = [self._chunks[i] for i in chunk_pos]
+        sd_md: dict = {o.key: mp.bytes_storage_metadata() for o in objects}
+        by_key: dict[str, list[ChunkSpec]] = {}
+        for spec in specs:
+            by_key.setdefault(spec.key, []).append(spec)
+        storage_items: list[tuple[Any, ItemLocation]] = []
+        for key, mine in by_key.items():
+            sd_md[key] = mp.tensor_storage_metadata(mine[0].dtype, mine[0].global_shape,
+                                                    [(s.box.offsets, s.box.sizes) for s in mine])
+            storage_items += [(mp.MetadataIndex(key, s.box.offsets, i), self._chunk_loc[_chunk_id(s)])
+                              for i, s in enumerate(mine)]
+        storage_items += [(mp.MetadataIndex(o.key), self._object_loc[_object_id(o)]) for o in objects]
+        ranks = {name: r for r, name in self._files.items()}
+        storage_items.sort(key=lambda it: (ranks[it[1].relative_path], it[1].offset))  # file order
+        storage = {mi: mp.storage_info(loc.relative_path, loc.offset, loc.length) for mi, loc in storage_items}
+        ordered = {k: sd_md[k] for k in self._planner_data if k in sd_md}
+        with_meta, with_version = mp.torch_fields()
+        return mp.metadata(ordered, {k: self._planner_data[k] for k in ordered}, storage, self.root,
+                           save_id or str(uuid.uuid4()), DCP_VERSION if with_version else None, with_meta)
+
+    def _publish_rank_metadata(self, published: Mapping[int, Any]) -> None:
+        """Write every own rank's ``__<rank>.metadata`` (``published``: rank -> the stand-in
+        ``Metadata`` :meth:`manifest` described): each to a temp name and fsynced (several at
+        once), then all renamed into place, then the directory fsynced once."""
+        from formats.dcp import metadata_pickle as mp
+
+        temps: list[tuple[Path, Path]] = []
+        try:
+            for rank, md in published.items():
+                final = self.root / rank_metadata_name(rank)
+                tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+                tmp.write_bytes(mp.dumps(md))
+                temps.append((tmp, final))
+            run_parallel(_fsync_file, [t for t, _ in temps])
+            for tmp, final in temps:
+                os.replace(tmp, final)
+        finally:
+            for tmp, _ in temps:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        fsync_dir(self.root)
 
     def metadata(self) -> Any:
         """The ``Metadata`` that :meth:`metadata_bytes` stands for, built from torch's own classes
@@ -498,7 +680,7 @@ class DCPWriter:
             TensorStorageMetadata,
         )
 
-        sd_md: dict = {k: BytesStorageMetadata() for k in self._object_loc}
+        sd_md: dict = {o.key: BytesStorageMetadata() for o in self._objects}
         index: dict[tuple, MetadataIndex] = {}
         for key, specs in self._tensors.items():
             specs = sorted(specs, key=lambda s: s.rank)  # dcp.save gathers plans in rank order
@@ -510,7 +692,7 @@ class DCPWriter:
                 ],
             )
             index.update({_chunk_id(s): MetadataIndex(key, s.box.offsets, i) for i, s in enumerate(specs)})
-        items = [(MetadataIndex(o.key), self._object_loc[o.key]) for o in self._objects]
+        items = [(MetadataIndex(o.key), self._object_loc[_object_id(o)]) for o in self._objects]
         items += [(index[_chunk_id(s)], self._chunk_loc[_chunk_id(s)]) for s in self._chunks]
         ranks = {name: r for r, name in self._files.items()}
         items.sort(key=lambda it: (ranks[it[1].relative_path], it[1].offset))  # file order, like dcp.save
@@ -544,6 +726,18 @@ class _Adopted:
 
 def _chunk_id(spec: ChunkSpec) -> tuple:
     return (spec.key, spec.rank, spec.box.offsets, spec.box.sizes)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _object_id(obj: ObjectSpec) -> tuple:
+    return (obj.key, obj.rank)
 
 
 def _make_metadata(sd_md: dict, planner_data: dict, storage: dict, root: Path) -> Any:

@@ -529,3 +529,109 @@ def test_fsdp2_world_loads_own_files(tmp_path):
     _write_threaded(writer, chunks, expected)
     writer.commit()
     run_world(_fsdp_load_worker, world, args=(str(tmp_path / "ckpt"), expected), timeout=240)
+
+
+# ----------------------------------------------------------------------------- rank-local metadata
+
+
+def _local_state(rank: int, world: int, mesh) -> dict:
+    """A state dict with a sharded, a replicated and a 0-d tensor and an object (the same values
+    on every rank; DTensors over ``mesh``)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    w, b = _random((5, 3), torch.float32, 1), _random((4,), torch.bfloat16, 2)
+    return {"model": {"w": distribute_tensor(w, mesh, [Shard(0)]), "b": distribute_tensor(b, mesh, [Replicate()])},
+            "step": _random((), torch.int64, 3), "extra": {"lr": 0.25, "name": "x"}}
+
+
+def _torch_rank_local_worker(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    dcp.save(_local_state(rank, world, mesh), checkpoint_id=root, use_collectives=False)
+
+
+def _local_specs(world: int) -> tuple[dict, list, list, list, list, dict]:
+    """The same state as :func:`_local_state`, laid out as ``--local-files rank`` stores it: every
+    item each rank holds in its own file, read by that rank only."""
+    w, b, step = _random((5, 3), torch.float32, 1), _random((4,), torch.bfloat16, 2), _random((), torch.int64, 3)
+    tensors = {"model.w": w, "model.b": b, "step": step}
+    chunks, readers = [], []
+    for rank, (off, size) in enumerate(_chunk_dim0(5, world)):
+        for spec in (_spec("model.w", w, (off, 0), (size, 3), rank), _spec("model.b", b, (0,), (4,), rank),
+                     _spec("step", step, (), (), rank)):
+            chunks.append(spec)
+            readers.append((rank,))
+    objects, object_readers = [], []
+    for key, value in (("extra.lr", 0.25), ("extra.name", "x")):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        for rank in range(world):
+            objects.append(ObjectSpec(key, buf.getvalue(), rank))
+            object_readers.append((rank,))
+    planner = {"model.w": ("model", "w"), "model.b": ("model", "b"), "step": ("step",),
+               "extra.lr": ("extra", "lr"), "extra.name": ("extra", "name")}
+    return tensors, chunks, readers, objects, object_readers, planner
+
+
+def test_rank_local_metadata_is_what_dcp_save_without_collectives_writes(tmp_path):
+    """Each rank's ``__<r>.metadata`` names what ``dcp.save(use_collectives=False)`` of the same
+    state names on that rank (keys, boxes, item lengths); torch's own loader reads it back; a
+    writer of some ranks writes only theirs."""
+    from ckpt_factory import run_world
+    from formats.dcp.metadata import load_metadata_file
+
+    world = 2
+    run_world(_torch_rank_local_worker, world, args=(str(tmp_path / "torch"),), timeout=240)
+    tensors, chunks, readers, objects, object_readers, planner = _local_specs(world)
+    with pytest.raises(ConfigError, match="stored twice in rank 0"):
+        DCPWriter(tmp_path / "bad", chunks + chunks[:1], objects, planner, world, readers=readers + readers[:1],
+                  object_readers=object_readers)
+    with pytest.raises(ConfigError, match="overlap"):  # without readers a box is stored once
+        DCPWriter(tmp_path / "bad", chunks, objects[::2], planner, world)
+    writer = DCPWriter(tmp_path / "ours", chunks, objects, planner, world, readers=readers,
+                       object_readers=object_readers)
+    assert writer.metadata_names() == ["__0.metadata", "__1.metadata"]
+    _write_threaded(writer, chunks, tensors)
+    from converter.run.output_check import PlannedOutput, check_output
+
+    planned = PlannedOutput.of(((k, str(t.dtype).removeprefix("torch."), t.shape) for k, t in tensors.items()),
+                               ["extra.lr", "extra.name"])
+    m = writer.manifest()  # what commit publishes: every rank's metadata, each entry once, each copy once
+    assert sorted(m.keys) == sorted(tensors) and sorted(m.objects) == ["extra.lr", "extra.name"]
+    assert len(m.files) == len(chunks) + len(objects)
+    check_output("from-universal", planned, m)
+    writer.commit()
+    assert not (tmp_path / "ours" / ".metadata").exists()
+    for rank in range(world):
+        theirs = load_metadata_file(tmp_path / "torch" / f"__{rank}.metadata")
+        ours = load_metadata_file(tmp_path / "ours" / f"__{rank}.metadata")
+        assert dict(ours.entries) == dict(theirs.entries), rank
+        assert {k: (v.relative_path, v.length) for k, v in ours.storage.items()} == \
+            {k: (v.relative_path, v.length) for k, v in theirs.storage.items()}, rank
+        assert dict(ours.planner_data) == dict(theirs.planner_data)
+    got = {"model": {"w": torch.zeros(5, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}, "step": torch.zeros((), dtype=torch.int64),
+           "extra": {"lr": None, "name": None}}
+    dcp.load(got, checkpoint_id=tmp_path / "ours", no_dist=True)  # rank 0's own view: its metadata only
+    assert _same(got["model"]["b"], tensors["model.b"]) and _same(got["step"], tensors["step"])
+    assert got["extra"] == {"lr": 0.25, "name": "x"}
+    one = DCPWriter(tmp_path / "node1", chunks, objects, planner, world, readers=readers,
+                    object_readers=object_readers, ranks=[1])
+    _write_threaded(one, [c for c in chunks if c.rank == 1], tensors)
+    with pytest.raises(ConfigError, match="does not write"):
+        one.open_chunk(chunks[0])
+    one.commit()
+    assert sorted(p.name for p in (tmp_path / "node1").iterdir()) == ["__1.metadata", "__1_0.distcp"]
+    assert (tmp_path / "node1" / "__1_0.distcp").read_bytes() == (tmp_path / "ours" / "__1_0.distcp").read_bytes()
+
+
+def test_rank_local_manifest_names_a_rank_whose_metadata_lost_a_chunk(tmp_path):
+    """Planted: rank 1's metadata loses a storage entry of ``model.w``: the manifest (what the
+    output check reads) says so, naming the rank."""
+    tensors, chunks, readers, objects, object_readers, planner = _local_specs(2)
+    writer = DCPWriter(tmp_path / "ours", chunks, objects, planner, 2, readers=readers, object_readers=object_readers)
+    _write_threaded(writer, chunks, tensors)
+    writer.manifest()
+    storage = writer._final[1].storage_data
+    del storage[next(k for k in storage if k.fqn == "model.w")]
+    assert any("'model.w'" in p and "rank 1's metadata" in p for p in writer.manifest().problems)
