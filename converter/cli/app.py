@@ -200,6 +200,15 @@ def _missing_key(message: str) -> list[str]:
               help="With --format dcp-safetensors: torch's fqn_to_index_mapping, from a hub model.safetensors.index.json "
                    "(or its folder; each file's number is the index, as torchtitan reads it) or JSON {key: index}: the "
                    "file of every key and the consolidated order.")
+@click.option("--local-files", type=click.Choice(["dedup", "rank", "node"]), default="dedup", show_default=True,
+              help="Where a box several ranks hold goes: dedup (written once, in the least-loaded holder's file, one "
+                   ".metadata: what dcp.save writes), rank (every rank's file also holds the replicated boxes and "
+                   "non-tensor entries it loads, and __<rank>.metadata maps them: each rank's dcp.load opens only its own "
+                   "two files) or node (the same per node of --ranks-per-node ranks). 'ckptconv files DST --rank R' "
+                   "lists what a rank opens.")
+@click.option("--ranks-per-node", type=int, default=None, metavar="K",
+              help="With --local-files node: ranks per node (node N holds ranks N*K .. N*K+K-1). Under a multi-node "
+                   "torchrun, each node writes its own node's files into DST on that node (node-local disks).")
 @click.option("--json", "as_json", is_flag=True,
               help="With --dry-run: print the target plan as JSON (schemas/target-plan.schema.json).")
 @click.option("--layout", "layout_key", default=None, metavar="KEY",
@@ -212,7 +221,7 @@ def _missing_key(message: str) -> list[str]:
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
                        dtype: str | None, drop_dataloader: bool, config: str | None, layout_objects: str,
                        out_format: str, consolidate: bool, max_shard_size: str | None, fqn_index: str | None,
-                       vpp: int, megatron_names: str | None,
+                       vpp: int, megatron_names: str | None, local_files: str, ranks_per_node: int | None,
                        as_json: bool, layout_key: str | None, svg_file: str | None, keys: tuple[str, ...],
                        model_only: bool, optim_only: bool, **kw: Any) -> None:
     """Write from SRC (universal store or any checkpoint) the DCP checkpoint a job on --mesh would save."""
@@ -234,7 +243,8 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
                             options=make_options(**kw), selection=selection, drop_dataloader=drop_dataloader,
                             config=config, layout_objects=layout_objects, format=out_format,
                             consolidate=consolidate, max_shard_size=max_shard_size, fqn_index=fqn_index,
-                            vpp=vpp, megatron_names=megatron_names,
+                            vpp=vpp, megatron_names=megatron_names, local_files=local_files,
+                            ranks_per_node=ranks_per_node,
                             # the text lists a few chunks per key; --json / --layout all
                             preview_chunks=None if as_json or layout_key is not None else PREVIEW_CHUNK_LINES)
     if result.preview is not None and (as_json or layout_key is not None):

@@ -1,4 +1,4 @@
-"""``ckptconv verify`` and ``ckptconv diff`` (registered on the main group by :func:`register`;
+"""``ckptconv verify``, ``ckptconv diff`` and ``ckptconv files`` (registered on the main group by :func:`register`;
 they call :func:`converter.api.verify` / :func:`converter.api.diff`).
 
 Exit status: 0 when the checkpoint is sound (verify) or the checkpoints match (diff), 1 when
@@ -91,7 +91,32 @@ def _workers(workers: int | None) -> int | None:
     return workers
 
 
+@click.command("files")
+@click.argument("path", type=click.Path())
+@click.option("--rank", type=int, default=None, help="The target rank whose files to list.")
+@click.option("--node", type=int, default=None, help="The node whose files to list (its ranks N*K .. N*K+K-1).")
+@click.option("--ranks-per-node", type=int, default=None, metavar="K",
+              help="With --node: ranks per node (default: the output's own --ranks-per-node).")
+@click.option("--relative", is_flag=True, help="Print names relative to PATH (e.g. for rsync --files-from).")
+def files_cmd(path: str, rank: int | None, node: int | None, ranks_per_node: int | None, relative: bool) -> None:
+    """Print, one per line, exactly the files the target rank's (or node's) dcp.load opens in PATH,
+    a from-universal output: what a launcher stages to that rank's local disk."""
+    import os
+
+    from formats.errors import ConfigError
+    from converter.tools.files import node_files, rank_files
+
+    if (rank is None) == (node is None):
+        raise ConfigError("give exactly one of --rank R or --node N")
+    if ranks_per_node is not None and node is None:
+        raise ConfigError("--ranks-per-node goes with --node N")
+    names = rank_files(path, rank) if rank is not None else node_files(path, node, ranks_per_node)
+    for name in names:
+        click.echo(name if relative else os.path.join(path, name))
+
+
 def register(cli: click.Group) -> None:
-    """Add ``verify`` and ``diff`` to the ``ckptconv`` group."""
+    """Add ``verify``, ``diff`` and ``files`` to the ``ckptconv`` group."""
     cli.add_command(verify_cmd)
     cli.add_command(diff_cmd)
+    cli.add_command(files_cmd)

@@ -24,15 +24,17 @@ from typing import Any
 from converter import knobs
 from converter.config import RunOptions
 from converter.plan.copy_tasks import WriteTask, plan_boxes, total_target_nbytes
-from converter.plan.dataloader_state import plan_objects
+from converter.plan.dataloader_state import loading_ranks, plan_objects
 from converter.plan.megatron import plan_layout_bound
 from converter.plan.mesh import Mesh, parse_mesh
 from converter.plan.placement_rules import HeadCounts
 from converter.plan.selection import Selection, select_entries
 from converter.plan.dcp_safetensors import (FORMATS, StorageLayout, consolidation_tasks, load_fqn_index, plan_storage,
                                              tensors_only_warning)
-from converter.plan.target_layout import TargetLayout, atom_refs, chunks_of, layout_tasks, target_dtype, target_layout
-from converter.run.destination import FROM_UNIVERSAL_LEGACY, FROM_UNIVERSAL_ST, option_value, write_complete_marker
+from converter.plan.target_layout import (LocalFiles, TargetLayout, atom_refs, layout_tasks, local_objects, rank_loads,
+                                          target_dtype, target_layout)
+from converter.run.destination import (FROM_UNIVERSAL_LEGACY, FROM_UNIVERSAL_ST, option_value, write_complete_marker,
+                                       write_loads_manifest)
 from converter.run.pipeline import (Conversion, ConversionResult, Output, PlannedOutput,
                                      conversion_command, run_conversion)
 from converter.run.sinks import dcp_output, dcp_safetensors_output
@@ -41,7 +43,8 @@ from converter.run.sources import framework_files, open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader
 from formats.dcp.framework_files import write_framework_files
 from formats.dcp.metadata import gc_paused
-from formats.dcp.writer import DCPWriter, ObjectSpec
+from formats.dcp.writer import METADATA_NAME, DCPWriter, ObjectSpec, rank_metadata_name
+from formats.dcp.writer import default_file_name as rank_file
 from formats.dcp_safetensors import CONSOLIDATED, FORMAT as ST_FORMAT
 from formats.errors import ConfigError
 from formats.hf import SafetensorsFilesWriter
@@ -103,7 +106,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                    layout_objects: str = "drop", format: str = "dcp", consolidate: bool = False,
                    max_shard_size: int | str | None = None,
                    fqn_index: str | os.PathLike | Mapping[str, int] | None = None, vpp: int = 1,
-                   megatron_names: str | None = None) -> ConversionResult:
+                   megatron_names: str | None = None, local_files: str = "dedup",
+                   ranks_per_node: int | None = None) -> ConversionResult:
     """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``.
 
     ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
@@ -129,8 +133,16 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     writes with ``--ckpt-format torch`` on the mesh's tp / pp / dp / ep with ``vpp`` model chunks per
     stage (:mod:`converter.plan.megatron_legacy`; ``megatron_names`` ``local`` or ``te``: the layer
     spec whose tensor names the files use, default from the checkpoint's ``args.transformer_impl``).
+    ``local_files`` (``--local-files``, ``format`` dcp): ``dedup`` (a box several ranks hold is
+    written once, one ``.metadata``: as ``dcp.save`` writes it), ``rank`` (each rank's file holds
+    everything that rank loads, replicated boxes and non-tensor entries included, and its own
+    ``__<rank>.metadata`` maps them: ``dcp.load`` of the folder reads only the rank's two files) or
+    ``node`` (the same per node of ``ranks_per_node`` consecutive ranks: one copy per node).
     """
     options = options or RunOptions()
+    local = LocalFiles(local_files, ranks_per_node)
+    if local.local and format != "dcp":
+        raise ConfigError(f"--local-files {local_files} writes rank-local DCP metadata: it is for --format dcp")
     if format == LEGACY_FORMAT:
         if consolidate or max_shard_size is not None or fqn_index is not None:
             raise ConfigError("--consolidate, --max-shard-size and --fqn-index are for --format dcp-safetensors")
@@ -162,7 +174,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             heads = _head_counts(src, config)
             layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors,
                                    heads=heads, dedup="torch" if format == ST_FORMAT else "least-loaded",
-                                   source_mesh=source_mesh)
+                                   source_mesh=source_mesh, local=local)
             index = selected.restrict(index)  # the whole index planned the parameters; write the selection
             # every entry checked (CRC, zip records, pickle globals) before the destination is touched
             object_specs, index, notes = plan_objects(index, lambda k: read_checked_object(reader, k, options.trust_pickle),
@@ -175,13 +187,14 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             if format == ST_FORMAT:
                 object_specs, notes = [], [*notes, *tensors_only_warning([k for k, *_ in object_specs])]
             framework = framework_files(reader, src, options.trust_pickle) if format == "dcp" else {}
-            layout = replace(layout, chunks=chunks_of(layout.chunks, index.tensors), warnings=layout.warnings + tuple(notes))
+            layout = replace(layout.only(index.tensors), warnings=layout.warnings + tuple(notes))
             tasks = layout_tasks(index, layout, options.effective_piece_bytes)
             header = {"--mesh": str(target_mesh), "--mesh-order": mesh_order, "--plan": option_value(plan),
                       "--dtype": dtype,
                       "--keys": None if selection is None or selection.everything else selection.to_json(),
                       "--drop-dataloader-state": bool(drop_dataloader), "--config": option_value(config),
-                      **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {})}
+                      **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {}),
+                      **({"--local-files": local.mode, "--ranks-per-node": local.ranks_per_node} if local.local else {})}
             expected = PlannedOutput.of(((k, target_dtype(e, refs.get(k), dtype), e.shape)
                                          for k, e in index.tensors.items()), (k for k, *_ in object_specs))
             if format == ST_FORMAT:
@@ -222,26 +235,50 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
                 expected: PlannedOutput | None = None) -> Conversion:
     """The planned conversion: a DCP writer for the layout's chunks and the objects' specs (and the
     ``framework`` files copied beside them); its dry run is the target plan (``preview_chunks``
-    chunks listed per key; None: all)."""
-    mesh = layout.mesh
+    chunks listed per key; None: all). With rank-local metadata (``--local-files rank|node``) the
+    objects are stored once per rank (node) that loads them, and a completion marker follows the
+    ranks' metadata; otherwise ``.ckptconv-loads.json`` (what each rank's ``dcp.load`` opens)
+    precedes ``.metadata``."""
+    mesh, local = layout.mesh, layout.local
+    loaders = loading_ranks(object_specs, mesh)
+    if local.local:
+        object_specs, object_readers = local_objects(object_specs, loaders, mesh.world_size, local)
+        object_loads = list(zip((o[3] for o in object_specs), object_readers))
+    else:
+        object_readers = None
+        object_loads = [(o[3], loaders.get(o[0])) for o in object_specs]
+
+    def loads() -> list[list[str]]:
+        return [[rank_metadata_name(r) if local.local else METADATA_NAME, *map(rank_file, sorted(files))]
+                for r, files in enumerate(rank_loads(layout, object_loads))]
 
     def describe() -> tuple[str, dict]:
         from converter.plan.dry_run import build_preview, render_preview
 
         with gc_paused():  # the plan document is millions of small acyclic objects at scale
             doc = build_preview(source_label(src), str(dst), layout.plan or plan_name, layout, tasks, index,
-                                [(k, r) for k, _, _, r in object_specs], chunk_lines=preview_chunks)
+                                [(k, r) for k, _, _, r in object_specs], chunk_lines=preview_chunks,
+                                loads=loads() if preview_chunks is None else None, object_readers=object_readers)
             return render_preview(doc), doc
 
     def open_output(out: Path) -> Output:
         objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
         planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
-        writer = DCPWriter(out, layout.chunks, objects, planner_data, mesh.world_size, direct_io=knobs.DIRECT_WRITES)
+        writer = DCPWriter(out, layout.chunks, objects, planner_data, mesh.world_size, direct_io=knobs.DIRECT_WRITES,
+                           readers=layout.readers, object_readers=object_readers)
+        marker = {"format": "dcp", "local_files": local.mode, "ranks_per_node": local.ranks_per_node,
+                  "world_size": mesh.world_size, "mesh": str(mesh),
+                  "files": [*writer.metadata_names(), *writer.data_files()]}
+        if local.local:
+            before, after = None, lambda: write_complete_marker(out, marker)
+        else:
+            before, after = lambda: write_loads_manifest(out, loads()), None
         # Megatron's metadata.json / common.pt, as they are
-        return dcp_output(writer, extra_files=lambda: write_framework_files(out, framework or {}))
+        return dcp_output(writer, extra_files=lambda: write_framework_files(out, framework or {}),
+                          before_commit=before, after_commit=after)
 
     choice = None if layout.plan_reason is None else f"plan {layout.plan} (--plan {plan_name}): {layout.plan_reason}"
-    planned = ConversionResult(str(dst), len(index.tensors), len(object_specs), total_target_nbytes(tasks),
+    planned = ConversionResult(str(dst), len(index.tensors), len({o[0] for o in object_specs}), total_target_nbytes(tasks),
                                0.0, warnings=layout.warnings, mesh=str(mesh), world_size=mesh.world_size,
                                plan_choice=choice)
     return Conversion("from-universal", src, dst, index, reader, tasks, header, open_output, planned, describe,

@@ -128,6 +128,35 @@ def rank_file(key: str, state: DataloaderState | None, mesh: Mesh) -> int:
     return 0
 
 
+def batch_ranks(mesh: Mesh) -> dict[int, tuple[int, ...]]:
+    """DP (batch) rank -> every rank of ``mesh`` with that batch coordinate."""
+    out: dict[int, list[int]] = {}
+    names, dp_shard = mesh.names, mesh.size("dp_shard")
+    for rank in range(mesh.world_size):
+        c = dict(zip(names, mesh.coords(rank)))
+        out.setdefault(c.get("dp_replicate", 0) * dp_shard + c.get("dp_shard", 0), []).append(rank)
+    return {d: tuple(r) for d, r in out.items()}
+
+
+def loading_ranks(specs: list[tuple[str, tuple, bytes, int]], mesh: Mesh) -> dict[str, tuple[int, ...]]:
+    """The ranks that load each of the non-tensor entries ``specs`` (:func:`plan_objects`' output)
+    that not every rank loads: torchtitan's ``dataloader.dp_rank_<d>`` at the target's DP degree
+    is loaded by the ranks of batch coordinate ``d`` only (each rank's state dict holds its own)."""
+    degrees = {}
+    for key, path, data, _ in specs:
+        if _under_root(path) and str(path[-1]) == "world_size":
+            ok, value = load_plain_object(data)
+            if ok and isinstance(value, int):
+                degrees[tuple(path[:-1])] = value
+    by_dp = batch_ranks(mesh)
+    out = {}
+    for key, path, _, _ in specs:
+        m = _RANK_KEY.match(str(path[-1])) if _under_root(path) else None
+        if m and degrees.get(tuple(path[:-1])) == target_dp(mesh):
+            out[key] = by_dp.get(int(m.group(1)), (0,))
+    return out
+
+
 def without(index: CheckpointIndex, state: DataloaderState) -> CheckpointIndex:
     """``index`` without the dataloader entries."""
     from dataclasses import replace

@@ -65,7 +65,8 @@ def _box_json(box: Box) -> dict[str, list[int]]:
 def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterable[Any],
                   index: CheckpointIndex, objects: Sequence[tuple[str, int]],
                   chunk_lines: int | None = None, rank_file_of: Callable[[int], str] | None = None,
-                  files: int | None = None) -> dict[str, Any]:
+                  files: int | None = None, loads: Sequence[Sequence[str]] | None = None,
+                  object_readers: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """The dry-run document (JSON-able; see the module docstring). ``layout`` is the
     :class:`converter.plan.target_layout.TargetLayout`, ``tasks`` its copy tasks, ``objects`` the non-tensor
     entries as ``(key, rank file)``.
@@ -74,13 +75,19 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
     each tensor then says its ``chunk_count``), so a million-chunk plan costs its totals, not a
     document entry per chunk; None lists every chunk (the schema's document: ``--json``, ``--layout``).
     ``rank_file_of(rank)`` names a rank's file (default DCP's ``__<rank>_0.distcp``); ``files``: the
-    output's file count (default one per rank and ``.metadata``).
+    output's file count (default one per rank and ``.metadata``, or a rank-local metadata file
+    per rank). ``loads[rank]``: the files that rank's ``dcp.load`` opens (``ranks[].loads``).
+    With rank-local metadata (``--local-files rank|node``) a box is listed once per stored copy,
+    with the ranks that read that copy (``readers``), as are the objects (``object_readers``).
     """
     rank_file = rank_file_of or _dcp_rank_file
     mesh = layout.mesh
     by_key: dict[str, list[Any]] = {}
     for key, group in groupby(layout.chunks, _KEY):  # a key's chunks are contiguous: C-level grouping
         by_key.setdefault(key, []).extend(group)
+    readers_of: dict[int, tuple[int, ...]] = {}
+    if layout.readers is not None:
+        readers_of = {id(c): r for c, r in zip(layout.chunks, layout.readers)}
     listed = {k: specs if chunk_lines is None else specs[:chunk_lines] for k, specs in by_key.items()}
     sources = _sources(tasks, None if chunk_lines is None else {
         k: {(s.box.offsets, s.box.sizes) for s in specs} for k, specs in listed.items()})
@@ -100,10 +107,13 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
         chunks = []
         for s in listed[key]:
             box = (s.box.offsets, s.box.sizes)
-            chunks.append({"rank": s.rank, "file": rank_file(s.rank), **_box_json(s.box),
-                           "bytes": s.box.numel * itemsize,
-                           "holders": list(holders.get(box, (s.rank,))),  # ascending
-                           "sources": sorted(sources.get((key, *box), ()))})
+            chunk = {"rank": s.rank, "file": rank_file(s.rank), **_box_json(s.box),
+                     "bytes": s.box.numel * itemsize,
+                     "holders": list(holders.get(box, (s.rank,))),  # ascending
+                     "sources": sorted(sources.get((key, *box), ()))}
+            if readers_of:
+                chunk["readers"] = list(readers_of[id(s)])
+            chunks.append(chunk)
         doc = {"key": key, "dtype": specs[0].dtype, "source_dtype": entry.dtype, "shape": list(entry.shape),
                "placement": _placement_json(placement, mesh), "pp_stage": placement.pp_stage,
                "rule": placement.rule, "chunks": chunks}
@@ -112,6 +122,15 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
         tensors.append(doc)
     ranks_doc = [{"rank": r, "coords": mesh.rank_coords(r), "file": rank_file(r),
                   "chunks": n, "bytes": b} for r, (n, b) in enumerate(zip(n_chunks.tolist(), n_bytes.tolist()))]
+    if loads is not None:
+        for r, names in zip(ranks_doc, loads):
+            r["loads"] = list(names)
+    local = getattr(layout, "local", None)
+    rank_local = local is not None and local.local
+    objects_doc = [{"key": k, "file": rank_file(r)} for k, r in objects]
+    if object_readers is not None:
+        for o, readers in zip(objects_doc, object_readers):
+            o["readers"] = list(readers)
     return {
         "schema": SCHEMA_ID,
         "src": src,
@@ -122,10 +141,12 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
                  "world_size": mesh.world_size},
         "ranks": ranks_doc,
         "tensors": tensors,
-        "objects": [{"key": k, "file": rank_file(r)} for k, r in objects],
+        "local_files": {"mode": local.mode if local is not None else "dedup",
+                        "ranks_per_node": local.ranks_per_node if local is not None else None},
+        "objects": objects_doc,
         "warnings": list(layout.warnings),
-        "totals": {"tensors": len(tensors), "objects": len(objects), "bytes": int(n_bytes.sum()),
-                   "files": mesh.world_size + 1 if files is None else files},
+        "totals": {"tensors": len(tensors), "objects": len({k for k, _ in objects}), "bytes": int(n_bytes.sum()),
+                   "files": files if files is not None else 2 * mesh.world_size if rank_local else mesh.world_size + 1},
     }
 
 
@@ -215,8 +236,8 @@ def preview_index(doc: Mapping[str, Any]) -> CheckpointIndex:
     """The index of the checkpoint the dry run describes (what its ``.metadata`` will say)."""
     tensors = {}
     for t in doc["tensors"]:
-        chunks = tuple(ChunkRef(Box(tuple(c["offsets"]), tuple(c["sizes"])), c["file"], None, c["rank"])
-                       for c in t["chunks"])
+        boxes = {(tuple(c["offsets"]), tuple(c["sizes"])): c for c in reversed(t["chunks"])}  # a box's first copy
+        chunks = tuple(ChunkRef(Box(*box), c["file"], None, c["rank"]) for box, c in reversed(boxes.items()))
         tensors[t["key"]] = TensorEntry(t["key"], t["dtype"], tuple(t["shape"]), chunks, (t["key"],))
     objects = {o["key"]: ObjectEntry(o["key"], (o["key"],), o["file"], None) for o in doc["objects"]}
     return CheckpointIndex("dcp", doc["dst"], tensors, objects, {"world_size": doc["mesh"]["world_size"]})

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import groupby
 from operator import attrgetter
@@ -29,13 +29,61 @@ from converter.plan.mesh import Mesh
 from converter.plan.placement_rules import HeadCounts, TensorPlacement, check_head_split, plan_all, replicated
 from converter.plan.plans import get_plan
 from formats.base import Box, CheckpointIndex, TensorEntry
-from formats.dcp.writer import ChunkSpec
+from formats.dcp.writer import ChunkCopy, ChunkSpec
+from formats.errors import ConfigError
 from formats.dtypes import CASTABLE_FLOATS, by_name
+
+
+#: ``--local-files``: where a box several ranks hold is stored.
+LOCAL_FILES = ("dedup", "rank", "node")
+
+
+@dataclass(frozen=True)
+class LocalFiles:
+    """``--local-files MODE [--ranks-per-node K]``: ``dedup`` (one copy of each box, in the
+    least-loaded holder's file, one ``.metadata``: what ``dcp.save`` writes), ``rank`` (every rank's
+    file holds everything that rank loads) or ``node`` (every node's files, ranks ``N*K`` to
+    ``N*K+K-1``, hold everything its ranks load: one copy per node); the last two write rank-local
+    metadata ``__<rank>.metadata`` mapping each rank's items to its own copies."""
+
+    mode: str = "dedup"
+    ranks_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in LOCAL_FILES:
+            raise ConfigError(f"--local-files {self.mode!r}: choose one of {', '.join(LOCAL_FILES)}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ConfigError(f"--ranks-per-node must be at least 1 (got {self.ranks_per_node})")
+        if self.mode == "node" and self.ranks_per_node is None:
+            raise ConfigError("--local-files node needs --ranks-per-node K (the ranks of each node: N*K .. N*K+K-1)")
+        if self.mode != "node" and self.ranks_per_node is not None:
+            raise ConfigError("--ranks-per-node groups the files of --local-files node; add --local-files node")
+
+    @property
+    def local(self) -> bool:
+        """Whether ranks get rank-local metadata (``rank`` or ``node``)."""
+        return self.mode != "dedup"
+
+    @property
+    def group(self) -> int:
+        """Ranks per file group: 1 for ``rank``, K for ``node``."""
+        return self.ranks_per_node or 1
+
+    def check(self, world: int) -> None:
+        """Refuse a node size that does not divide the world (before any I/O)."""
+        if self.mode == "node" and world % self.group:
+            raise ConfigError(f"--ranks-per-node {self.group} does not divide the {world} ranks of the mesh")
+
+    def nodes(self, world: int) -> int:
+        """How many file groups (nodes) a ``world``-rank target has."""
+        return world // self.group if self.local else 1
 
 
 @dataclass(frozen=True)
 class TargetLayout:
-    """Every chunk of the target checkpoint, and the warnings the plan raised."""
+    """Every chunk of the target checkpoint, and the warnings the plan raised. With rank-local
+    metadata (``local.local``) a box may be stored once per rank file (or per node) and
+    ``readers`` names, per chunk, the ranks whose metadata lists that copy."""
 
     mesh: Mesh
     chunks: tuple[ChunkSpec, ...]
@@ -44,13 +92,23 @@ class TargetLayout:
     key_placements: Mapping[str, TensorPlacement] = field(default_factory=dict)  # per tensor key
     plan: str = ""  # the plan that placed them (what --plan auto chose)
     plan_reason: str | None = None  # --plan auto: why (one line)
+    local: LocalFiles = LocalFiles()
+    readers: tuple[tuple[int, ...], ...] | None = None  # per chunk (rank-local metadata only)
+
+    def only(self, keys: Collection[str]) -> TargetLayout:
+        """The layout of ``keys``' chunks only (itself when every key is kept: C-level checks)."""
+        if set(map(_KEY, self.chunks)) <= set(keys):
+            return self
+        kept = [i for i, c in enumerate(self.chunks) if c.key in keys]
+        return replace(self, chunks=tuple(self.chunks[i] for i in kept),
+                       readers=None if self.readers is None else tuple(self.readers[i] for i in kept))
 
 
 def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mesh, plan_name: str,
                   tp_splits: Mapping[str, int | None], replicated: set[str],
                   dtype_override: str | None = None, keep: Collection[str] | None = None,
                   heads: HeadCounts | None = None, dedup: str = "least-loaded",
-                  source_mesh: Mapping[str, int] | None = None) -> TargetLayout:
+                  source_mesh: Mapping[str, int] | None = None, local: LocalFiles = LocalFiles()) -> TargetLayout:
     """Pure: the target chunks (key, box, owner rank) for every tensor of ``index`` on ``mesh``
     (only the tensors in ``keep`` when given: parameters are still planned from the whole
     ``index``, so a selected optimizer state follows its parameter's placement). With ``heads``
@@ -59,7 +117,10 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
     ``dcp.save``'s dedup picks, :func:`torch_dedup_owners`). ``plan_name`` ``auto`` chooses the
     plan from the checkpoint (:func:`converter.plan.auto_plan.choose_plan`; ``source_mesh``, the
     detected source mesh, is named in its reason); a ``tp`` or ``ep`` mesh dim the plan leaves
-    unused is warned about, naming the plan that would use it."""
+    unused is warned about, naming the plan that would use it. ``local`` (``--local-files``) stores
+    a box once per holding rank's file (``rank``) or once per node among its holders, in the
+    least-loaded holder of that node (``node``), each copy read by its own rank (or node)."""
+    local.check(mesh.world_size)
     params = {
         ref.atom: tuple(index.tensors[k].shape)
         for k, ref in refs.items()
@@ -80,6 +141,7 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
     check_head_split(placements, mesh, heads)
     owners = OwnerPicker(mesh.world_size, exact=_huge(index))
     chunks: list[ChunkSpec] = []
+    readers: list[tuple[int, ...]] | None = [] if local.local else None
     by_key: dict[str, TensorPlacement] = {}
     later: list[tuple[str, str, tuple[int, ...], BoxGroups]] = []  # dedup="torch": owners after the loop
     for key, entry in index.tensors.items():
@@ -92,6 +154,11 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
         if dedup == "torch":
             later.append((key, dtype, shape, groups))
             continue
+        if readers is not None:
+            boxes, ranks, read = owners.pick_local(groups, itemsize, local.group)
+            chunks += ChunkCopy.many(key, dtype, shape, boxes, ranks)
+            readers += read
+            continue
         # layout boxes: Python ints
         chunks += ChunkSpec.many(key, dtype, shape, groups.boxes, owners.pick(groups, itemsize))
     if later:
@@ -99,7 +166,8 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
                                     mesh.world_size)
         for (key, dtype, shape, groups), ranks in zip(later, picked):
             chunks += ChunkSpec.many(key, dtype, shape, groups.boxes, ranks)
-    return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key, plan.name, reason)
+    return TargetLayout(mesh, tuple(chunks), tuple(warnings), placements, by_key, plan.name, reason, local,
+                        None if readers is None else tuple(readers))
 
 
 def _unused_dims(params: Mapping[str, tuple], placements: Mapping[str, TensorPlacement], mesh: Mesh,
@@ -249,6 +317,7 @@ class OwnerPicker:
         self.loads[world_size] = np.iinfo(np.int64).max  # the padding rank
         self.py_loads: dict[int, int] = {r: 0 for r in range(world_size)}
         self._groups: dict[tuple, BoxGroups] = {}
+        self._splits: dict[tuple, _NodeSplit] = {}
 
     def groups(self, placement: TensorPlacement, shape: tuple[int, ...], mesh: Mesh) -> BoxGroups:
         """The placement's boxes on ``shape`` (cached: layouts repeat a few shapes)."""
@@ -292,6 +361,146 @@ class OwnerPicker:
             loads[owner] += box.numel * itemsize
             out.append(int(owner))
         return out
+
+
+    def pick_local(self, groups: BoxGroups, itemsize: int, node_size: int
+                   ) -> tuple[list[Box], list[int], list[tuple[int, ...]]]:
+        """Rank-local copies of ``groups.boxes``: ``(boxes, file ranks, readers)``, one copy per
+        node of ``node_size`` ranks among each box's holders (``node_size`` 1: per holding rank),
+        in that node's least-loaded holder, read by the node's holders; an empty box is stored
+        once (nothing reads it). The bytes are added to the loads."""
+        split = self._split(groups, node_size)
+        if split.fixed is not None:  # every copy's holder is its only candidate: no choice to make
+            boxes, ranks, readers, numels = split.fixed
+            if self.exact:
+                for r, n in zip(ranks, numels):
+                    self.py_loads[r] += n * itemsize
+            else:
+                np.add.at(self.loads, np.asarray(ranks, dtype=np.int64), np.asarray(numels, dtype=np.int64) * itemsize)
+            return boxes, ranks, readers
+        loads = self.py_loads if self.exact else self.loads
+        boxes, ranks, readers = [], [], []
+        for box, parts in zip(groups.boxes, split.parts):
+            nbytes = box.numel * itemsize
+            for part in parts:
+                owner = part[0] if len(part) == 1 else int(min(part, key=loads.__getitem__))  # ties: lowest rank
+                loads[owner] += nbytes
+                boxes.append(box)
+                ranks.append(owner)
+                readers.append(part)
+        return boxes, ranks, readers
+
+    def _split(self, groups: BoxGroups, node_size: int) -> _NodeSplit:
+        """Each box's holders split by node (cached per box groups and node size)."""
+        key = (id(groups), node_size)
+        found = self._splits.get(key)
+        if found is not None and found.groups is groups:
+            return found
+        parts: list[tuple[tuple[int, ...], ...]] = []
+        for box, holders in zip(groups.boxes, groups.holders):
+            if not box.numel or len(holders) <= 1:
+                parts.append((holders,) if holders else ())
+                continue
+            by_node: dict[int, list[int]] = {}
+            for r in holders:
+                by_node.setdefault(r // node_size, []).append(r)
+            parts.append(tuple(_ranks(g) for g in by_node.values()))
+        fixed = None
+        if all(len(g) == 1 for p in parts for g in p):
+            flat = [(box, g) for box, p in zip(groups.boxes, parts) for g in p]
+            fixed = ([b for b, _ in flat], [g[0] for _, g in flat], [g for _, g in flat], [b.numel for b, _ in flat])
+        found = self._splits[key] = _NodeSplit(groups, tuple(parts), fixed)
+        return found
+
+
+@dataclass(frozen=True)
+class _NodeSplit:
+    """A box group's holders by node: per box, one rank tuple per node; ``fixed`` when each part
+    has one rank (``(boxes, ranks, readers, numels)`` of the copies, the same every time)."""
+
+    groups: BoxGroups
+    parts: tuple[tuple[tuple[int, ...], ...], ...]
+    fixed: tuple[list, list, list, list] | None
+
+
+_SINGLES: dict[int, tuple[int, ...]] = {}
+
+
+def _ranks(ranks: list[int]) -> tuple[int, ...]:
+    """``ranks`` as a tuple, one shared object per single rank (layouts make millions)."""
+    if len(ranks) == 1:
+        r = ranks[0]
+        found = _SINGLES.get(r)
+        if found is None:
+            found = _SINGLES[r] = (r,)
+        return found
+    return tuple(ranks)
+
+
+def local_objects(specs: Sequence[tuple[str, tuple, bytes, int]], loaders: Mapping[str, tuple[int, ...]], world: int,
+                  local: LocalFiles) -> tuple[list[tuple[str, tuple, bytes, int]], list[tuple[int, ...]]]:
+    """The non-tensor entries ``(key, path, bytes, rank file)`` stored rank-locally: once per node
+    (rank, with ``--local-files rank``) among the ranks that load each (``loaders``; every rank
+    when not named), in that node's first loading rank's file; with the ranks that read each copy."""
+    size = local.group
+    every = [tuple(range(n * size, min(world, (n + 1) * size))) for n in range(local.nodes(world))]
+    out: list[tuple[str, tuple, bytes, int]] = []
+    readers: list[tuple[int, ...]] = []
+    for key, path, data, _ in specs:
+        ranks = loaders.get(key)
+        if ranks is None:
+            parts = every
+        else:
+            by_node: dict[int, list[int]] = {}
+            for r in ranks:
+                by_node.setdefault(r // size, []).append(r)
+            parts = [tuple(g) for g in by_node.values()]
+        for part in parts:
+            out.append((key, path, data, part[0]))
+            readers.append(part)
+    return out, readers
+
+
+def rank_loads(layout: TargetLayout, objects: Sequence[tuple[int, tuple[int, ...] | None]]) -> list[set[int]]:
+    """Per rank of the target, the rank files its ``dcp.load`` opens (read items only: empty
+    boxes are never read): the copies it reads (``layout.readers``, or every holder of a box
+    stored once) and its non-tensor entries (``objects``: ``(file rank, readers)``, readers None:
+    every rank)."""
+    world = layout.mesh.world_size
+    loads: list[set[int]] = [set() for _ in range(world)]
+    shared: set[int] = set()  # files every rank reads
+    for rank, readers in objects:
+        if readers is None:
+            shared.add(rank)
+        else:
+            for r in readers:
+                loads[r].add(rank)
+    if layout.readers is not None:
+        for spec, readers in zip(layout.chunks, layout.readers):
+            if spec.box.numel:
+                f = spec.rank
+                for r in readers:
+                    loads[r].add(f)
+    else:
+        cache: dict[tuple, dict[tuple, tuple[int, ...]]] = {}
+        for key, group in groupby(layout.chunks, _KEY):
+            specs = list(group)
+            placement = layout.key_placements[key]
+            shape = specs[0].global_shape
+            holders = cache.get((placement, shape))
+            if holders is None:
+                holders = cache[(placement, shape)] = {(b.offsets, b.sizes): h for b, h in
+                                                       placement.unique_boxes(shape, layout.mesh)}
+            for spec in specs:
+                box = spec.box
+                if box.numel:
+                    f = spec.rank
+                    for r in holders.get((box.offsets, box.sizes), (f,)):
+                        loads[r].add(f)
+    if shared:
+        for s in loads:
+            s |= shared
+    return loads
 
 
 def layout_tasks(index: CheckpointIndex, layout: TargetLayout, piece_bytes: int) -> list[WriteTask]:

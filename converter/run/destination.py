@@ -72,6 +72,10 @@ KIND_OF_OP = {"to-universal": UNIVERSAL, "import-hf": UNIVERSAL, "import-ds": UN
 #: The completion marker of a DCP safetensors output (torch's form has none; its readers ignore it),
 #: written last, after the output record.
 ST_MARKER = ".ckptconv-complete.json"  # formats.dcp_safetensors.COMPLETE_MARKER (read there: not imported here)
+#: What each rank's ``dcp.load`` opens, beside a from-universal DCP output's ``.metadata``
+#: (written before it; ``ckptconv files`` reads it; schemas/loads.schema.json).
+LOADS_MANIFEST = ".ckptconv-loads.json"
+LOADS_SCHEMA = "ckptconv.loads/1"
 #: The folder of the per-rank files beside the consolidated ones (``--consolidate``).
 SHARDED_DIR = "sharded"
 _SHARD = r"shard-\d+-model-\d+-of-\d+\.safetensors"
@@ -84,7 +88,9 @@ _TMP = r"\.{name}\.tmp-\d+"  # formats.fsutil.atomic_write_bytes's temp file
 _FRAMEWORK = [r"metadata\.json", r"common\.pt", _TMP.format(name=r"(metadata\.json|common\.pt)")]
 _OWN_FILES = {
     UNIVERSAL: [r"ckptconv\.json", r"zarr\.json", _TMP.format(name=r"ckptconv\.json"), *_FRAMEWORK],
-    DCP: [r"\.metadata", r"__\d+_\d+\.distcp", r"__\d+\.metadata", _TMP.format(name=r"\.metadata"), *_FRAMEWORK],
+    DCP: [r"\.metadata", r"__\d+_\d+\.distcp", r"__\d+\.metadata", _TMP.format(name=r"\.metadata"),
+          r"\.__\d+\.metadata\.tmp-\d+", re.escape(LOADS_MANIFEST), _TMP.format(name=re.escape(LOADS_MANIFEST)),
+          re.escape(ST_MARKER), _TMP.format(name=re.escape(ST_MARKER)), *_FRAMEWORK],
     HF: [r"model\.safetensors", r"model-\d+-of-\d+\.safetensors", r"model(-\d+-of-\d+)?\.safetensors\.tmp",
          r"model\.safetensors\.index\.json", r"config\.json",
          _TMP.format(name=r"(config\.json|model\.safetensors\.index\.json)")],
@@ -115,6 +121,7 @@ _CHUNK_RE = re.compile(r"\d+|\.\d+\.tmp")
 _ST_CHUNK_RE = re.compile(r"\.?(c|\d+(\.\d+)*)\.safetensors(\.tmp)?")
 _OBJECT_RE = re.compile(r"\d{6}\.pt")
 _SHARD_FILE_RE = re.compile(_SHARD + r"(\.tmp)?")
+_RANK_MD_RE = re.compile(r"__\d+\.metadata")
 
 
 def owned_path(rel: str) -> bool:
@@ -289,8 +296,10 @@ def _clear(out: Path) -> None:
     first = (*MARKERS.values(), "model.safetensors", JOURNAL_NAME)
     last = len(first) + 1  # the output record goes last: what an interrupted clear leaves is still ours
 
-    def order(e: os.DirEntry) -> int:
-        return first.index(e.name) if e.name in first else last if e.name == OUTPUT_RECORD else len(first)
+    def order(e: os.DirEntry) -> int:  # (rank-local metadata with the markers: what dcp.load would read)
+        if e.name in first:
+            return first.index(e.name)
+        return last if e.name == OUTPUT_RECORD else len(first) - 1 if _RANK_MD_RE.fullmatch(e.name) else len(first)
 
     entries = sorted(os.scandir(out), key=order)
     for entry in entries:
@@ -313,7 +322,9 @@ def complete_marker(out: Path) -> str | None:
     return None
 
 
-def _kind_of_marker(marker: str) -> str:
+def _kind_of_marker(marker: str, out: Path | None = None) -> str:
+    if marker == ST_MARKER and out is not None and _read_bookkeeping(out / ST_MARKER, "format") == "dcp":
+        return f"{DCP} with rank-local metadata"  # from-universal --local-files rank|node
     return {"ckptconv.json": UNIVERSAL, ".metadata": DCP, "latest_universal": DEEPSPEED, ST_MARKER: DCP_ST,
             LEGACY_TRACKER: MEGATRON_LEGACY}.get(marker, HF)
 
@@ -576,6 +587,22 @@ def write_complete_marker(out: Path, doc: Mapping[str, Any]) -> None:
     atomic_write_bytes(out / ST_MARKER, (json.dumps(dict(doc), sort_keys=True, indent=1) + "\n").encode())
 
 
+def write_loads_manifest(out: Path, loads: Sequence[Sequence[str]]) -> None:
+    """Record in ``out`` the files each rank's ``dcp.load`` opens (``loads[rank]``: names in ``out``)."""
+    from formats.fsutil import atomic_write_bytes
+
+    names = sorted({n for files in loads for n in files}, key=_file_order)
+    at = {n: i for i, n in enumerate(names)}
+    doc = {"schema": LOADS_SCHEMA, "world_size": len(loads), "files": names,
+           "loads": [[at[n] for n in files] for files in loads]}
+    atomic_write_bytes(out / LOADS_MANIFEST, json.dumps(doc, separators=(",", ":")).encode())
+
+
+def _file_order(name: str) -> tuple:
+    m = re.fullmatch(r"__(\d+)_(\d+)\.distcp", name)
+    return (1, int(m.group(1)), int(m.group(2))) if m else (0, 0, name)
+
+
 def write_output_record(out: Path, header: Mapping[str, Any], files: Sequence[str] = ()) -> None:
     """Mark the output in ``out`` as ckptconv's and name the conversion ``header`` (its journal
     header, less the rank) that wrote it; written just before the output's completion marker.
@@ -737,7 +764,7 @@ def _refuse_non_empty(out: Path, dst: Any) -> None:
     marker = complete_marker(out)
     if marker is not None and not foreign_entries(out)[0]:
         raise DestinationError(
-            f"{dst}: already holds a complete {_kind_of_marker(marker)} ({marker}); pass --overwrite to replace it "
+            f"{dst}: already holds a complete {_kind_of_marker(marker, out)} ({marker}); pass --overwrite to replace it "
             "or choose a new path"
         )
     raise DestinationError(f"{dst}: destination is not empty; pass --overwrite to replace it or choose a new path")
@@ -767,7 +794,7 @@ def _check_resume(out: Path, dst: Any, header: Mapping[str, Any], world: int) ->
         if why is None:
             return COMPLETE
         raise DestinationError(
-            f"{dst}: already holds a complete {_kind_of_marker(marker)} ({marker}{_written_from(out, marker)}) of "
+            f"{dst}: already holds a complete {_kind_of_marker(marker, out)} ({marker}{_written_from(out, marker)}) of "
             f"another conversion ({why}): nothing to resume; pass --overwrite instead of --resume to convert again"
         )
     if not (out / JOURNAL_NAME).is_file():

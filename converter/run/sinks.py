@@ -230,18 +230,29 @@ def universal_output(out: Path, tensors: Mapping[str, TensorEntry], refs: Mappin
                   write_objects=None if write_objects is None else lambda: write_objects(writer), needs_info=True)
 
 
-def dcp_output(writer: Any, extra_files: Callable[[], None] | None = None) -> Output:
+def dcp_output(writer: Any, extra_files: Callable[[], None] | None = None,
+               before_commit: Callable[[], None] | None = None,
+               after_commit: Callable[[], None] | None = None) -> Output:
     """A DCP checkpoint (:class:`formats.dcp.writer.DCPWriter`): rank files sized by rank 0, chunks
     cast to the target dtype; ``extra_files`` runs after the non-tensor entries are written (rank
-    0). The result counts every rank's bytes in the target dtype."""
+    0); ``before_commit`` / ``after_commit`` around the writer's commit (a manifest before the
+    ``.metadata``; the completion marker after rank-local metadata). The result counts every
+    rank's bytes in the target dtype."""
     sink = RankChunkSink(writer)
+
+    def commit() -> None:
+        if before_commit is not None:
+            before_commit()
+        writer.commit()
+        if after_commit is not None:
+            after_commit()
 
     def write_objects() -> None:
         writer.write_objects()
         if extra_files is not None:
             extra_files()
 
-    return Output(sink=sink, commit=writer.commit, manifest=writer.manifest,
+    return Output(sink=sink, commit=commit, manifest=writer.manifest,
                   prepare=lambda resume: writer.prepare(resume=resume),
                   adopt=lambda task, info: writer.adopt_chunk(task.target), write_objects=write_objects,
                   close=writer.close, bytes_written=lambda stats: sum(distributed.current().gather(sink.written)))

@@ -106,4 +106,6 @@ def test_text_dry_run_lists_few_chunks_and_says_the_same_as_the_whole_plan(dcp_c
     assert "more chunks (--json lists every one)" in few.plan  # 24 chunks per matrix: some left out
     assert max(len(t["chunks"]) for t in few.preview["tensors"]) == PREVIEW_CHUNK_LINES
     assert [t["chunk_count"] for t in few.preview["tensors"]] == [len(t["chunks"]) for t in whole.preview["tensors"]]
-    assert few.bytes == whole.bytes and few.preview["ranks"] == whole.preview["ranks"]
+    assert few.bytes == whole.bytes
+    assert few.preview["ranks"] == [{k: v for k, v in r.items() if k != "loads"} for r in whole.preview["ranks"]]
+    assert all(r["loads"][0] == ".metadata" for r in whole.preview["ranks"])  # --json only: what each rank opens

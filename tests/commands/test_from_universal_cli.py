@@ -96,7 +96,7 @@ def test_writes_a_dcp_checkpoint_torch_reads_as_the_source(store, source_ref, tm
     # stderr: only the one line naming the plan --plan auto chose, and why
     assert proc.stderr.startswith("ckptconv: plan llama (--plan auto): torchtitan Llama names (") \
         and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == [".metadata", ".written-by-ckptconv.json", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert sorted(p.name for p in out.iterdir()) == [".ckptconv-loads.json", ".metadata", ".written-by-ckptconv.json", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
     assert_same_value(torch_reference(out), source_ref)  # every tensor bit for bit, every object
     b = boxes(out)
     assert b["model.tok_embeddings.weight"] == [((0, 0), (17, 32)), ((17, 0), (17, 32)), ((34, 0), (16, 32))]
@@ -148,7 +148,7 @@ def test_overwrite_replaces_a_previous_output_only(store, source_ref, tmp_path):
     out = tmp_path / "o"
     assert run_cli("from-universal", store, out, "--mesh", "dp4").returncode == 0
     assert run_cli("from-universal", store, out, "--mesh", "dp2", "--overwrite").returncode == 0
-    assert sorted(p.name for p in out.iterdir()) == [".metadata", ".written-by-ckptconv.json", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in out.iterdir()) == [".ckptconv-loads.json", ".metadata", ".written-by-ckptconv.json", "__0_0.distcp", "__1_0.distcp"]
     assert_same_value(torch_reference(out), source_ref)
     (out / "old.txt").write_text("x")  # not ckptconv's: refused, nothing removed
     proc = run_cli("from-universal", store, out, "--mesh", "dp2", "--overwrite")

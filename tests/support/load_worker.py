@@ -13,6 +13,7 @@ every ``.distcp`` file the reader actually opened (the file system's ``create_st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import tempfile
@@ -38,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from ckpt_factory import (
     CONTINUE_STEPS,
+    _dp_rank,
     TRAIN_STEPS,
     FixtureSpec,
     add_special_buffers,
@@ -59,6 +61,7 @@ class LoadJob:
     ``reader``: "dcp" (a recording ``FileSystemReader``) or "universal" (the store through
     ``formats.universal_dcp.UniversalStorageReader``). ``ref``: a ``torch.save`` of the flattened
     torch reference of the source. ``spec``: the source fixture (model args, seed, style).
+    ``path`` may name each rank's own folder with ``{rank}`` (a rank's staged files).
     """
 
     name: str
@@ -67,6 +70,7 @@ class LoadJob:
     ref: str
     spec: FixtureSpec
     train: bool = True
+    own_dataloader: bool = False  # torchtitan's way: a rank's state dict holds only its own dataloader.dp_rank_<d>
 
 
 # ----------------------------------------------------------------------------- recording readers
@@ -78,10 +82,12 @@ class _RecordingFS:
     def __init__(self, fs: Any, opened: list[str]) -> None:
         self._fs, self._opened = fs, opened
 
+    @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str):
-        if "r" in mode:
-            self._opened.append(Path(path).name)
-        return self._fs.create_stream(path, mode)
+        with self._fs.create_stream(path, mode) as stream:  # recorded once it opened (a missing file raises)
+            if "r" in mode:
+                self._opened.append(str(path))
+            yield stream
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._fs, name)
@@ -160,9 +166,10 @@ def _dcp_options(spec: FixtureSpec) -> StateDictOptions:
     return StateDictOptions(flatten_optimizer_state_dict=getattr(spec, "flatten_optim", False))
 
 
-def _template(spec: FixtureSpec, model: Any, optim: Any, ref: dict) -> dict:
+def _template(spec: FixtureSpec, model: Any, optim: Any, ref: dict, dp_rank: int | None = None) -> dict:
     """The state dict to load into, as the fixture saved it: model + optimizer (DTensors), and a
-    placeholder for every other entry of the source (an empty tensor, or None for an object)."""
+    placeholder for every other entry of the source (an empty tensor, or None for an object);
+    with ``dp_rank``, of torchtitan's per-rank ``dataloader.dp_rank_<d>`` entries only its own."""
     if spec.style == "titan":
         state: dict = dict(get_model_state_dict(model))
         state["optimizer"] = get_optimizer_state_dict(model, optim, options=TITAN_OPTIONS)
@@ -171,6 +178,8 @@ def _template(spec: FixtureSpec, model: Any, optim: Any, ref: dict) -> dict:
         model_sd, optim_sd = get_state_dict(model, optim, options=_dcp_options(spec))
         state, owned, model_keys = {"model": model_sd, "optim": optim_sd}, ("model.", "optim."), set()
     for key, value in ref.items():
+        if dp_rank is not None and key.startswith("dataloader.dp_rank_") and key != f"dataloader.dp_rank_{dp_rank}":
+            continue
         if not key.startswith(owned) and key not in model_keys:
             _set_nested(state, key.split("."), torch.empty_like(value) if isinstance(value, torch.Tensor) else None)
     return state
@@ -247,8 +256,9 @@ def _one_job(rank: int, layout: dict[str, int], mesh: Any, job: LoadJob) -> dict
     if job.spec.special:
         add_special_buffers(model)  # after parallelizing, as the fixture does
     optim = make_optimizer(model)
-    state = _template(job.spec, model, optim, ref)
-    reader = RecordingReader(job.path) if job.reader == "dcp" else _universal_reader(job.path)
+    state = _template(job.spec, model, optim, ref, _dp_rank(layout, rank) if job.own_dataloader else None)
+    path = job.path.format(rank=rank)
+    reader = RecordingReader(path) if job.reader == "dcp" else _universal_reader(path)
     t1 = time.perf_counter()
     dcp.load(state, storage_reader=reader)
     t2 = time.perf_counter()
@@ -263,7 +273,8 @@ def _one_job(rank: int, layout: dict[str, int], mesh: Any, job: LoadJob) -> dict
         "errors": errors,
         "numel": numel,
         "reads": reader.items,
-        "opened": sorted(set(n for n in reader.opened if n.endswith(".distcp"))),
+        "opened": sorted(set(Path(n).name for n in reader.opened if n.endswith(".distcp"))),
+        "opened_paths": reader.opened,
         "losses": losses,
         "seconds": {"build": t1 - t0, "load": t2 - t1, "compare": t3 - t2, "train": t4 - t3},
     }
