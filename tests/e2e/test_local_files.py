@@ -142,3 +142,56 @@ def test_dry_run_lists_what_each_rank_opens(dcp_checkpoint, tmp_path, mode, k):
         copies = [c for t in plan.preview["tensors"] for c in t["chunks"] if c["bytes"]]  # (an empty box: stored once)
         assert all(set(c["readers"]) <= set(c["holders"]) for c in copies)
         assert all(c["rank"] // (k or 1) == r // (k or 1) for c in copies for r in c["readers"])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_each_load_only_their_own_folder(dcp_checkpoint, tmp_path):
+    """Two torchrun launchers on this machine (``--nnodes 2 --nproc-per-node 2``, c10d rendezvous on
+    localhost), each a node: an FSDP4 save converted to TP2 x FSDP2 with ``--local-files node
+    --ranks-per-node 2``; each node's local folder gets only what ``ckptconv files --node N`` lists;
+    every rank of the 4-rank world dcp.loads from its node's folder (torch's default planner),
+    bit for bit == torch's reading of the source, and opens nothing outside that folder."""
+    import json
+    import os
+    import pickle
+
+    src, out, mesh = dcp_checkpoint("fsdp4"), tmp_path / "out", "tp2,dp2"
+    _convert(src, out, mesh, "llama", "node", 2)
+    listed = {}
+    for node in range(2):
+        disk = tmp_path / f"disk{node}"
+        disk.mkdir()
+        for name in node_files(out, node):
+            shutil.copy2(out / name, disk / name)
+        listed.update({r: rank_files(disk, r) for r in (2 * node, 2 * node + 1)})  # read from the node's own copy
+    ref = tmp_path / "ref.pt"
+    torch.save(torch_reference(src), ref)
+    job = LoadJob("2 nodes", str(tmp_path / "disk{node}"), "dcp", str(ref), spec_from_info(fixture_info(src)),
+                  train=False)
+    jobs, reports = tmp_path / "jobs.pkl", tmp_path / "reports"
+    jobs.write_bytes(pickle.dumps((_layout(mesh), [job])))
+    reports.mkdir()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(ROOT / "tests" / "support"), os.environ.get("PYTHONPATH", "")])}
+    port = _free_port()
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "ckptconv-two-nodes",
+         str(ROOT / "tests" / "support" / "node_load_job.py"), str(jobs), str(reports)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in launchers:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    per_rank = {r: json.loads((reports / f"job0_rank{r}.json").read_text()) for r in range(4)}
+    _check(job.name, per_rank, listed, "node", 2)
+    for rank, rep in per_rank.items():
+        disk = tmp_path / f"disk{rank // 2}"
+        assert rep["opened_paths"] and all(Path(p).parent == disk for p in rep["opened_paths"]), (rank, rep["opened_paths"])
