@@ -32,6 +32,7 @@ from formats.dcp.archive import (ArchiveTensor, Entry, SliceReader, TensorDesc, 
                                  resolve_tensor_global, storage_loader)
 from formats.dcp.safe_pickle import SAFE_BUILTINS, DTypeRef, safe_loads
 from formats.errors import CorruptCheckpointError
+from formats.numpy_pickle import numpy_globals
 
 #: Largest ``data.pkl`` of a whole checkpoint file parsed (its structure: keys, shapes, args).
 MAX_FILE_PICKLE_BYTES = 256 << 20
@@ -90,26 +91,19 @@ def rebuild_from_type(func: Any, _new_type: Any, args: Any, _state: Any) -> Any:
     return func(*args)
 
 
-def _numpy_globals() -> dict[tuple[str, str], Any]:
-    """numpy's array and dtype constructors (both module spellings): they build plain data (an RNG
-    state's key array) and run no user code; object arrays' items still go through the allowlist."""
-    import numpy as np
-
-    core = getattr(np, "_core", None) or np.core
-    out: dict[tuple[str, str], Any] = {}
-    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        out[(mod, "_reconstruct")] = core.multiarray._reconstruct
-        out[(mod, "scalar")] = core.multiarray.scalar
-    out[("numpy", "ndarray")] = np.ndarray
-    out[("numpy", "dtype")] = np.dtype
-    return out
-
-
 def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
     """``_codecs.encode`` as protocol-2 pickles use it for ``bytes`` values (``latin1`` text)."""
     if type(text) is not str or encoding not in ("latin1", "latin-1"):
         raise TypeError(f"_codecs.encode({type(text).__name__}, {encoding!r})")
     return text.encode("latin1")
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()``, as protocol-2 pickles spell an empty ``bytes`` value (an empty numpy array's
+    data); never ``bytes(n)`` (``n`` zero bytes from a few bytes of pickle)."""
+    if args:
+        raise TypeError(f"bytes{args!r}")
+    return b""
 
 
 #: Plain-data globals a checkpoint file may name, read as themselves (``argparse.Namespace`` is
@@ -122,15 +116,17 @@ _PLAIN = {
     ("torch._tensor", "_rebuild_from_type_v2"): rebuild_from_type,
     ("torch", "Size"): tuple,
     ("_codecs", "encode"): _encode,
+    ("builtins", "bytes"): _empty_bytes,
 }
 
 
 def file_resolver(framework_modules: Iterable[str] = (), trust_pickle: bool = False) -> Callable[[str, str], Any]:
     """The globals of a checkpoint file: torch's tensor machinery as descriptions, plain data
-    (:data:`_PLAIN`, numpy) as itself, classes of ``framework_modules`` (and, with
+    (:data:`_PLAIN`) as itself, numpy's arrays, dtypes and scalars through checked stand-ins
+    (:mod:`formats.numpy_pickle`), classes of ``framework_modules`` (and, with
     ``trust_pickle``, of any module) as :func:`pickled_class` records; None (refused) otherwise."""
     prefixes = tuple(framework_modules)
-    plain = {**_PLAIN, **_numpy_globals()}
+    plain = {**_PLAIN, **numpy_globals()}
 
     def resolve(module: str, name: str) -> Any:
         found = plain.get((module, name))

@@ -326,3 +326,126 @@ def test_resume_does_not_follow_symlinks(small, tmp_path, monkeypatch, kind):
     except DestinationError:
         pass  # refusing is fine
     assert listing(outside) == {"victim"} and (outside / "victim").read_bytes() == b"precious"
+
+
+# ------------------------------------------------------------------------------------------------
+# framework files (torch.save .pt parsed by formats/torch_file): numpy values
+
+
+class _Call:
+    """Pickles as ``fn(*args)`` (REDUCE), then BUILD with ``state`` when given."""
+
+    def __init__(self, fn, args, state=None) -> None:
+        self.fn, self.args, self.state = fn, args, state
+
+    def __reduce__(self):
+        return (self.fn, self.args) if self.state is None else (self.fn, self.args, self.state)
+
+
+def _numpy_attacks() -> dict:
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    recon = core.multiarray._reconstruct
+
+    def array(state):
+        return _Call(recon, (np.ndarray, (0,), b"b"), state)
+
+    def dtype(spec, state):
+        return _Call(np.dtype, (spec, False, True), state)
+
+    return {
+        # 60 bytes of pickle filling 8 GB of None pointers
+        "ndarray-call": _Call(np.ndarray, ((10**9,), "O")),
+        # numpy reads 10**6 items from a one-item list: a segfault in numpy 2.4
+        "object-array-short-list": array((1, (10**6,), np.dtype("O"), False, [1])),
+        "void-dtype-negative-size": array((1, (4,), dtype("V8", (3, "|", None, None, None, -5, 1, 0)), False, b"")),
+        # an object field over raw bytes, its hasobject flag cleared: pointers the pickle chose
+        "object-field-over-bytes": array((1, (1,), dtype("V8", (3, "|", None, ("a",), {"a": (np.dtype("O"), 0)}, 8, 1,
+                                                                0)), False, b"A" * 8)),
+        "data-shorter-than-shape": array((1, (10**6,), np.dtype("f8"), False, b"\0" * 8)),
+        "scalar-of-a-huge-void": _Call(core.multiarray.scalar, (dtype("V100000000", None), b"x")),
+    }
+
+
+_READ_IN_A_CHILD = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))
+from formats.errors import CkptConvError
+from formats.torch_file import file_resolver, read_torch_bytes
+try:
+    read_torch_bytes(open(sys.argv[1], "rb").read(), sys.argv[1], file_resolver())
+    print("READ")
+except CkptConvError as e:
+    print("REFUSED", type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("attack", sorted(_numpy_attacks()))
+def test_hostile_numpy_values_in_a_framework_file_are_one_line(tmp_path, attack):
+    """numpy's own unpickling trusts the pickle (dtype and array states, direct ndarray calls):
+    each crafted value is refused in one line naming the file, in a child process (a crash or an
+    8 GB allocation there fails the test, not the run)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"rng_state": [{"np_rng_state": _numpy_attacks()[attack]}]}, path)
+    proc = subprocess.run([sys.executable, "-c", _READ_IN_A_CHILD, str(path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    line = proc.stdout.strip()
+    assert line.startswith("REFUSED CorruptCheckpointError") and "\n" not in line, line
+    assert str(path) in line and "not a plain numpy value" in line, line
+
+
+def test_numpy_values_of_a_framework_file_read_as_numpy_pickled_them(tmp_path):
+    """RNG states, scalars and arrays (big-endian, Fortran order, 0-d, empty, bool, object) read as
+    numpy's own unpickling reads them (torch.load of the same file) and write back so."""
+    import numpy as np
+
+    from formats.torch_file import file_resolver, read_torch_bytes, torch_save_bytes
+
+    value = {"rng": np.random.RandomState(3).get_state(), "f": np.float64(1.5), "i": np.int32(-7),
+             "b": np.bool_(True), "be": np.arange(6, dtype=">i2").reshape(2, 3),
+             "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)), "zero_d": np.array(2.5, dtype=np.float16),
+             "empty": np.zeros((0, 4), dtype=np.uint8), "mask": np.array([True, False]),
+             "obj": np.array([1, "x", None], dtype=object), "c": np.array([1 + 2j], dtype=np.complex64)}
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    got, _ = read_torch_bytes(buf.getvalue(), "f.pt", file_resolver())
+    back = torch.load(io.BytesIO(torch_save_bytes(got)), weights_only=False)
+    value = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)  # the test's own file: the oracle
+    for v in (got, back):
+        assert repr(v["rng"][2:]) == repr(value["rng"][2:]) and v["rng"][0] == "MT19937"
+        for k, want in value.items():
+            arr = v[k][1] if k == "rng" else v[k]
+            want = want[1] if k == "rng" else want
+            assert np.asarray(arr).dtype == np.asarray(want).dtype, k
+            assert np.asarray(arr).tobytes() == np.asarray(want).tobytes() or k == "obj", k
+            assert np.asarray(arr).shape == np.asarray(want).shape, k
+    assert list(back["obj"]) == [1, "x", None] and back["fortran"].flags.f_contiguous
+    assert type(back["be"]) is np.ndarray and type(back["f"]) is np.float64
+
+
+def test_a_megatron_file_with_a_hostile_numpy_rng_state_is_one_line(tmp_path):
+    """Through the command line: Megatron-LM's legacy rank file whose numpy RNG state is an object
+    array read past its list (a segfault in numpy's own unpickling) is exit 2, one line naming it."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    legacy = Path(__file__).resolve().parents[1] / "data" / "megatron" / "legacy_tp2_pp2_vpp2" / "legacy"
+    ckpt = Path(shutil.copytree(legacy, tmp_path / "legacy"))
+    path = ckpt / "iter_0000002" / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)  # the test's own fixture
+    rng = list(state["rng_state"][0]["np_rng_state"])
+    core = getattr(np, "_core", None) or np.core
+    rng[1] = _Call(core.multiarray._reconstruct, (np.ndarray, (0,), b"b"), (1, (10**6,), np.dtype("O"), False, [1]))
+    state["rng_state"][0]["np_rng_state"] = tuple(rng)
+    torch.save(state, path)
+    proc = subprocess.run([sys.executable, "-m", "converter", "inspect", str(ckpt)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "mp_rank_01_001/model_optim_rng.pt" in proc.stderr and "not a plain numpy value" in proc.stderr
