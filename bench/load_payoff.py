@@ -1,0 +1,284 @@
+"""The resumed job's load: the original checkpoint resharded online by DCP vs ckptconv's output.
+
+For each world size W (``--worlds``) and target layout (FSDP2 ``dp<W>`` and TP2 x FSDP2
+``tp2,dp<W/2>``, built as ckptconv orders the mesh: ``dp_shard`` outer, ``tp`` inner; a job whose
+mesh order differs loads the dedup output correctly but slower, and from a rank-local output
+silently loads only the overlap of its boxes with its rank's metadata: torch checks no coverage), the source (``make_checkpoint.py``: a 4-rank FSDP2 ``dcp.save`` of torchtitan's
+Llama + AdamW) is converted by ``ckptconv from-universal --plan llama`` twice: the default
+(``dedup``: one ``.metadata``, a replicated box stored once) and ``--local-files rank`` (rank-local
+``__<R>.metadata``, every rank's file holds all it loads). Then a W-rank gloo job
+(``torch.multiprocessing`` spawn, CPU) builds the target model on the meta device, materializes
+its shards and AdamW state, and ``dcp.load``\\ s each of the three checkpoints with torch's own
+``FileSystemReader`` and ``DefaultLoadPlanner`` (page cache of the checkpoint dropped first,
+``posix_fadvise(DONTNEED)``). Per rank it records:
+
+- ``wall_s``: ``dcp.load`` from the barrier before it to its return;
+- ``plan_s``: ``read_metadata`` + the planner's ``set_up_planner``, ``create_local_plan`` (read-item
+  resolution), ``create_global_plan`` and ``finish_plan``;
+- ``read_s``: ``read_data``; ``bytes``: storage bytes of the items it read; ``files``: files they
+  lie in; ``foreign_bytes``: bytes read from files other than ``__<rank>_0.distcp`` (what a rank
+  with only its own file on local disk could not read).
+
+    python bench/load_payoff.py --size 400MB --worlds 4,8 --repeats 2
+
+Results: ``bench/results/load_payoff-<time>.json`` (every rank, every round, the load average).
+Not covered here (issue 29.1): the synthetic 70B/405B planning at scale, the 2 GB run and the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+
+from make_checkpoint import _free_port, make_checkpoint, parse_size  # noqa: E402
+
+VARIANTS = ("original", "dedup", "rank")
+
+
+def target_meshes(world: int) -> list[str]:
+    return [f"dp{world}", f"tp2,dp{world // 2}"]
+
+
+def convert(src: str, out: Path, mesh: str, variant: str) -> float:
+    """``ckptconv from-universal`` (DCP in, DCP out); its wall seconds."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "converter", "from-universal", src, str(out), "--mesh", mesh, "--plan", "llama"]
+    if variant == "rank":
+        cmd += ["--local-files", "rank"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
+    return time.perf_counter() - t0
+
+
+def evict(path: Path) -> None:
+    """Drop ``path``'s files from the page cache (after writeback)."""
+    os.sync()
+    for f in path.iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# ----------------------------------------------------------------------------- the load job
+
+
+def _target_state(args, layout: dict[str, int], mesh):
+    """The target model's and AdamW state dict (DTensors over ``mesh``), values arbitrary."""
+    import torch
+    from models import Transformer, apply_fsdp, apply_tp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    if layout.get("tp", 1) > 1:
+        apply_tp(model, mesh["tp"])
+    apply_fsdp(model, mesh["dp_shard"])
+    model.to_empty(device="cpu")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    for p in model.parameters():  # the state a step would create, without the step
+        optim.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd, "extra": {"step": 0}}
+
+
+def _local_nbytes(state) -> int:
+    """The bytes of this rank's tensors in ``state`` (DTensors: the local shard): a load that read
+    fewer stored bytes cannot have filled them."""
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.tensor import DTensor
+
+    flat, _ = flatten_state_dict(state)
+    local = [v.to_local() if isinstance(v, DTensor) else v for v in flat.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _measured(rank: int):
+    """Torch's FileSystemReader and DefaultLoadPlanner, timed and counted."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        seconds = 0.0
+
+        def _timed(self, name, *a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return getattr(super(), name)(*a, **kw)
+            finally:
+                Planner.seconds += time.perf_counter() - t0
+
+        def set_up_planner(self, *a, **kw):
+            return self._timed("set_up_planner", *a, **kw)
+
+        def create_local_plan(self, *a, **kw):
+            return self._timed("create_local_plan", *a, **kw)
+
+        def create_global_plan(self, *a, **kw):
+            return self._timed("create_global_plan", *a, **kw)
+
+        def finish_plan(self, *a, **kw):
+            return self._timed("finish_plan", *a, **kw)
+
+    class Reader(FileSystemReader):
+        def __init__(self, path):
+            super().__init__(path)
+            self.md_s, self.read_s, self.by_file = 0.0, 0.0, Counter()
+
+        def read_metadata(self, *args, **kwargs):  # "kwargs": dcp.load passes rank= only to that name
+            t0 = time.perf_counter()
+            try:
+                return super().read_metadata(*args, **kwargs)
+            finally:
+                self.md_s += time.perf_counter() - t0
+
+        def read_data(self, plan, planner):
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                self.by_file[info.relative_path] += info.length
+            t0 = time.perf_counter()
+            fut = super().read_data(plan, planner)
+            fut.wait()
+            self.read_s += time.perf_counter() - t0
+            return fut
+
+    return Reader, Planner
+
+
+def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tuple[str, str, str]],
+               repeats: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from models import ModelArgs
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from converter.plan.mesh import parse_mesh
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    args = ModelArgs.from_json(args_json)
+    reports = []
+    try:
+        for mesh_text, variant, path in cases:
+            layout = {d.name: d.size for d in parse_mesh(mesh_text).dims}  # ckptconv's order: dp_shard outer, tp inner
+            mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))
+            state = _target_state(args, layout, mesh)
+            for round_ in range(repeats):
+                if rank == 0:
+                    evict(Path(path))
+                Reader, Planner = _measured(rank)
+                Planner.seconds = 0.0
+                reader = Reader(path)
+                dist.barrier()
+                t0 = time.perf_counter()
+                dcp.load(state, storage_reader=reader, planner=Planner())
+                wall = time.perf_counter() - t0
+                own = f"__{rank}_0.distcp"
+                needed = _local_nbytes(state)
+                reports.append({"mesh": mesh_text, "variant": variant, "round": round_, "rank": rank,
+                                "wall_s": wall, "plan_s": reader.md_s + Planner.seconds, "read_s": reader.read_s,
+                                "bytes": sum(reader.by_file.values()), "files": len(reader.by_file),
+                                "foreign_bytes": sum(n for f, n in reader.by_file.items() if f != own),
+                                "needed_bytes": needed, "short": sum(reader.by_file.values()) < needed})
+                dist.barrier()
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(reports))
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def load_world(world: int, args_json: dict, cases: list[tuple[str, str, str]], repeats: int) -> list[dict]:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_load_rank, args=(world, _free_port(), args_json, cases, repeats, tmp), nprocs=world, join=True)
+        return [r for k in range(world) for r in json.loads(Path(tmp, f"rank{k}.json").read_text())]
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (world, mesh, variant): medians over rounds of the slowest rank's wall and of the
+    per-rank maxima of planning, bytes, files and foreign bytes."""
+    out = []
+    keys = sorted({(r["world"], r["mesh"], r["variant"]) for r in rows}, key=lambda k: (k[0], k[1], VARIANTS.index(k[2])))
+    for world, mesh, variant in keys:
+        mine = [r for r in rows if (r["world"], r["mesh"], r["variant"]) == (world, mesh, variant)]
+        rounds = sorted({r["round"] for r in mine})
+
+        def med(field, agg=max):
+            return statistics.median(agg(r[field] for r in mine if r["round"] == k) for k in rounds)
+
+        out.append({"world": world, "mesh": mesh, "variant": variant, "wall_s": round(med("wall_s"), 3),
+                    "plan_s": round(med("plan_s"), 3), "read_s": round(med("read_s"), 3),
+                    "max_rank_MB": round(med("bytes") / 1e6, 1), "total_MB": round(med("bytes", sum) / 1e6, 1),
+                    "max_files": int(med("files")), "foreign_MB": round(med("foreign_bytes", sum) / 1e6, 1),
+                    "short_ranks": sum(r["short"] for r in mine)})
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    cols = ["world", "mesh", "variant", "wall_s", "plan_s", "read_s", "max_rank_MB", "total_MB", "max_files",
+            "foreign_MB", "short_ranks"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    lines += ["| " + " | ".join(str(s[c]) for c in cols) + " |" for s in summary]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="2GB", help="source checkpoint size (make_checkpoint.py; cached in bench/out)")
+    p.add_argument("--worlds", default="4,8")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--work", default=str(BENCH / "out" / "load_payoff"), help="where the converted checkpoints go")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    info = make_checkpoint(parse_size(a.size))
+    src, work = info["path"], Path(a.work)
+    rows, conversions = [], []
+    for world in map(int, a.worlds.split(",")):
+        cases = []
+        for mesh in target_meshes(world):
+            cases.append((mesh, "original", src))
+            for variant in ("dedup", "rank"):
+                out = work / f"{mesh.replace(',', '_')}-{variant}"
+                conversions.append({"mesh": mesh, "variant": variant, "seconds": round(convert(src, out, mesh, variant), 2)})
+                cases.append((mesh, variant, str(out)))
+        rows += [{**r, "world": world} for r in load_world(world, info["model_args"], cases, a.repeats)]
+        for mesh in target_meshes(world):
+            for variant in ("dedup", "rank"):
+                shutil.rmtree(work / f"{mesh.replace(',', '_')}-{variant}", ignore_errors=True)
+    summary = summarize(rows)
+    doc = {"source": {k: info[k] for k in ("path", "bytes", "params", "world")}, "worlds": a.worlds,
+           "repeats": a.repeats, "loadavg": os.getloadavg(), "cpu_count": os.cpu_count(),
+           "conversions": conversions, "summary": summary, "rows": rows}
+    out = Path(a.out) if a.out else BENCH / "results" / f"load_payoff-{time.strftime('%Y%m%dT%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(table(summary))
+    print(f"load average {os.getloadavg()}; {out}")
+
+
+if __name__ == "__main__":
+    main()
