@@ -17,7 +17,8 @@ from converter.cli import hf as hf_commands
 from converter.cli import tools as tool_commands
 from converter.cli import ds as ds_commands
 from converter.cli.common import (EXIT_ERROR, EXIT_INTERNAL, SIZE, echo_doc, make_options, make_selection,
-                                 report_result, run_options, selection_options)
+                                 report_result, run_options, selection_options, check_map_json, map_config_options,
+                                 map_options, report_mapped)
 from formats.errors import CkptConvError, InternalError
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -37,16 +38,22 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--backend", type=click.Choice(["zarr", "safetensors"]), default="zarr", show_default=True,
               help="Where the store keeps tensor bytes: zarr arrays (stock zarr opens them) or safetensors files "
                    "(a file per chunk; safetensors.safe_open opens them).")
+@map_config_options
+@map_options
 @selection_options
 @run_options
-def to_universal_cmd(src: str, dst: str, chunk_size: int | None, backend: str, keys: tuple[str, ...],
+def to_universal_cmd(src: str, dst: str, chunk_size: int | None, backend: str, config: str | None, as_json: bool,
+                     key_map: str | None, map_direction: str, key_style: str, keys: tuple[str, ...],
                      model_only: bool, optim_only: bool, **kw: Any) -> None:
     """Convert a DCP checkpoint SRC into a universal store DST (Zarr v3, or safetensors with --backend)."""
     from converter.api import to_universal
 
+    check_map_json(as_json, kw)
     selection = make_selection(keys, model_only, optim_only)
     options = make_options(**kw)
-    report_result(to_universal(src, dst, options, chunk_bytes=chunk_size, selection=selection, backend=backend))
+    report_mapped(to_universal(src, dst, options, chunk_bytes=chunk_size, selection=selection, backend=backend,
+                               key_map=key_map, map_direction=map_direction, key_style=key_style, config=config),
+                  as_json)
 
 
 @cli.command("inspect")
@@ -216,13 +223,15 @@ def _missing_key(message: str) -> list[str]:
                    "the picture 'inspect --layout' draws of the output.")
 @click.option("--svg", "svg_file", default=None, metavar="FILE",
               help="With --dry-run --layout KEY: write source and target side by side as an SVG file.")
+@map_options
 @selection_options
 @run_options
 def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, plan_name: str,
                        dtype: str | None, drop_dataloader: bool, config: str | None, layout_objects: str,
                        out_format: str, consolidate: bool, max_shard_size: str | None, fqn_index: str | None,
                        vpp: int, megatron_names: str | None, local_files: str, ranks_per_node: int | None,
-                       as_json: bool, layout_key: str | None, svg_file: str | None, keys: tuple[str, ...],
+                       as_json: bool, layout_key: str | None, svg_file: str | None, key_map: str | None,
+                       map_direction: str, key_style: str, keys: tuple[str, ...],
                        model_only: bool, optim_only: bool, **kw: Any) -> None:
     """Write from SRC (universal store or any checkpoint) the DCP checkpoint a job on --mesh would save."""
     from converter.api import from_universal
@@ -244,7 +253,8 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
                             config=config, layout_objects=layout_objects, format=out_format,
                             consolidate=consolidate, max_shard_size=max_shard_size, fqn_index=fqn_index,
                             vpp=vpp, megatron_names=megatron_names, local_files=local_files,
-                            ranks_per_node=ranks_per_node,
+                            ranks_per_node=ranks_per_node, key_map=key_map, map_direction=map_direction,
+                            key_style=key_style,
                             # the text lists a few chunks per key; --json / --layout all
                             preview_chunks=None if as_json or layout_key is not None else PREVIEW_CHUNK_LINES)
     if result.preview is not None and (as_json or layout_key is not None):

@@ -58,6 +58,80 @@ def run_options(f):
     return f
 
 
+MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k RoPE permutation; exports older and "
+            "torchtitan 0.3.0 names, fused qkv_linear.wqkv split; imports older names), torchtitan-llama3 (imports "
+            "torchtitan 0.3.0 names: qkv_linear.wq/wk/wv, lm_head), torchtitan-deepseek-v3 / torchtitan-qwen3 (torchtitan "
+            "0.3.0's MoE adapters: grouped experts split into model.layers.{}.mlp.experts.{}.*_proj.weight, router "
+            "mlp.gate, shared experts), megatron-llama (export: Megatron-core GPT to HF Llama names, "
+            "layer-stacked tensors unstacked, linear_qkv / linear_fc1 split), megatron-gpt2 (export: Megatron-core "
+            "GPT built GPT-2 style to HF GPT2LMHeadModel names, Conv1D weights transposed, linear_qkv regrouped "
+            "to c_attn's [q; k; v]), or a JSON "
+            "map file {\"hf.name.{}.x\": \"native.{}.x\", \"dropped.hf.key\": null} or "
+            "{\"map\": {...}, \"drop\": [native keys], \"transforms\": {native key: \"rope:<config field>\"}, "
+            "\"experts\": {\"hf.{}.experts.{}.w\": \"native.{}.grouped_w\"}}.")
+
+
+def map_options(f):
+    """``--map``, ``--map-direction``, ``--key-style``: a whole training checkpoint (weights,
+    optimizer states, param groups) moved to another framework's names."""
+    opts = [
+        click.option("--map", "key_map", default=None,
+                     help="Move the checkpoint to another framework's names: every parameter, each of its optimizer "
+                          "states (same-shaped ones through the same transform; step copied) and its param groups. "
+                          + MAP_HELP),
+        click.option("--map-direction", default="auto", show_default=True,
+                     type=click.Choice(["auto", "to-hf", "from-hf"]),
+                     help="Which way --map renames: to-hf (native -> Hugging Face names), from-hf, or auto (the side "
+                          "of the map that names the source's parameters)."),
+        click.option("--key-style", default="auto", show_default=True,
+                     type=click.Choice(["auto", "torchtitan", "dcp", "dcp-flat", "source"]),
+                     help="Key style of the output: torchtitan (top-level weights, optimizer.state.<fqn>.* flattened), "
+                          "dcp (get_state_dict's default: model.<fqn>, optim.state.<fqn>.*, optim.param_groups.<i>.*), "
+                          "dcp-flat (flatten_optimizer_state_dict=True: optim.param_groups.<fqn>.*), source (the "
+                          "source's), auto (with --map: dcp to HF names, torchtitan from them)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def map_config_options(f):
+    """``--config`` (the head counts a map's row transforms need) and ``--json`` (the dry run's
+    key-map plan), for the conversions whose other options have neither."""
+    opts = [
+        click.option("--config", default=None,
+                     help="With --map: config.json (path or inline JSON) with the head counts its row transforms need "
+                          "(default: SRC/config.json when present)."),
+        click.option("--json", "as_json", is_flag=True,
+                     help="With --dry-run --map: print the key-map plan as JSON (schemas/key-map.schema.json)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def check_map_json(as_json: bool, run_kw: dict[str, Any]) -> None:
+    """Refuse ``--json`` without ``--dry-run`` (before anything runs)."""
+    if as_json and not run_kw.get("dry_run"):
+        from formats.errors import ConfigError
+
+        raise ConfigError("--json prints the key-map plan of a dry run: add --dry-run and --map")
+
+
+def report_mapped(result: ConversionResult, as_json: bool) -> None:
+    """:func:`report_result`, or with ``--json`` the dry run's key-map document."""
+    from formats.errors import ConfigError
+
+    if not as_json:
+        report_result(result)
+        return
+    if result.preview is None:
+        raise ConfigError("--json prints the key-map plan of a dry run with --map; this one has none")
+    for w in result.warnings:
+        click.echo(f"ckptconv: warning: {w}", err=True)
+    echo_doc(result.preview)
+
+
 def selection_options(f):
     """``--keys``, ``--model-only``, ``--optim-only``: which entries a conversion copies."""
     opts = [

@@ -8,19 +8,7 @@ from typing import Any
 
 import click
 
-from converter.cli.common import SIZE, make_options, report_result, run_options
-
-MAP_HELP = ("Key map: identity (default), torchtitan-llama (HF Llama names, q/k RoPE permutation; exports older and "
-            "torchtitan 0.3.0 names, fused qkv_linear.wqkv split; imports older names), torchtitan-llama3 (imports "
-            "torchtitan 0.3.0 names: qkv_linear.wq/wk/wv, lm_head), torchtitan-deepseek-v3 / torchtitan-qwen3 (torchtitan "
-            "0.3.0's MoE adapters: grouped experts split into model.layers.{}.mlp.experts.{}.*_proj.weight, router "
-            "mlp.gate, shared experts), megatron-llama (export: Megatron-core GPT to HF Llama names, "
-            "layer-stacked tensors unstacked, linear_qkv / linear_fc1 split), megatron-gpt2 (export: Megatron-core "
-            "GPT built GPT-2 style to HF GPT2LMHeadModel names, Conv1D weights transposed, linear_qkv regrouped "
-            "to c_attn's [q; k; v]), or a JSON "
-            "map file {\"hf.name.{}.x\": \"native.{}.x\", \"dropped.hf.key\": null} or "
-            "{\"map\": {...}, \"drop\": [native keys], \"transforms\": {native key: \"rope:<config field>\"}, "
-            "\"experts\": {\"hf.{}.experts.{}.w\": \"native.{}.grouped_w\"}}.")
+from converter.cli.common import MAP_HELP, SIZE, make_options, report_result, run_options
 
 
 @click.command("export-hf")

@@ -20,18 +20,19 @@ Every atom file is one write task whose pieces stream, in C order, into a ``torc
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from converter.plan.atoms import AtomRef, group_atoms
+from converter.plan.atoms import OPTIMIZER_ROOTS, AtomRef, group_atoms
+from converter.plan.param_groups import param_groups
 from converter.config import RunOptions
+from converter.run.cross_view import map_header, mapped, with_map
 from converter.run.destination import guarded
 from converter.run.executor import os_errors_as_storage_errors
 from converter.run.pipeline import Conversion, ConversionResult, Output, PlannedOutput, run_conversion
@@ -45,8 +46,6 @@ from formats.errors import ConfigError, InvalidCheckpointError
 from formats.fsutil import atomic_write_bytes
 from formats.manifest import Manifest
 
-#: Optimizer roots of DCP's key styles (``get_state_dict``'s ``optim``, torchtitan's ``optimizer``).
-_OPTIM_ROOTS = ("optim", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -69,38 +68,6 @@ class ExportPlan:
     step_keys: tuple[tuple[str, ...], ...]  # per group: the step tensors of its parameters
     shapes: dict[str, tuple[int, ...]]
     warnings: tuple[str, ...] = ()
-
-
-def _param_groups(index: CheckpointIndex, refs: Mapping[str, AtomRef],
-                  values: Mapping[str, Any]) -> tuple[list[dict], list[list[str]] | None]:
-    """(hyperparameters per group, FQNs per group or None when no group lists its params).
-
-    ``values``: the value of every object the source has under a param_groups path."""
-    indexed: dict[int, dict[str, Any]] = {}
-    per_fqn: dict[str, dict[str, Any]] = {}
-    for key, value in values.items():
-        path = index.objects[key].path
-        pos = next((i for i, p in enumerate(path) if p == "param_groups"), None)
-        if pos is not None and pos >= 1 and path[pos - 1] in _OPTIM_ROOTS and len(path) == pos + 3 \
-                and isinstance(path[pos + 1], int):
-            indexed.setdefault(path[pos + 1], {})[str(path[pos + 2])] = value
-        elif refs[key].role.startswith("hparam."):
-            per_fqn.setdefault(refs[key].atom, {})[refs[key].role[len("hparam."):]] = value
-    if indexed:
-        groups = [indexed[i] for i in sorted(indexed)]
-        params = [list(g.pop("params", [])) for g in groups]
-        return groups, params if any(params) else None
-    if per_fqn:  # torchtitan: hyperparameters per parameter; equal ones form a group
-        groups, params, seen = [], [], {}
-        for fqn, hp in per_fqn.items():
-            sig = json.dumps(sorted(hp.items()), default=repr)
-            if sig not in seen:
-                seen[sig] = len(groups)
-                groups.append(dict(hp))
-                params.append([])
-            params[seen[sig]].append(fqn)
-        return groups, params
-    return [], None
 
 
 def plan_export_ds(index: CheckpointIndex, refs: Mapping[str, AtomRef], atoms: Mapping[str, Mapping[str, str]],
@@ -142,7 +109,7 @@ def plan_export_ds(index: CheckpointIndex, refs: Mapping[str, AtomRef], atoms: M
     if not any(f.rel.endswith(("/exp_avg.pt", "/exp_avg_sq.pt")) for f in files):
         warnings.append("no Adam states (exp_avg, exp_avg_sq) in the source: DeepSpeed's ZeRO-3 universal load "
                         "needs them; ZeRO-1/2 engines load the weights alone")
-    groups, params = _param_groups(index, refs, group_values)
+    groups, params = param_groups(index, refs, group_values)
     if params is None:  # one group (or the hyperparameters' groups) over every parameter
         params = [list(shapes)] if len(groups) <= 1 else None
         if params is None:
@@ -163,7 +130,7 @@ def plan_export_ds(index: CheckpointIndex, refs: Mapping[str, AtomRef], atoms: M
 
 def _is_model_key(index: CheckpointIndex, key: str) -> bool:
     path = index.tensors[key].path
-    return not any(p in _OPTIM_ROOTS for p in path[:-1])
+    return not any(p in OPTIMIZER_ROOTS for p in path[:-1])
 
 
 def _check_tag(tag: str) -> None:
@@ -231,16 +198,24 @@ def _read_whole(reader: Any, index: CheckpointIndex, key: str) -> Any:
 @guarded  # the destination's lock is held for the call; an interrupt says how to resume
 @os_errors_as_storage_errors("export-ds")
 def export_ds(src: str | os.PathLike, dst: str | os.PathLike, *, tag: str | None = None,
-              options: RunOptions | None = None) -> ConversionResult:
+              options: RunOptions | None = None, key_map: Any = None, map_direction: str = "auto",
+              key_style: str = "auto", config: Any = None) -> ConversionResult:
     """Write the store (or DCP checkpoint) ``src`` as a DeepSpeed universal checkpoint in ``dst``:
     load it with ``"checkpoint": {"load_universal": true}`` and ``engine.load_checkpoint(dst)``.
 
     ``tag``: the checkpoint folder's name (default ``global_step<step>``). Local destinations only.
+    ``key_map``, ``map_direction``, ``key_style``, ``config``: as to-universal's (``--map``: the
+    parameters of another framework's model, e.g. an HF model's for a DeepSpeed engine wrapping it,
+    each with its optimizer states and param group).
     """
     options = options or RunOptions()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
-        return run_conversion(_plan(reader, src, dst, tag, options), options)
+        reader, cross = mapped(reader, src, key_map, map_direction, key_style, config, options.trust_pickle)
+        conv = _plan(reader, src, dst, tag, options)
+        conv = replace(conv, header_options={**conv.header_options, **map_header(key_map, map_direction, key_style,
+                                                                                   config)})
+        return run_conversion(with_map(conv, cross), options)
     finally:
         reader.close()
 

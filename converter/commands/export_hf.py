@@ -21,7 +21,8 @@ from converter.plan.hf_config import CONFIG_FILE, config_bytes, load_config_arg
 from converter.plan.hf_export import plan_export, shard_summary
 from converter.plan.hf_like import plan_like
 from converter.plan.hf_quant import check_kind, plan_quantize, quantized_config, scales_after_weights
-from converter.plan.key_maps import MEGATRON_ARGS_CONFIG, KeyMap, get_key_map
+from converter.plan.key_maps import KeyMap, get_key_map
+from converter.run.cross_view import map_config
 from converter.run.destination import option_value, write_output_record
 from converter.run.journal import index_fingerprint
 from converter.run.mapped_reader import MappedReader
@@ -33,7 +34,7 @@ from converter.run.sinks import hf_output
 from converter.run.sources import open_checkpoint
 from formats.base import CheckpointIndex, CheckpointReader, full_box
 from formats.dtypes import by_name, cast_dtype
-from formats.errors import CkptConvError, ConfigError, CorruptCheckpointError
+from formats.errors import ConfigError, CorruptCheckpointError
 from formats.fsutil import atomic_write_bytes
 from formats.hf import DEFAULT_MAX_SHARD_BYTES, SINGLE_FILE, HFWriter, is_hf_checkpoint, plan_files
 from formats.quant import block_size_of
@@ -81,9 +82,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key_map: str | 
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
         index = reader.index()
-        from_args, heads_field = MEGATRON_ARGS_CONFIG.get(kmap.name, (None, ""))
-        if from_args is not None and not (cfg or {}).get(heads_field):
-            cfg = {**from_args(megatron_args(reader, index)), **(cfg or {})} or None
+        cfg = map_config(kmap, cfg, reader, index)
         plan = plan_export(index, kmap, dtype, cfg if base is None or config is not None else _heads(base.config))
         view: CheckpointReader = MappedReader(reader, plan.sources)
         specs, out_config, layout, warnings = plan.specs, plan.config, None, plan.warnings
@@ -219,22 +218,3 @@ def _open_base(like: str | os.PathLike) -> _Base:
                           "transformers loads neither: name it model.safetensors or add the index")
     cfg = load_config_arg(root)[0] if (root / CONFIG_FILE).is_file() else None
     return _Base(root, index, cfg, tuple(companion_files(root)))
-
-
-def megatron_args(reader: CheckpointReader, index: CheckpointIndex) -> dict[str, Any]:
-    """``vars(args)`` of a Megatron checkpoint's training arguments (its ``common_state`` entry,
-    loaded through the allowlist: an ``argparse.Namespace`` is plain data), or ``{}``."""
-    import argparse
-
-    for key in index.objects:
-        if key.split("/", 1)[0] != "common_state":
-            continue
-        try:
-            value = reader.load_object(key, trust_pickle=False)
-        except CkptConvError:
-            return {}
-        if isinstance(value, list) and len(value) == 1:  # torch_dist stores a ShardedObject's data in a list
-            value = value[0]
-        args = value.get("args") if isinstance(value, dict) else None
-        return dict(vars(args)) if isinstance(args, argparse.Namespace) else {}
-    return {}

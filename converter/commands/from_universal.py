@@ -33,6 +33,7 @@ from converter.plan.dcp_safetensors import (FORMATS, StorageLayout, consolidatio
                                              tensors_only_warning)
 from converter.plan.target_layout import (LocalFiles, TargetLayout, atom_refs, layout_tasks, local_objects, rank_loads,
                                           target_dtype, target_layout)
+from converter.run.cross_view import map_header, mapped, with_map
 from converter.run.destination import (FROM_UNIVERSAL_LEGACY, FROM_UNIVERSAL_ST, option_value, write_complete_marker,
                                        write_loads_manifest)
 from converter.run.pipeline import (Conversion, ConversionResult, Output, PlannedOutput,
@@ -107,7 +108,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                    max_shard_size: int | str | None = None,
                    fqn_index: str | os.PathLike | Mapping[str, int] | None = None, vpp: int = 1,
                    megatron_names: str | None = None, local_files: str = "dedup",
-                   ranks_per_node: int | None = None) -> ConversionResult:
+                   ranks_per_node: int | None = None, key_map: Any = None, map_direction: str = "auto",
+                   key_style: str = "auto") -> ConversionResult:
     """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``.
 
     ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
@@ -138,12 +140,19 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     everything that rank loads, replicated boxes and non-tensor entries included, and its own
     ``__<rank>.metadata`` maps them: ``dcp.load`` of the folder reads only the rank's two files) or
     ``node`` (the same per node of ``ranks_per_node`` consecutive ranks: one copy per node).
+    ``key_map`` (``--map NAME|FILE|torchtitan:MODEL``): the checkpoint as another framework names it,
+    every parameter's optimizer states and param groups with it (:mod:`converter.plan.cross_map`),
+    ``map_direction`` ``auto`` / ``to-hf`` / ``from-hf``, in ``key_style`` (``auto``: the destination
+    framework's; ``torchtitan``, ``dcp``, ``dcp-flat``, ``source``); ``config`` gives the head counts
+    its row transforms need.
     """
     options = options or RunOptions()
     local = LocalFiles(local_files, ranks_per_node)
     if local.local and format != "dcp":
         raise ConfigError(f"--local-files {local_files} writes rank-local DCP metadata: it is for --format dcp")
     if format == LEGACY_FORMAT:
+        if key_map is not None or key_style != "auto":
+            raise ConfigError("--map writes another framework's names; --format megatron-legacy writes Megatron's own")
         if consolidate or max_shard_size is not None or fqn_index is not None:
             raise ConfigError("--consolidate, --max-shard-size and --fqn-index are for --format dcp-safetensors")
         return _to_legacy(src, dst, parse_mesh(mesh, mesh_order), options, selection, layout_objects,
@@ -167,6 +176,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     try:
         with planning:
             reader = fully_reshardable(reader, options.trust_pickle)  # megatron's dp_reshardable optimizer, kept
+            reader, cross = mapped(reader, src, key_map, map_direction, key_style, config, options.trust_pickle)
             index = reader.index()
             refs = atom_refs(index)
             splits, replicated, source_mesh = _source_hints(reader, index)
@@ -194,7 +204,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                       "--keys": None if selection is None or selection.everything else selection.to_json(),
                       "--drop-dataloader-state": bool(drop_dataloader), "--config": option_value(config),
                       **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {}),
-                      **({"--local-files": local.mode, "--ranks-per-node": local.ranks_per_node} if local.local else {})}
+                      **({"--local-files": local.mode, "--ranks-per-node": local.ranks_per_node} if local.local else {}),
+                      **map_header(key_map, map_direction, key_style)}
             expected = PlannedOutput.of(((k, target_dtype(e, refs.get(k), dtype), e.shape)
                                          for k, e in index.tensors.items()), (k for k, *_ in object_specs))
             if format == ST_FORMAT:
@@ -205,7 +216,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             else:
                 conversion = _conversion(src, dst, index, reader, layout, tasks, object_specs, header, plan,
                                          preview_chunks, framework, expected)
-        return run_conversion(conversion, options)
+        return run_conversion(with_map(conversion, cross), options)
     finally:
         reader.close()
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from converter.config import RunOptions
 from converter.plan.atoms import group_atoms
 from converter.plan.copy_tasks import describe, plan_universal, store_tasks, universal_chunk_bytes
+from converter.run.cross_view import map_header, mapped, with_map
 from converter.run.pipeline import (Conversion, ConversionResult, Output, PlannedOutput,
                                      conversion_command, run_conversion)
 from converter.run.sinks import universal_output
+from formats.base import CheckpointReader
 from formats.deepspeed import DeepSpeedReader
 from formats.objects import object_label, preview_value
 from formats.storage import source_label
@@ -27,32 +30,38 @@ from formats.universal_meta import SourceInfo
 
 @conversion_command("import-ds")
 def import_ds(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
-              chunk_bytes: int | None = None, backend: str = DEFAULT_BACKEND) -> ConversionResult:
+              chunk_bytes: int | None = None, backend: str = DEFAULT_BACKEND, *, key_map: Any = None,
+              map_direction: str = "auto", key_style: str = "auto", config: Any = None) -> ConversionResult:
     """Convert the DeepSpeed universal checkpoint at ``src`` (the folder holding ``zero/``, or the
     one whose ``latest_universal`` names it) into a universal store at ``dst``.
 
     Streams chunk by chunk under ``options.memory_budget``; bit-exact; ``dst`` is complete only
     once its ``ckptconv.json`` is written. ``backend``: the store's array format (as to-universal).
+    ``key_map``, ``map_direction``, ``key_style``, ``config``: as to-universal's (``--map``: the store
+    in another framework's names, optimizer states and param groups included).
     """
     options = options or RunOptions()
-    reader = DeepSpeedReader(src, verify=options.verify_source)
+    ds = DeepSpeedReader(src, verify=options.verify_source)
+    reader: CheckpointReader = ds
     try:
-        return run_conversion(_plan(reader, dst, options, chunk_bytes, backend), options)
+        reader, cross = mapped(ds, src, key_map, map_direction, key_style, config, options.trust_pickle)
+        conv = _plan(reader, ds.root, ds.index().info.get("zero_stage"), dst, options, chunk_bytes, backend,
+                     map_header(key_map, map_direction, key_style, config))
+        return run_conversion(with_map(conv, cross), options)
     finally:
         reader.close()
 
 
-def _plan(reader: DeepSpeedReader, dst: str | os.PathLike, options: RunOptions, chunk_bytes: int | None,
-          backend: str) -> Conversion:
+def _plan(reader: CheckpointReader, src: Path, stage: Any, dst: str | os.PathLike, options: RunOptions,
+          chunk_bytes: int | None, backend: str, extra_header: dict[str, Any]) -> Conversion:
     """The conversion: the store's layout and its chunk tasks (the same plan for the dry run and
     the run), the atoms, and the source record."""
-    src, index = reader.root, reader.index()
+    index = reader.index()
     chunk_bytes = chunk_bytes or universal_chunk_bytes(options)
     store = plan_universal(index.tensors, chunk_bytes, backend)
     tasks = store_tasks(index.tensors, store, chunk_bytes)
     paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
     refs, atoms = group_atoms(paths)
-    stage = index.info.get("zero_stage")
     source = SourceInfo(format="deepspeed", path=source_label(src), world_size=None,
                         layout=f"deepspeed universal (ZeRO-{stage})" if stage else "deepspeed universal")
     objects: dict[str, bytes] = {}  # read (allowlisted pickles) before the destination is touched
@@ -69,7 +78,8 @@ def _plan(reader: DeepSpeedReader, dst: str | os.PathLike, options: RunOptions, 
     def open_output(out: Path) -> Output:
         return universal_output(out, index.tensors, refs, store, source, atoms, write_objects=write_objects)
 
-    header = {"--chunk-size": chunk_bytes, **({"--backend": backend} if backend != DEFAULT_BACKEND else {})}
+    header = {"--chunk-size": chunk_bytes, **({"--backend": backend} if backend != DEFAULT_BACKEND else {}),
+              **extra_header}
     planned = ConversionResult(str(dst), len(index.tensors), len(index.objects), sum(t.nbytes for t in tasks), 0.0)
     return Conversion("import-ds", src, dst, index, reader, tasks, header, open_output, planned,
                       describe=lambda: (describe(tasks), None), check=check,

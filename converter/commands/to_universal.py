@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from converter.config import RunOptions
 from converter.plan.atoms import group_atoms
 from converter.plan.copy_tasks import describe, plan_universal, store_tasks, universal_chunk_bytes
 from converter.plan.selection import Selection, select_entries
 from converter.plan.source_layout import LayoutReport, SourceHint, detect_layout, source_hints
+from converter.run.cross_view import map_header, mapped, with_map
 from converter.run.pipeline import (Conversion, ConversionResult, Output, PlannedOutput,
                                      conversion_command, run_conversion)
 from converter.run.sinks import universal_output
@@ -63,25 +65,33 @@ def _copy_objects(index: CheckpointIndex, objects: dict[str, bytes], writer: Uni
 @conversion_command("to-universal")
 def to_universal(src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions | None = None,
                  chunk_bytes: int | None = None, selection: Selection | None = None,
-                 backend: str = DEFAULT_BACKEND) -> ConversionResult:
+                 backend: str = DEFAULT_BACKEND, *, key_map: Any = None, map_direction: str = "auto",
+                 key_style: str = "auto", config: Any = None) -> ConversionResult:
     """Convert the checkpoint at ``src`` into a universal store at ``dst``.
 
     Streams chunk by chunk under ``options.memory_budget``; ``dst`` is marked complete (its
     ``ckptconv.json`` written) only after every chunk and object is on disk. ``selection``
     (``--keys``, ``--model-only``, ``--optim-only``) copies only the entries it keeps.
     ``backend`` puts the tensors' chunks in zarr arrays (default) or safetensors files.
+    ``key_map`` (``--map``), ``map_direction``, ``key_style``: the store holds the checkpoint as
+    another framework names it, optimizer states and param groups included
+    (:mod:`converter.plan.cross_map`); ``config`` gives the head counts the map's row transforms need.
     """
     options = options or RunOptions()
     reader = open_checkpoint(src, trust_pickle=options.trust_pickle, verify=options.verify_source)
     try:
         reader = fully_reshardable(reader, options.trust_pickle)  # megatron's dp_reshardable optimizer, kept
-        return run_conversion(_plan(reader, src, dst, options, chunk_bytes, selection, backend), options)
+        reader, cross = mapped(reader, src, key_map, map_direction, key_style, config, options.trust_pickle)
+        conv = _plan(reader, src, dst, options, chunk_bytes, selection, backend,
+                     map_header(key_map, map_direction, key_style, config))
+        return run_conversion(with_map(conv, cross), options)
     finally:
         reader.close()
 
 
 def _plan(reader: CheckpointReader, src: str | os.PathLike, dst: str | os.PathLike, options: RunOptions,
-          chunk_bytes: int | None, selection: Selection | None, backend: str) -> Conversion:
+          chunk_bytes: int | None, selection: Selection | None, backend: str,
+          extra_header: dict[str, Any] | None = None) -> Conversion:
     """The conversion: the selected entries, the store's layout and its chunk tasks (the same plan
     for the dry run and the run)."""
     index = reader.index()
@@ -110,7 +120,7 @@ def _plan(reader: CheckpointReader, src: str | os.PathLike, dst: str | os.PathLi
 
     header = {"--chunk-size": chunk_bytes,
               "--keys": None if selection is None or selection.everything else selection.to_json(),
-              **({"--backend": backend} if backend != DEFAULT_BACKEND else {})}
+              **({"--backend": backend} if backend != DEFAULT_BACKEND else {}), **(extra_header or {})}
     planned = ConversionResult(str(dst), len(index.tensors), len(index.objects), sum(t.nbytes for t in tasks), 0.0)
     return Conversion("to-universal", src, dst, index, reader, tasks, header, open_output, planned,
                       describe=lambda: (describe(tasks), None), check=check,

@@ -103,13 +103,7 @@ def source_of(e: ix.Expr, shapes: Mapping[str, Sequence[int]], keys: Mapping[str
     if simple is not None:
         return simple._replace(key=rename.get(simple.key, simple.key),
                                stack=tuple(rename.get(k, k) for k in simple.stack))
-    return Source(rename.get(ix.sources_of(e)[0], ix.sources_of(e)[0]), expr=_renamed(e, rename))
-
-
-def _renamed(e: ix.Expr, rename: Mapping[str, str]) -> ix.Expr:
-    if isinstance(e, ix.Cat):
-        return ix.Cat(e.dim, tuple(_renamed(p, rename) for p in e.parts))
-    return ix.View(rename.get(e.key, e.key), e.offset, e.dims)
+    return Source(rename.get(ix.sources_of(e)[0], ix.sources_of(e)[0]), expr=ix.renamed(e, rename))
 
 
 def _canonical(e: ix.View) -> ix.View:

@@ -12,7 +12,9 @@ The choice, in order:
 3. **The model family from its names**: torchtitan's MoE decoders (0.3.0's
    ``moe.routed_experts.inner_experts.w1_EFD``, 0.2.x's ``moe.experts.w1``; DeepSeek-V3, Qwen3-MoE,
    Llama 4) and its MLA / q-k-norm attention (DeepSeek-V3 and Qwen3 dense) -> ``moe``; torchtitan's
-   Llama names (``tok_embeddings``, ``layers.N.attention.*``, ``layers.N.feed_forward.*``) -> ``llama``.
+   Llama names (``tok_embeddings``, ``layers.N.attention.*``, ``layers.N.feed_forward.*``) and Hugging
+   Face's (``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj``: an FSDP2 job on transformers'
+   ``LlamaForCausalLM``) -> ``llama``.
 4. ``fsdp`` otherwise.
 
 :func:`choose_plan` returns the plan with a one-line reason (printed by the conversion and in its dry
@@ -45,6 +47,8 @@ _TITAN_EXPERTS = re.compile(r"(?:^|.*\.)layers\.\d+\.moe\.(?:routed_experts\.inn
 _TITAN_ATTENTION_EXTRA = re.compile(r"(?:^|.*\.)layers\.\d+\.attention\.(?:wq_[ab]|wkv_[ab]|q_norm|k_norm|kv_norm)\.weight")
 #: torchtitan's Llama decoder (0.3.0's fused ``qkv_linear.wqkv`` and older ``wq``/``wk``/``wv``).
 _TITAN_DENSE = re.compile(r"(?:^|.*\.)layers\.\d+\.(?:attention\.(?:qkv_linear\.)?w(?:qkv|[qkvo])|feed_forward\.w[123])\.weight")
+#: Hugging Face's Llama decoder (``LlamaForCausalLM``: an FSDP2 job on transformers' models).
+_HF_DENSE = re.compile(r"model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight")
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ def model_family(params: Collection[str], megatron: bool = False) -> Family | No
     if megatron:
         example = next((p for p in params if p.startswith("decoder.")), next(iter(params), ""))
         return Family("megatron", "Megatron-core GPT names", example)
-    dense = attention = None
+    dense = attention = hf = None
     for p in params:
         if _TITAN_EXPERTS.match(p):  # the strongest sign: named first
             return Family("moe", "torchtitan MoE names", p)
@@ -78,9 +82,13 @@ def model_family(params: Collection[str], megatron: bool = False) -> Family | No
             attention = p
         if dense is None and _TITAN_DENSE.match(p):
             dense = p
+        if hf is None and _HF_DENSE.fullmatch(p):
+            hf = p
     if attention is not None:
         return Family("moe", "torchtitan MLA / q-k-norm attention names", attention)
-    return Family("llama", "torchtitan Llama names", dense) if dense is not None else None
+    if dense is not None:
+        return Family("llama", "torchtitan Llama names", dense)
+    return Family("llama", "Hugging Face Llama names", hf) if hf is not None else None
 
 
 def family_plan(family: Family, params: Mapping[str, Shape]) -> PlacementPlan:

@@ -99,7 +99,7 @@ def plan_export(index: CheckpointIndex, kmap: KeyMap, dtype: str | None,
         fused, part = parts.get(fqn, (fqn, None))
         key, layer = fqn_src[fused]
         entry = index.tensors[key]
-        rows = None if part is None else _fused_rows(shapes[fused], config, kmap.name, fused, counts[fused])[part]
+        rows = None if part is None else fused_rows(shapes[fused], config, kmap.name, fused, counts[fused])[part]
         shape = shapes[fused] if rows is None else (len(rows), *shapes[fused][1:])
         perm = row_permutation(kmap, fqn, shape, config, to_hf=True)
         if rows is not None:
@@ -180,7 +180,7 @@ def _fused_parts(kmap: KeyMap, shapes: Mapping[str, tuple]) -> dict[str, tuple[s
     return out
 
 
-def _fused_rows(shape: tuple, config: Mapping[str, Any] | None, map_name: str, key: str,
+def fused_rows(shape: tuple, config: Mapping[str, Any] | None, map_name: str, key: str,
                 parts: int = 3) -> tuple[np.ndarray, ...]:
     """The source rows of each part of a fused tensor: a two-part one (Megatron's GLU
     ``linear_fc1``) in halves; q, k, v of a fused ``wqkv`` / ``linear_qkv`` by query group (head
@@ -210,7 +210,7 @@ def _part_shapes(shapes: Mapping[str, tuple], parts: Mapping[str, tuple[str, int
             continue
         n = (counts or {}).get(fused, 3)
         if n != 3 or isinstance(config.get("num_attention_heads"), int):
-            rows = _fused_rows(shapes[fused], config, map_name, fused, n)[i]
+            rows = fused_rows(shapes[fused], config, map_name, fused, n)[i]
             out[name] = (len(rows), *shapes[fused][1:])
     return out
 

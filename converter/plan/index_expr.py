@@ -19,7 +19,7 @@ into region reads (see :mod:`converter.run.mapped_reader`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -233,6 +233,53 @@ def stack(parts: Sequence[Expr], dim: int) -> Expr:
     """``torch.stack(parts, dim)``."""
     return cat([unsqueeze(p, dim) for p in parts], dim)
 
+
+
+def renamed(e: Expr, keys: Mapping[str, str]) -> Expr:
+    """``e`` with its source keys renamed by ``keys`` (keys not in it kept)."""
+    if isinstance(e, Cat):
+        return Cat(e.dim, tuple(renamed(p, keys) for p in e.parts))
+    return View(keys.get(e.key, e.key), e.offset, e.dims)
+
+
+def rows(key: str, shape: Sequence[int], take: Sequence[int] | np.ndarray) -> Expr:
+    """Rows ``take`` (in that order) of the whole source ``key`` of ``shape``: one strided view
+    when the row indices are a mixed-radix pattern (a slice, RoPE's per-head interleave, a
+    per-group split), else the concatenation of its runs of consecutive rows."""
+    take = np.asarray(take, dtype=np.int64)
+    whole = leaf(key, shape)
+    row = math.prod(shape[1:])
+    dims = _row_radix(take)
+    if dims is not None:
+        first, groups = dims
+        return View(key, first * row, (tuple((n, s * row) for n, s in groups), *whole.dims[1:]))
+    cuts = np.flatnonzero(np.diff(take) != 1) + 1
+    parts = [narrow(whole, 0, int(r[0]), len(r)) for r in np.split(take, cuts)]
+    return cat(parts, 0)
+
+
+def _row_radix(take: np.ndarray) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+    """``(first, ((size, stride), ...))`` (outermost first, positive strides) with ``take[t] =
+    first + sum(j_v * stride_v)`` for ``t`` unravelled over the sizes; None when ``take`` is not such
+    a pattern."""
+    if not len(take):
+        return None
+    first, cur = int(take[0]), take - take[0]
+    inner_first: list[tuple[int, int]] = []
+    while len(cur) > 1:
+        step = int(cur[1] - cur[0])
+        if step <= 0:
+            return None
+        off = np.flatnonzero(np.diff(cur) != step)
+        run = int(off[0]) + 1 if len(off) else len(cur)
+        if len(cur) % run:
+            return None
+        blocks = cur.reshape(-1, run)
+        if not np.array_equal(blocks - blocks[:, :1], np.broadcast_to(np.arange(run, dtype=np.int64) * step, blocks.shape)):
+            return None
+        inner_first.append((run, step))
+        cur = blocks[:, 0]
+    return first, tuple(reversed(inner_first)) or ((1, 1),)
 
 # ---------------------------------------------------------------------------------------------
 # JSON

@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from converter.plan.key_maps import KeyMap, heads_for, parse_transform, rope_permutation
-from converter.plan.view_source import Source
-from formats.base import Box, CheckpointIndex, ChunkRef, TensorEntry
+from converter.plan.view_source import ObjectSource, Source
+from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntry
 from formats.errors import ConfigError, InvalidCheckpointError
 
 
@@ -159,6 +159,19 @@ def mapped_index(src_index: CheckpointIndex, sources: Mapping[str, Source],
         if src.transpose:
             tensors[target] = transposed_entry(tensors[target])
     return CheckpointIndex(src_index.format, src_index.root, tensors, {}, src_index.info)
+
+
+def object_entries(src_index: CheckpointIndex, objects: Mapping[str, ObjectSource]) -> dict[str, ObjectEntry]:
+    """The view's non-tensor entries: each where its source entry lies, or (new bytes) nowhere in
+    the source (pure)."""
+    out = {}
+    for key, obj in objects.items():
+        if obj.data is not None:
+            out[key] = ObjectEntry(key, tuple(obj.path), "", ("new", key), len(obj.data))
+        else:
+            e = src_index.objects[obj.key]
+            out[key] = ObjectEntry(key, tuple(obj.path), e.file, e.locator, e.nbytes)
+    return out
 
 
 def _view_entry(src_index: CheckpointIndex, target: str, src: Source, path: tuple) -> TensorEntry:

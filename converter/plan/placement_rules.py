@@ -422,6 +422,7 @@ class SourcePlan:
 
 
 _L = r"layers\.\d+\."
+_HF = r"model\.layers\.\d+\."  # Hugging Face decoder layers
 FSDP_PLAN = RulePlan("fsdp", (Rule("fsdp", r".*"),))
 LLAMA_PLAN = RulePlan(
     "llama",
@@ -442,6 +443,17 @@ LLAMA_PLAN = RulePlan(
         Rule("feed_forward.w2.bias", _L + r"feed_forward\.w2\.bias", Replicate()),
         Rule("norms", r"(" + _L + r"(attention_norm|ffn_norm)|norm)\.(weight|bias)", Replicate()),
         Rule("output", r"(output|lm_head)\.(weight|bias)", Shard(0)),  # ColwiseParallel (lm_head: 0.3.0)
+        # Hugging Face Llama names (an FSDP2 job on transformers' LlamaForCausalLM; its tp_plan is
+        # torchtitan's: q/k/v and gate/up colwise, o/down rowwise, the embedding rowwise)
+        Rule("embed_tokens (HF)", r"model\.embed_tokens\.weight", Shard(0)),
+        Rule("self_attn.q/k/v_proj (HF)", _HF + r"self_attn\.[qkv]_proj\.(weight|bias)", Shard(0), tp_divisible=True),
+        Rule("self_attn.o_proj (HF)", _HF + r"self_attn\.o_proj\.weight", Shard(1), tp_divisible=True),
+        Rule("self_attn.o_proj.bias (HF)", _HF + r"self_attn\.o_proj\.bias", Replicate()),
+        Rule("mlp.gate/up_proj (HF)", _HF + r"mlp\.(gate|up)_proj\.(weight|bias)", Shard(0)),
+        Rule("mlp.down_proj (HF)", _HF + r"mlp\.down_proj\.weight", Shard(1)),
+        Rule("mlp.down_proj.bias (HF)", _HF + r"mlp\.down_proj\.bias", Replicate()),
+        Rule("norms (HF)", r"(" + _HF + r"(input_layernorm|post_attention_layernorm)|model\.norm)\.(weight|bias)",
+             Replicate()),
     ),
 )
 

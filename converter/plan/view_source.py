@@ -4,9 +4,12 @@ itself (:mod:`converter.plan.mapped_view`) so that key maps built from code
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from converter.plan import index_expr as ix
 
 
 class Source(NamedTuple):
@@ -28,3 +31,31 @@ class Source(NamedTuple):
     stack: tuple[str, ...] = ()
     transpose: bool = False
     expr: Any = None
+
+
+class ObjectSource(NamedTuple):
+    """A non-tensor entry of a renamed view: its object path, and the source entry whose bytes it
+    is, or its own new bytes (a renamed param group's ``params`` list)."""
+
+    path: tuple
+    key: str | None = None
+    data: bytes | None = None
+
+
+def source_keys(src: Source) -> tuple[str, ...]:
+    """The source keys ``src`` reads, in order of first use."""
+    if src.expr is not None:
+        return tuple(ix.sources_of(src.expr))
+    return src.stack if src.stack else (src.key,)
+
+
+def rekeyed(src: Source, keys: Mapping[str, str]) -> Source:
+    """``src`` reading ``keys[k]`` wherever it read source ``k`` (keys not in ``keys`` kept)."""
+    expr = None if src.expr is None else ix.renamed(src.expr, keys)
+    return src._replace(key=keys.get(src.key, src.key), stack=tuple(keys.get(k, k) for k in src.stack), expr=expr)
+
+
+def is_plain(src: Source) -> bool:
+    """Whether ``src`` is a whole source tensor under another name (no rows, slice, stack,
+    transpose or gather)."""
+    return src.perm is None and src.index is None and not src.stack and not src.transpose and src.expr is None

@@ -5,6 +5,7 @@ tensor and rows each target tensor is)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,8 +13,8 @@ import numpy as np
 from converter import knobs
 from converter.plan import index_expr as ix
 from converter.plan.copy_tasks import split_pieces
-from converter.plan.mapped_view import (ExprLocator, Source, ViewLocator, expr_parts, mapped_index, normalized_sources,
-                                        source_region, transposed_box)
+from converter.plan.mapped_view import (ExprLocator, ObjectSource, Source, ViewLocator, expr_parts, mapped_index,
+                                        normalized_sources, object_entries, source_region, transposed_box)
 from formats.base import Box, CheckpointIndex, CheckpointReader, ChunkRef, copy_bits_into, read_box
 from formats.dtypes import by_name, from_storage_array
 from formats.errors import PlanError
@@ -25,14 +26,21 @@ if TYPE_CHECKING:
 class MappedReader:
     """A :class:`CheckpointReader` view: target tensors renamed (and row-permuted) from a source.
 
-    ``sources`` maps each target key to its :class:`Source`; ``paths`` gives target object paths.
+    ``sources`` maps each target key to its :class:`Source`; ``paths`` gives target object paths;
+    ``objects`` the view's non-tensor entries (target key -> :class:`ObjectSource`: a source
+    entry's bytes, or new ones).
     """
 
     def __init__(self, reader: CheckpointReader, sources: Mapping[str, Source],
-                 paths: Mapping[str, tuple] | None = None) -> None:
+                 paths: Mapping[str, tuple] | None = None,
+                 objects: Mapping[str, ObjectSource] | None = None) -> None:
         self.reader = reader
         self.sources = normalized_sources(sources)
-        self._index = mapped_index(reader.index(), self.sources, paths)
+        self.objects = dict(objects or {})
+        index = mapped_index(reader.index(), self.sources, paths)
+        if self.objects:
+            index = replace(index, objects=object_entries(reader.index(), self.objects))
+        self._index = index
         self._parts = {k: expr_parts(s.expr) for k, s in self.sources.items() if s.expr is not None}
 
     def index(self) -> CheckpointIndex:
@@ -134,10 +142,25 @@ class MappedReader:
             cursor += n
 
     def read_object_bytes(self, key: str) -> bytes:
-        raise PlanError(f"no non-tensor entry {key!r} in a mapped view")
+        """The bytes of a non-tensor entry of the view: its source entry's, as stored, or its own."""
+        obj = self.objects.get(key)
+        if obj is None:
+            raise PlanError(f"no non-tensor entry {key!r} in a mapped view")
+        return obj.data if obj.data is not None else self.reader.read_object_bytes(obj.key)
 
     def load_object(self, key: str, trust_pickle: bool = False) -> Any:
-        return self.read_object_bytes(key)
+        """The value of a non-tensor entry of the view (allowlisted unpickling unless ``trust_pickle``)."""
+        obj = self.objects.get(key)
+        if obj is not None and obj.data is None:
+            return self.reader.load_object(obj.key, trust_pickle)
+        from formats.objects import load_torch_object
+
+        return load_torch_object(self.read_object_bytes(key), f"{self._index.root}: key {key!r}", trust_pickle)
+
+    def framework_files(self) -> dict[str, bytes]:
+        """None: the framework files beside the source (Megatron's ``metadata.json``) describe its
+        names, not the view's."""
+        return {}
 
     def close(self) -> None:
         self.reader.close()
