@@ -456,10 +456,19 @@ def _hparams(index: CheckpointIndex, refs: Mapping[str, AtomRef], values: Mappin
         lines.append(MapLine(key, (src_key,), f"hyperparameter of {target_of}", "hparam"))
 
     if not style.nested:
+        added = 0
         for target, hps in chosen.items():
             for name, src_key in hps.items():
                 put(*style.hparam(target, name), src_key, target)
-        return objects, tensors, lines, []
+            if style.name == "torchtitan" and "initial_lr" not in hps and hps.get("lr") in values:
+                key, path = style.hparam(target, "initial_lr")
+                objects[key] = ObjectSource(path, data=_saved(values[hps["lr"]]))
+                lines.append(MapLine(key, (hps["lr"],), f"initial_lr of {target}: its group's lr", "hparam"))
+                added += 1
+        notes = [f"the source's param groups have no initial_lr, which torchtitan's LR scheduler adds to every group "
+                 f"and its checkpoint load asks for: set to each group's lr ({added} parameters); its scheduler "
+                 "resumes from its own lr_scheduler state"] if added else []
+        return objects, tensors, lines, notes
     order: dict[Any, int] = {}
     members: list[list[str]] = []
     for target, hps in chosen.items():

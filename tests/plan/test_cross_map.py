@@ -81,6 +81,28 @@ def test_hf_to_titan_fuses_the_states_and_keeps_the_weights_split():
     assert "fused" in line.transform
 
 
+def test_to_torchtitan_a_group_without_initial_lr_gets_its_lr():
+    """torchtitan's LambdaLR adds ``initial_lr`` to every param group, so its ``dcp.load`` asks for
+    ``optimizer.param_groups.<fqn>.initial_lr``; a plain FSDP2 job's AdamW saves none: it is the lr."""
+    _, model, states = titan_checkpoint(seed=3)
+    weights, hf_states = hf_of_titan(model, states)
+    tensors = {f"model.{k}": (t, ("model", k)) for k, t in weights.items()}
+    for fqn, st in hf_states.items():
+        for role, t in st.items():
+            tensors[f"optim.state.{fqn}.{role}"] = (t, ("optim", "state", fqn, role))
+    objects = {f"optim.param_groups.0.{k}": (v, ("optim", "param_groups", 0, k)) for k, v in HPARAMS.items()
+               if k != "initial_lr"}
+    objects["optim.param_groups.0.params"] = (list(hf_states), ("optim", "param_groups", 0, "params"))
+    view, plan = cross_view(MemCheckpoint(tensors, objects), "torchtitan-llama3", config=CFG)
+    _, objs = read_all(view)
+    for fqn in states:
+        assert objs[f"optimizer.param_groups.{fqn}.initial_lr"] == HPARAMS["lr"]
+        assert objs[f"optimizer.param_groups.{fqn}.lr"] == HPARAMS["lr"]
+    assert any("initial_lr" in w for w in plan.warnings)
+    kept, _ = cross_view(MemCheckpoint(tensors, objects), "torchtitan-llama3", config=CFG, key_style="dcp-flat")
+    assert not [k for k in read_all(kept)[1] if k.endswith("initial_lr")]  # only torchtitan's style asks for it
+
+
 @pytest.mark.parametrize("map_name", ["torchtitan-llama3", "torchtitan-llama"])
 def test_round_trip_through_hf_names_is_bit_exact(map_name):
     """torchtitan -> HF -> torchtitan through two views: every entry back, bit for bit."""
