@@ -9,7 +9,11 @@ from torch's ``dcp_to_torch_save``: the state right after loading is compared wi
 ``last_save_in_hf`` (torchtitan's ``checkpoint.last_save_in_hf`` with ``last_save_model_only``: the
 last step is saved through its state dict adapter with DCP's ``HuggingFaceStorageWriter``),
 ``initial_load_hf`` (a folder loaded at start through ``checkpoint.initial_load_in_hf``: DCP's
-``HuggingFaceStorageReader`` and the adapter's ``from_hf``; nothing else is loaded).
+``HuggingFaceStorageReader`` and the adapter's ``from_hf``; nothing else is loaded),
+``capture_step`` (a ``torch.save`` path: rank 0 writes the first optimizer step's full gradients as the
+optimizer sees them, after clipping, and every parameter and Adam state right after that step, by the
+model's parameter names, through :func:`_capture_step`), ``inject_grads`` (with ``capture_step``: a
+``torch.save`` of full gradients by FQN that replace the first step's own just before it).
 
 Each rank reports the losses of the steps it ran, the bytes ``CheckpointManager.load`` read from each
 checkpoint file (counted in torch's ``FileSystemReader.read_data``), and the keys whose loaded value
@@ -110,6 +114,45 @@ def _compare(trainer, reference: str, skip: list[str]) -> tuple[list[str], int]:
     return bad, compared
 
 
+def _capture_step(trainer, path: str, inject: str | None = None) -> None:
+    """Hooks on torchtitan's ``OptimizersContainer``: the first step's gradients (pre-hook; replaced
+    first by the full gradients of the ``inject`` file, each distributed like its parameter) and the
+    parameters, ``exp_avg``, ``exp_avg_sq`` and ``step`` after it (post-hook), full tensors by FQN
+    (``full_tensor()`` on every rank: a collective), saved by rank 0 to ``path``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    named = [(n, p) for part in trainer.model_parts for n, p in part.named_parameters()]
+    full = (lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+    got: dict = {}
+
+    def pre(_opt, _args, _kwargs):
+        if "grad" not in got and inject:
+            grads = torch.load(inject, weights_only=True)
+            for n, p in named:
+                g = grads[n].to(p.dtype)
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+        if "grad" not in got:
+            got["grad"] = {n: full(p.grad).detach().clone() for n, p in named}
+
+    def post(_opt, _args, _kwargs):
+        if "after" in got:
+            return
+        states = {}
+        for opt in trainer.optimizers.optimizers:
+            states.update(opt.state)
+        got["after"] = {n: full(p).detach().clone() for n, p in named}
+        for role in ("exp_avg", "exp_avg_sq", "step"):
+            got[role] = {n: full(states[p][role]).detach().clone() for n, p in named}
+        got["lr"] = [g["lr"] for opt in trainer.optimizers.optimizers for g in opt.param_groups]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            torch.save(got, path)
+
+    trainer.optimizers.register_step_pre_hook(pre)
+    trainer.optimizers.register_step_post_hook(post)
+
+
 def _hf_options(config, job: dict) -> None:
     """torchtitan's own HF save / initial HF load options, as a user sets them."""
     ck = config.checkpoint
@@ -157,6 +200,8 @@ def main() -> None:
         return loaded
 
     trainer.checkpointer.load = load
+    if job.get("capture_step"):
+        _capture_step(trainer, job["capture_step"], job.get("inject_grads"))
     try:
         trainer.train()
     finally:
