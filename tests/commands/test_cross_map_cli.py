@@ -113,3 +113,37 @@ def test_a_state_that_is_not_elementwise_safe_is_refused_in_one_line(tmp_path):
     assert len(lines) == 1, stderr
     assert f"optimizer.state.{FQN}.exp_avg_sq_row" in lines[0] and "not elementwise-safe" in lines[0]
     assert not out.exists()
+
+
+def test_export_ds_map_writes_hf_named_atoms_and_import_ds_maps_them_back(tmp_path):
+    """torchtitan -> export-ds --map torchtitan-llama (a DeepSpeed universal checkpoint of the HF model:
+    each atom file torch.loads to the torch-transformed weight or state) -> import-ds --map
+    torchtitan-llama3 -> from-universal: torch's reading equals the source, bit for bit."""
+    src = tmp_path / "src"
+    model, states = _save_titan(src)
+    code, stdout, stderr = run_cli("export-ds", str(src), str(tmp_path / "ds"), "--tag", "t", "--map",
+                                   "torchtitan-llama", "--config", json.dumps(CFG))
+    assert code == 0, stdout + stderr
+    weights, hf_states = hf_of_titan(model, states)
+    zero = tmp_path / "ds" / "t" / "zero"
+    assert {p.name for p in zero.iterdir() if p.is_dir()} == set(weights)
+    for fqn, t in weights.items():
+        assert torch.equal(torch.load(zero / fqn / "fp32.pt", weights_only=True)["param"], t), fqn
+        for role in ("exp_avg", "exp_avg_sq"):
+            got = torch.load(zero / fqn / f"{role}.pt", weights_only=True)["param"]
+            assert torch.equal(got, hf_states[fqn][role]), (fqn, role)
+    opt = torch.load(zero / "optimizer_state.pt", weights_only=True)
+    assert {k: tuple(v) if k == "betas" else v for k, v in opt["param_groups"][0].items() if k != "params"} == HPARAMS
+
+    code, stdout, stderr = run_cli("import-ds", str(tmp_path / "ds" / "t"), str(tmp_path / "uni"), "--map",
+                                   "torchtitan-llama3", "--config", json.dumps(CFG))
+    assert code == 0, stdout + stderr
+    code, stdout, stderr = run_cli("from-universal", str(tmp_path / "uni"), str(tmp_path / "back"), "--mesh", "dp2")
+    assert code == 0, stdout + stderr
+    got = _torch_read(tmp_path / "back", tmp_path)
+    for k, t in model.items():
+        assert torch.equal(got[k], t), k
+    for fqn, st in states.items():
+        for role, t in st.items():
+            assert torch.equal(got["optimizer"][f"state.{fqn}.{role}"].reshape(t.shape), t.to(torch.float32)), (fqn, role)
+        assert got["optimizer"][f"param_groups.{fqn}.lr"] == HPARAMS["lr"]
