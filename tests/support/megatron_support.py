@@ -325,11 +325,7 @@ def sharded_state_dict(spec: GPTSpec, model: Any, opt: Any, iteration: int, load
         "optimizer": opt.sharded_state_dict(sd, is_loading=loading, metadata=meta),
         "checkpoint_version": 3.0,
         "iteration": iteration,
-        "args": argparse.Namespace(
-            **asdict(spec), tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(), iteration=iteration,
-            ckpt_format="torch_dist", lr=1e-2,
-        ),
+        "args": megatron_args(spec, iteration, "torch_dist"),
         "content_metadata": meta,
     })
     if rng:
@@ -485,14 +481,17 @@ SMALL = GPTSpec(num_layers=4, hidden_size=16, num_attention_heads=4, num_query_g
 def load_and_compare(reference: "os.PathLike[str] | str", converted: "os.PathLike[str] | str", tp: int, pp: int,
                      dp: int, work: "os.PathLike[str] | str", spec: GPTSpec = GPTSpec(), rng: bool = False,
                      vpp: int = 1, ep: int = 1, etp: int | None = None,
-                     common: tuple[str, ...] | None = None, converted_format: str = "torch_dist") -> list[dict]:
+                     common: tuple[str, ...] | None = None, converted_format: str = "torch_dist",
+                     count_reads: bool = False) -> list[dict]:
     """megatron's own ``dist_checkpointing.load`` of ``reference`` and of ``converted`` into two GPTModels
     (with their DistributedOptimizers) on ``tp`` x ``pp`` x ``dp`` (``vpp`` model chunks per stage, ``ep``
     / ``etp`` expert parallel sizes); each rank reports what differs (model parameters, fp32 main
     params, Adam states and steps, param groups, the ``common`` values: iteration, checkpoint_version,
     args, content_metadata and rng_state by default). ``converted_format`` "legacy": ``converted`` is a
-    legacy checkpoint, loaded as Megatron-LM's ``load_checkpoint`` does with ``--ckpt-format torch``."""
-    job = {"mode": "compare", "converted_format": converted_format, "world": tp * pp * dp, "tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp,
+    legacy checkpoint, loaded as Megatron-LM's ``load_checkpoint`` does with ``--ckpt-format torch``.
+    ``count_reads``: each report's ``reads`` lists what the converted checkpoint's load read
+    (key, chunk offsets, file, bytes)."""
+    job = {"mode": "compare", "converted_format": converted_format, "count_reads": count_reads, "world": tp * pp * dp, "tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp,
            "spec": asdict(spec), "reference": str(Path(reference).resolve()),
            "converted": str(Path(converted).resolve()), "rng": rng}
     if common is not None:
