@@ -169,7 +169,7 @@ def _missing_key(message: str) -> list[str]:
 @click.argument("dst", type=click.Path())
 @click.option("--mesh", required=True, help="Target mesh, e.g. tp2,dp32 or pp2,dp_replicate2,dp4 (names: pp, dp_replicate, dp/dp_shard, cp, tp).")
 @click.option("--mesh-order", default=None, help="Rank order of the mesh dims, outermost first (default: pp,dp_replicate,dp_shard,cp,tp).")
-@click.option("--plan", "plan_name", default="auto", show_default=True, help="Placement plan: auto (chosen from the checkpoint: Megatron names, else the source's own TP layout, else the model family from its names, else fsdp; printed with the reason), fsdp, llama, moe, megatron, source, torchtitan:MODEL/FLAVOR or python:MODULE:FUNCTION (read from the model's own parallelize code), or a plan file (JSON/YAML).")
+@click.option("--plan", "plan_name", default="auto", show_default=True, help="Placement plan: auto (chosen from the checkpoint: Megatron names (megatron-core where its training args build the model, else megatron), else the source's own TP layout, else the model family from its names, else fsdp; printed with the reason), fsdp, llama, moe, megatron, source, megatron-core (megatron-core's own sharded_state_dict() of the model the checkpoint's args build), torchtitan:MODEL/FLAVOR or python:MODULE:FUNCTION (read from the model's own parallelize code), or a plan file (JSON/YAML).")
 @click.option("--dtype", default=None, help="Cast floating-point parameters: bf16, fp16, fp32, fp64 (or bfloat16, float16, ...); float8/int kept. Off by default.")
 @click.option("--drop-dataloader-state", "drop_dataloader", is_flag=True,
               help="Leave out the per-rank dataloader state (needed when the DP degree changes: torchtitan cannot reshard it); "
@@ -190,8 +190,8 @@ def _missing_key(message: str) -> list[str]:
                    "checkpoint (--ckpt-format torch: iter_*/mp_rank_*/model_optim_rng.pt + distrib_optim.pt) for "
                    "--mesh tp,pp,dp[,ep] from a Megatron source (torch_dist, legacy, or their universal store).")
 @click.option("--vpp", type=int, default=1, show_default=True,
-              help="With --format megatron-legacy: model chunks per pipeline stage (virtual pipeline; the files hold "
-                   "model0, model1, ...).")
+              help="With --format megatron-legacy or --plan megatron-core: model chunks per pipeline stage (virtual "
+                   "pipeline; legacy files hold model0, model1, ...).")
 @click.option("--megatron-names", type=click.Choice(["local", "te"]), default=None,
               help="With --format megatron-legacy: the layer spec whose names the files use (local: input_layernorm / "
                    "pre_mlp_layernorm; te: Transformer Engine's fused names; default: the checkpoint's "

@@ -23,6 +23,7 @@ from typing import Any
 
 from converter import knobs
 from converter.config import RunOptions
+from converter.plan.atoms import AtomRef, is_megatron
 from converter.plan.copy_tasks import WriteTask, plan_boxes, total_target_nbytes
 from converter.plan.dataloader_state import loading_ranks, plan_objects
 from converter.plan.megatron import plan_layout_bound
@@ -47,7 +48,7 @@ from formats.dcp.metadata import gc_paused
 from formats.dcp.writer import METADATA_NAME, DCPWriter, ObjectSpec, rank_metadata_name
 from formats.dcp.writer import default_file_name as rank_file
 from formats.dcp_safetensors import CONSOLIDATED, FORMAT as ST_FORMAT
-from formats.errors import ConfigError
+from formats.errors import ConfigError, PlanError
 from formats.hf import SafetensorsFilesWriter
 from formats.dtypes import CASTABLE_FLOATS, by_name, cast_dtype
 from formats.objects import read_checked_object
@@ -55,6 +56,7 @@ from formats.storage import source_label
 
 #: ``--format`` of a Megatron-LM legacy target.
 LEGACY_FORMAT = "megatron-legacy"
+MEGATRON_CODE_PLAN = "megatron-core"
 
 
 
@@ -157,8 +159,9 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             raise ConfigError("--consolidate, --max-shard-size and --fqn-index are for --format dcp-safetensors")
         return _to_legacy(src, dst, parse_mesh(mesh, mesh_order), options, selection, layout_objects,
                           cast_dtype(dtype) if dtype is not None else None, vpp, megatron_names)
-    if vpp != 1 or megatron_names is not None:
-        raise ConfigError("--vpp and --megatron-names shape a megatron-legacy target: add --format megatron-legacy")
+    if megatron_names is not None or (vpp != 1 and plan not in (MEGATRON_CODE_PLAN, "auto")):
+        raise ConfigError("--vpp and --megatron-names shape a megatron-legacy target (--vpp also --plan "
+                          f"{MEGATRON_CODE_PLAN}): add --format megatron-legacy")
     max_shard_bytes = _check_format(format, consolidate, max_shard_size)
     if fqn_index is not None and (format != ST_FORMAT or max_shard_bytes is not None):
         raise ConfigError("--fqn-index is for --format dcp-safetensors, without --max-shard-size (it is the split)")
@@ -182,13 +185,29 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
             splits, replicated, source_mesh = _source_hints(reader, index)
             selected = select_entries(index, selection or Selection(), refs)
             heads = _head_counts(src, config)
-            layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors,
-                                   heads=heads, dedup="torch" if format == ST_FORMAT else "least-loaded",
-                                   source_mesh=source_mesh, local=local)
+            code_layout, object_owners, why_not = None, {}, ""
+            if plan == MEGATRON_CODE_PLAN or (plan == "auto" and _megatron_names(index)):
+                code_layout, object_owners, why_not = _megatron_code_layout(
+                    reader, index, target_mesh, dtype, refs, selected.tensors, options, vpp, auto=plan == "auto",
+                    local=local.local)
+            if code_layout is not None:
+                layout = code_layout
+            else:
+                if vpp != 1:
+                    raise ConfigError(f"--vpp is for megatron-core's own plan, which is not used here ({why_not}); "
+                                      "without it, add --format megatron-legacy")
+                layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors,
+                                       heads=heads, dedup="torch" if format == ST_FORMAT else "least-loaded",
+                                       source_mesh=source_mesh, local=local)
+                if why_not and layout.plan_reason:
+                    layout = replace(layout, plan_reason=f"{layout.plan_reason}; megatron-core's own plan not used: "
+                                                         f"{why_not}")
             index = selected.restrict(index)  # the whole index planned the parameters; write the selection
             # every entry checked (CRC, zip records, pickle globals) before the destination is touched
             object_specs, index, notes = plan_objects(index, lambda k: read_checked_object(reader, k, options.trust_pickle),
                                                       target_mesh, drop_dataloader)
+            if object_owners:  # --plan megatron-core: each ShardedObject (a layer's extra state) in its main replica's file
+                object_specs = [(k, p, d, object_owners.get(k, r)) for k, p, d, r in object_specs]
             unbound, bound_notes = plan_layout_bound([*(k for k, *_ in object_specs), *index.tensors], target_mesh,
                                                      layout_objects)
             object_specs, notes = [o for o in object_specs if o[0] not in unbound], [*notes, *bound_notes]
@@ -203,6 +222,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                       "--dtype": dtype,
                       "--keys": None if selection is None or selection.everything else selection.to_json(),
                       "--drop-dataloader-state": bool(drop_dataloader), "--config": option_value(config),
+                      **({"--vpp": vpp} if vpp != 1 else {}),
                       **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {}),
                       **({"--local-files": local.mode, "--ranks-per-node": local.ranks_per_node} if local.local else {}),
                       **map_header(key_map, map_direction, key_style)}
@@ -367,6 +387,53 @@ def _head_counts(src: str | os.PathLike, config: Any) -> HeadCounts | None:
 
 
 
+
+
+def _megatron_names(index: CheckpointIndex) -> bool:
+    """Whether ``index`` holds megatron-core torch_dist names (``--plan auto`` then tries megatron-core's plan)."""
+    return is_megatron({k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()})
+
+
+def _megatron_code_layout(reader: CheckpointReader, index: CheckpointIndex, mesh: Mesh, dtype: str | None,
+                          refs: Mapping[str, AtomRef], keep: Any, options: RunOptions, vpp: int,
+                          auto: bool = False, local: bool = False) -> tuple[TargetLayout | None, Mapping[str, int], str]:
+    """``--plan megatron-core``: every chunk where megatron-core's own ``sharded_state_dict()`` puts it
+    on ``mesh`` with ``vpp`` model chunks per stage (:mod:`converter.plan.megatron_code`), in its main
+    replica's file; with the rank of each ShardedObject's main replica. ``auto`` (``--plan auto`` on
+    Megatron names): where that plan cannot be used (megatron-core not installed, no training args,
+    a tensor its model does not name or shapes it differently, ``local``: --local-files rank|node),
+    no layout and why not, not an error."""
+    from converter.plan import megatron_code as mc
+
+    def refuse(why: str) -> tuple[None, Mapping[str, int], str]:
+        if auto:
+            return None, {}, why
+        raise ConfigError(f"--plan {MEGATRON_CODE_PLAN}: {why}; use --plan megatron (its name rules)")
+
+    if auto and not mc.installed():
+        return refuse("megatron-core is not installed")
+    if local:
+        return refuse("--local-files rank|node is not planned on megatron's boxes (each box is stored once)")
+    if _COMMON not in index.objects:
+        return refuse(f"{source_label(index.root)} has no {_COMMON} (megatron's training args build the model)")
+    (common,) = reader.load_object(_COMMON, options.trust_pickle)
+    args = vars(common.get("args")) if isinstance(common, dict) and hasattr(common.get("args"), "__dict__") else {}
+    missing = mc.missing_model_args(args)
+    if missing:
+        return refuse(f"the checkpoint's args lack {', '.join(missing)} (megatron's model is built from them)")
+    experts = f", {args['num_experts']} experts" if args.get("num_experts") else ""
+    reason = (("Megatron-core names with their training args: " if auto else "")
+              + f"megatron-core's own sharded_state_dict() of the GPTModel its training args build "
+              f"({args['num_layers']} layers, hidden {args['hidden_size']}{experts}) on {mesh}"
+              + (f", vpp {vpp}" if vpp > 1 else ""))
+    try:
+        boxes = mc.load_rank_boxes(args, mesh, vpp)
+        layout = mc.code_target_layout(index, refs, mesh, boxes, dtype, keep, reason, strict=auto)
+    except (ConfigError, PlanError) as e:
+        if not auto:
+            raise
+        return refuse(str(e).removeprefix(f"--plan {MEGATRON_CODE_PLAN}: "))
+    return layout, dict(boxes.objects), ""
 
 
 # ---------------------------------------------------------------------------------------------

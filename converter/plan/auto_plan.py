@@ -4,7 +4,9 @@ The choice, in order:
 
 1. **Megatron-core names** (``decoder.layers.*`` layer-stacked tensors, ``embedding.word_embeddings``,
    ``output_layer``: :func:`converter.plan.atoms.is_megatron`): Megatron's own TP plan
-   (:mod:`converter.plan.megatron_plan`), whatever the source's layout.
+   (:mod:`converter.plan.megatron_plan`), whatever the source's layout. (Before this pure choice,
+   ``from-universal`` tries megatron-core's own plan, :mod:`converter.plan.megatron_code`, where the
+   checkpoint's training args build megatron's model; this is the fallback.)
 2. **The source's own TP layout**, where the chunk boxes show one (any parameter split by TP): each
    parameter keeps the dim TP split it on (:class:`~converter.plan.placement_rules.SourcePlan`), and
    the model family's rules (3.) place the tensors the source shows no TP split for (norms, the

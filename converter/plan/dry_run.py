@@ -88,6 +88,9 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
     readers_of: dict[int, tuple[int, ...]] = {}
     if layout.readers is not None:
         readers_of = {id(c): r for c, r in zip(layout.chunks, layout.readers)}
+    holders_of: dict[int, tuple[int, ...]] = {}  # where no placement tells them (--plan megatron-core)
+    if getattr(layout, "holders", None) is not None:
+        holders_of = {id(c): h for c, h in zip(layout.chunks, layout.holders)}
     listed = {k: specs if chunk_lines is None else specs[:chunk_lines] for k, specs in by_key.items()}
     sources = _sources(tasks, None if chunk_lines is None else {
         k: {(s.box.offsets, s.box.sizes) for s in specs} for k, specs in listed.items()})
@@ -109,7 +112,7 @@ def build_preview(src: str, dst: str, plan_name: str, layout: Any, tasks: Iterab
             box = (s.box.offsets, s.box.sizes)
             chunk = {"rank": s.rank, "file": rank_file(s.rank), **_box_json(s.box),
                      "bytes": s.box.numel * itemsize,
-                     "holders": list(holders.get(box, (s.rank,))),  # ascending
+                     "holders": list(holders_of.get(id(s)) or holders.get(box, (s.rank,))),  # ascending
                      "sources": sorted(sources.get((key, *box), ()))}
             if readers_of:
                 chunk["readers"] = list(readers_of[id(s)])

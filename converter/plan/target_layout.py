@@ -94,6 +94,8 @@ class TargetLayout:
     plan_reason: str | None = None  # --plan auto: why (one line)
     local: LocalFiles = LocalFiles()
     readers: tuple[tuple[int, ...], ...] | None = None  # per chunk (rank-local metadata only)
+    #: per chunk, the ranks that load it, where no placement tells (--plan megatron-core's boxes)
+    holders: tuple[tuple[int, ...], ...] | None = None
 
     def only(self, keys: Collection[str]) -> TargetLayout:
         """The layout of ``keys``' chunks only (itself when every key is kept: C-level checks)."""
@@ -101,7 +103,8 @@ class TargetLayout:
             return self
         kept = [i for i, c in enumerate(self.chunks) if c.key in keys]
         return replace(self, chunks=tuple(self.chunks[i] for i in kept),
-                       readers=None if self.readers is None else tuple(self.readers[i] for i in kept))
+                       readers=None if self.readers is None else tuple(self.readers[i] for i in kept),
+                       holders=None if self.holders is None else tuple(self.holders[i] for i in kept))
 
 
 def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mesh, plan_name: str,
@@ -475,8 +478,8 @@ def rank_loads(layout: TargetLayout, objects: Sequence[tuple[int, tuple[int, ...
         else:
             for r in readers:
                 loads[r].add(rank)
-    if layout.readers is not None:
-        for spec, readers in zip(layout.chunks, layout.readers):
+    if layout.readers is not None or layout.holders is not None:
+        for spec, readers in zip(layout.chunks, layout.readers or layout.holders):
             if spec.box.numel:
                 f = spec.rank
                 for r in readers:

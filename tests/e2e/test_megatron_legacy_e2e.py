@@ -16,6 +16,7 @@ and step, param group, iteration and checkpoint_version must be equal bit for bi
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -173,6 +174,7 @@ def test_moe_between_expert_layouts_loads_bit_exact(sources, tmp_path, mesh, loa
         assert rep["compared"] >= 20
 
 
+@pytest.mark.framework("transformers")  # and megatron (the module's mark)
 def test_moe_export_hf_runs_like_megatron(sources, tmp_path):
     """export-hf --map megatron-mixtral of megatron-core's MoE model (saved at EP2 x DP2), loaded by
     transformers' MixtralForCausalLM.from_pretrained, gives megatron's own logits (its GPTModel with the
@@ -222,3 +224,78 @@ def test_moe_export_hf_runs_like_megatron(sources, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     print(f"\nHF Mixtral vs megatron MoE logits: max abs diff {(got - want).abs().max().item():.4g} (tol {tol:.3g}); "
           f"experts 0 and 1 exchanged {miss:.3g}")
+
+
+def _read_classes(reports: list[dict]) -> list[tuple[int, int, int, list]]:
+    """Per rank: (bytes of chunks only it reads, from its own file; bytes of chunks several ranks read;
+    its rank; chunks only it reads that came from another rank's file)."""
+    readers: dict[tuple, set] = {}
+    for rep in reports:
+        for key, offsets, _, _ in rep["reads"]:
+            readers.setdefault((key, tuple(offsets)), set()).add(rep["rank"])
+    out = []
+    for rep in reports:
+        own, shared, foreign = 0, 0, []
+        for key, offsets, name, n in rep["reads"]:
+            if len(readers[(key, tuple(offsets))]) > 1:
+                shared += n
+            elif name == f"__{rep['rank']}_0.distcp":
+                own += n
+            else:
+                foreign.append((key, offsets, name))
+        out.append((own, shared, rep["rank"], foreign))
+    return out
+
+
+LOCAL_CASES = [  # (source, target mesh, vpp, --plan, layout megatron loads with)
+    ("tp2,pp2,vpp2", "pp2,tp2", 2, "megatron-core", dict(tp=2, pp=2, dp=1, vpp=2)),
+    ("tp2,dp2", "pp2,tp2", 1, "megatron-core", dict(tp=2, pp=2, dp=1)),
+    ("moe,ep2,dp2", "dp2,ep2", 1, "megatron-core", dict(tp=1, pp=1, dp=2, ep=2)),  # each expert rank's experts in its own file
+    ("moe,ep2,dp2", "tp2,dp2,ep2", 1, None, dict(tp=2, pp=1, dp=2, ep=2)),  # no --plan: TP x EP, experts' TP too
+    ("moe,ep2,dp2", "pp2,dp2,ep2", 1, None, dict(tp=1, pp=2, dp=2, ep=2)),  # no --plan: PP x EP
+]
+
+
+@pytest.mark.parametrize("src,mesh,vpp,plan,load", LOCAL_CASES,
+                         ids=[f"{s}-to-{m}-{p or 'auto'}" for s, m, _, p, _ in LOCAL_CASES])
+def test_megatron_code_plan_is_rank_local(sources, tmp_path, src, mesh, vpp, plan, load):
+    """--plan megatron-core, and no --plan (auto: megatron-core's plan, the checkpoint's args being
+    Megatron-LM's): megatron loads the conversion bit-exact, and every chunk only one rank loads (its
+    TP / PP / expert shard) it reads from its own file (read counts of torch's FileSystemReader under
+    megatron's dist_checkpointing.load). The name-rule plan (--plan megatron, layer axis never split,
+    experts whole over ep) of the same source makes ranks read chunks only they load from other
+    ranks' files: the counts tell the two apart."""
+    legacy, dist, spec = sources[src]
+    out = tmp_path / "out"
+    code, _, err = run_cli("from-universal", str(legacy), str(out), "--mesh", mesh, "--vpp", str(vpp),
+                           *(("--plan", plan) if plan else ()))
+    assert code == 0, err
+    if plan is None:
+        assert "plan megatron-core (--plan auto): Megatron-core names with their training args" in err, err
+    reports = ms.load_and_compare(dist, out, work=tmp_path / "load", spec=spec, count_reads=True,
+                                  common=("iteration", "checkpoint_version"), **load)
+    for rep in reports:
+        assert rep["mismatch"] == [], (rep["rank"], rep["mismatch"][:5])
+        assert rep["compared"] >= 20
+    for own, shared, rank, foreign in _read_classes(reports):
+        assert foreign == [], f"rank {rank} read chunks only it loads from other ranks' files: {foreign[:4]}"
+        assert own > 0, rank
+    manifest = json.loads((out / ".ckptconv-loads.json").read_text())  # the files ckptconv says each rank opens
+    for rep in reports:
+        listed = {manifest["files"][i] for i in manifest["loads"][rep["rank"]]}
+        assert {name for *_, name, _ in rep["reads"]} <= listed, rep["rank"]
+    if load["pp"] > 1 or load.get("ep", 1) > 1:  # the name-rule plan is not rank-local over stages or experts
+        code, _, err = run_cli("from-universal", str(legacy), str(tmp_path / "rules"), "--mesh", mesh, "--plan",
+                               "megatron")
+        assert code == 0, err
+        rules = ms.load_and_compare(dist, tmp_path / "rules", work=tmp_path / "load2", spec=spec, count_reads=True,
+                                    common=("iteration", "checkpoint_version"), **load)
+        assert _foreign_bytes(rules) > _foreign_bytes(reports)
+        print(f"\nbytes read from other ranks' files: --plan megatron {_foreign_bytes(rules)}, "
+              f"--plan {plan or 'auto'} {_foreign_bytes(reports)}")
+    print("\n" + "; ".join(f"rank {r}: own {o} B, shared {s} B" for o, s, r, _ in _read_classes(reports)))
+
+
+def _foreign_bytes(reports: list[dict]) -> int:
+    """Bytes the ranks' loads read from other ranks' files, all ranks together."""
+    return sum(n for rep in reports for _, _, name, n in rep["reads"] if name != f"__{rep['rank']}_0.distcp")

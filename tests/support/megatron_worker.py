@@ -93,6 +93,22 @@ def _load(spec, path: str, seed: int, rng: bool):
     return models, opt, loaded
 
 
+def _count_reads(items: list) -> None:
+    """Record (key, chunk offsets, file, bytes) of every item torch's FileSystemReader reads."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    real = FileSystemReader.read_data
+
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            items.append([item.storage_index.fqn, list(item.storage_index.offset or ()),
+                          os.path.basename(info.relative_path), info.length])
+        return real(self, plan, planner)
+
+    FileSystemReader.read_data = read_data
+
+
 def _load_legacy(spec, root: str, seed: int):
     """(model chunks, optimizer, the file's values) after Megatron-LM's legacy load
     (``load_checkpoint`` with ``--ckpt-format torch``): this rank's ``model_optim_rng.pt`` through
@@ -118,6 +134,9 @@ def _model_state(models) -> dict:
 
 def _compare(job: dict, spec) -> dict:
     ref_models, ref_opt, ref = _load(spec, job["reference"], 11, job.get("rng", False))
+    reads: list = []
+    if job.get("count_reads"):
+        _count_reads(reads)  # (the converted checkpoint's load only)
     if job.get("converted_format") == "legacy":
         got_models, got_opt, got = _load_legacy(spec, job["converted"], 22)
     else:
@@ -139,7 +158,7 @@ def _compare(job: dict, spec) -> dict:
             compared += 1
             if not _same(ref.get(key), got.get(key)):
                 bad.append(f"common {key}: {ref.get(key)!r} != {got.get(key)!r}"[:300])
-    return {"mismatch": bad, "compared": compared, "iteration": got.get("iteration"),
+    return {"mismatch": bad, "compared": compared, "iteration": got.get("iteration"), "reads": reads,
             "params": sum(int(t.numel()) for t in got_sd.values() if hasattr(t, "numel"))}
 
 
