@@ -37,6 +37,10 @@ PROGRESS_LINE_SECONDS = float(os.environ.get("CKPTCONV_PROGRESS_SECONDS", "5.0")
 #: Fault injection for the interrupt and lock tests: each worker sleeps this long before every
 #: piece (0 = off), so a small conversion runs for seconds. Set through the environment only.
 FAULT_SLOW_PIECE_SECONDS = float(os.environ.get("CKPTCONV_FAULT_SLOW_PIECE_SECONDS", "0") or 0)
+#: Fault injection for the lock tests: while this file exists, each worker waits before its next
+#: piece (""/unset = off), so a run stays in progress for as long as a test needs, however loaded
+#: the machine. Set through the environment only.
+FAULT_HOLD_FILE = os.environ.get("CKPTCONV_FAULT_HOLD_FILE", "")
 #: Seconds between journal batches (data fsync + journal append) of a conversion.
 JOURNAL_FLUSH_SECONDS = float(os.environ.get("CKPTCONV_JOURNAL_FLUSH_SECONDS", "2.0") or 2.0)
 #: Where a conversion to a URL destination spools its output before uploading (a fresh

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -421,6 +422,7 @@ def execute(
     from converter import knobs
 
     slow = knobs.FAULT_SLOW_PIECE_SECONDS
+    hold = Path(knobs.FAULT_HOLD_FILE) if knobs.FAULT_HOLD_FILE else None
     start = time.perf_counter()
     gc_was_enabled = gc.isenabled()
     gc.freeze()  # the index and plan are long-lived: keep the collector off them
@@ -439,6 +441,8 @@ def execute(
             writer = sink.open(task)
             place = getattr(writer, "file_offset", None)
             for piece in task.pieces:
+                while hold is not None and hold.exists() and not failed.wait(0.05):  # tests: held
+                    pass
                 if slow and failed.wait(slow):  # tests: a slow run, still stopped at once
                     raise _Stopped
                 if failed.is_set():  # stop between pieces: the task stays undone (not journaled)

@@ -41,8 +41,9 @@ def ckptconv(*args: str, env: dict | None = None, timeout: int = 300) -> subproc
                           timeout=timeout, env=full)
 
 
-def start(*args: str, slow: float) -> subprocess.Popen:
-    env = {**os.environ, "CKPTCONV_JOURNAL_FLUSH_SECONDS": "0", "CKPTCONV_FAULT_SLOW_PIECE_SECONDS": str(slow)}
+def start(*args: str, slow: float, hold: Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, "CKPTCONV_JOURNAL_FLUSH_SECONDS": "0", "CKPTCONV_FAULT_SLOW_PIECE_SECONDS": str(slow),
+           "CKPTCONV_FAULT_HOLD_FILE": str(hold or "")}
     return subprocess.Popen([sys.executable, "-m", "converter", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
@@ -404,8 +405,10 @@ def test_signal_stops_at_once_and_resume_finishes(work, tmp_path, op, sig, slow)
 def test_a_second_run_is_refused_while_the_first_runs(work, tmp_path):
     ref, dst = tmp_path / "ref", tmp_path / "uni"
     assert ckptconv(*command("to-universal", work, ref)).returncode == 0
-    first = start(*command("to-universal", work, dst, "--workers", "2"), slow=0.2)
+    hold = tmp_path / "hold"  # while it exists the first run waits between pieces: alive however slow the others start
+    first = start(*command("to-universal", work, dst, "--workers", "2"), slow=0.2, hold=hold)
     wait_for_progress(dst, first)
+    hold.touch()
     env = {**os.environ, "CKPTCONV_JOURNAL_FLUSH_SECONDS": "0"}
     others = [subprocess.Popen([sys.executable, "-m", "converter", *map(str, args)], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env) for args in (
@@ -417,6 +420,7 @@ def test_a_second_run_is_refused_while_the_first_runs(work, tmp_path):
         assert f"pid {first.pid}" in err and "interrupted" not in err and "stopped" not in err, err
         assert len(err.strip().splitlines()) == 1, err
     assert first.poll() is None  # still running, untouched
+    hold.unlink()
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     assert output_files(dst) == output_files(ref)
