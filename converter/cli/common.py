@@ -250,12 +250,13 @@ def process_seconds() -> float:
 
 
 def count_files(dst: str) -> int | None:
-    """Checkpoint files under a local output directory, not counting ckptconv's output record
-    (None for a URL or a missing path); a DCP output's count is the dry run's (ranks + .metadata)."""
+    """Checkpoint files under a local output directory, not counting ckptconv's bookkeeping (its
+    output record and loads manifest; None for a URL or a missing path); a DCP output's count is
+    the dry run's (ranks + .metadata)."""
     import os
 
-    from converter.run.destination import OUTPUT_RECORD
+    from converter.run.destination import LOADS_MANIFEST, OUTPUT_RECORD
 
     if "://" in str(dst) or not os.path.isdir(dst):
         return None
-    return sum(len(names) - (OUTPUT_RECORD in names) for _, _, names in os.walk(dst))
+    return sum(len(set(names) - {OUTPUT_RECORD, LOADS_MANIFEST}) for _, _, names in os.walk(dst))
