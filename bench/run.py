@@ -59,6 +59,7 @@ class Run:
     cold: bool
     rc: int
     tail: str
+    peak_disk: int = 0  # the largest size the watched folder reached (bench/deepspeed_zero.py)
 
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -120,11 +121,12 @@ def _tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-def measure(cmd: list[str], reads: Path, *, sync: bool, cold: bool) -> Run:
+def measure(cmd: list[str], reads: Path, *, sync: bool, cold: bool, watch: Path | None = None) -> Run:
     """Run ``cmd`` (then ``sync`` when it writes), timing it and sampling its process tree's RSS.
 
     ``reads`` (the step's input) is evicted from the page cache first (``cold``), or read once
-    so that it is cached (warm).
+    so that it is cached (warm). ``watch``: a folder whose size is sampled too (every 0.25 s: its
+    peak, temporary files included, is ``Run.peak_disk``).
     """
     is_cold = evict(reads) if cold else False
     if not is_cold:
@@ -133,12 +135,14 @@ def measure(cmd: list[str], reads: Path, *, sync: bool, cold: bool) -> Run:
     with tempfile.TemporaryFile() as log:
         t0 = time.perf_counter()
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        proc, peak = psutil.Process(child.pid), 0
+        proc, peak, disk, next_disk = psutil.Process(child.pid), 0, 0, 0.0
         while True:
             pid, status, usage = os.wait4(child.pid, os.WNOHANG)
             if pid:
                 break
             peak = max(peak, _tree_rss(proc))
+            if watch is not None and time.perf_counter() >= next_disk:
+                disk, next_disk = max(disk, _du(watch)), time.perf_counter() + 0.25
             time.sleep(POLL_S)
         child.returncode = rc = os.waitstatus_to_exitcode(status)
         t1 = time.perf_counter()
@@ -149,7 +153,21 @@ def measure(cmd: list[str], reads: Path, *, sync: bool, cold: bool) -> Run:
         tail = log.read()[-2000:].decode(errors="replace")
     main_rss = usage.ru_maxrss * 1024  # KiB on Linux
     cpu = usage.ru_utime + usage.ru_stime
-    return Run(t2 - t0, t2 - t1, max(peak, main_rss), main_rss, cpu, load, is_cold, rc, tail)
+    if watch is not None:
+        disk = max(disk, _du(watch))
+    return Run(t2 - t0, t2 - t1, max(peak, main_rss), main_rss, cpu, load, is_cold, rc, tail, disk)
+
+
+def _du(path: Path) -> int:
+    """Bytes of every file under ``path`` now (files vanishing meanwhile count as 0)."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            try:
+                total += os.stat(os.path.join(root, n)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def _files(path: Path) -> str:

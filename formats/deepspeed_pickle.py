@@ -67,10 +67,12 @@ def record_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def load_archive(path: Path, what: str, missing: str, max_pickle: int) -> tuple[Any, dict[str, Entry], str]:
+def load_archive(path: Path, what: str, missing: str, max_pickle: int,
+                 lazy: bool = False) -> tuple[Any, dict[str, Entry], str]:
     """Parse the ``torch.save`` zip ``path`` without reading tensor data: (its value through the
     allowlist, tensors as descriptions; its zip entries; its record prefix). A missing file is a
-    CheckpointNotFoundError saying ``missing`` (how to get it); every error names the file."""
+    CheckpointNotFoundError saying ``missing`` (how to get it); every error names the file.
+    ``lazy``: as :func:`formats.torch_file.read_torch_file` (for folders of a thousand files)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -78,7 +80,8 @@ def load_archive(path: Path, what: str, missing: str, max_pickle: int) -> tuple[
     except OSError as e:
         raise read_error(path, e, what) from None
     try:
-        tf = read_torch_file(fd, path.name, str(path), os.fstat(fd).st_size, resolve_global, max_pickle, what)
+        tf = read_torch_file(fd, path.name, str(path), os.fstat(fd).st_size, resolve_global, max_pickle, what,
+                             lazy=lazy)
     finally:
         os.close(fd)
     return tf.value, tf.entries, tf.prefix

@@ -159,15 +159,19 @@ class TorchFile:
 
 
 def read_torch_file(fd: Any, name: str, where: str, size: int, resolve: Callable[[str, str], Any],
-                    max_pickle: int = MAX_FILE_PICKLE_BYTES, what: str = "") -> TorchFile:
+                    max_pickle: int = MAX_FILE_PICKLE_BYTES, what: str = "", lazy: bool = False) -> TorchFile:
     """Parse the ``torch.save`` file open as ``fd`` (an OS fd or a ``formats.storage.RandomFile``)
     of ``size`` bytes: zip directory and ``data.pkl`` through ``resolve`` (:func:`file_resolver`),
-    nothing else read. ``what`` names the file's role in messages."""
-    entries, prefix, pkl = open_archive(SliceReader(fd, 0, size, where), where)
+    nothing else read. ``what`` names the file's role in messages.
+
+    ``lazy``: the storages' local headers are not read (their ``Entry.local`` is False: see
+    :func:`formats.dcp.archive.local_data_start`), nor is the pickle prescanned (it loads under
+    the address-space cap): a folder of a thousand ranks' files opens in a few reads each."""
+    entries, prefix, pkl = open_archive(SliceReader(fd, 0, size, where), where, lazy)
     if len(pkl) > max_pickle:
         raise CorruptCheckpointError(f"{where}: data.pkl of {len(pkl)} bytes is too large for "
                                      f"{what or 'a checkpoint file'} (over the {max_pickle} byte limit)")
-    value = safe_loads(pkl, f"{where} ({what or 'data.pkl'})", resolve, storage_loader(where))
+    value = safe_loads(pkl, f"{where} ({what or 'data.pkl'})", resolve, storage_loader(where), capped=lazy)
     return TorchFile(name, where, size, value, entries, prefix)
 
 

@@ -159,15 +159,19 @@ class ItemFile(io.RawIOBase):
 
 @dataclass(frozen=True)
 class Entry:
-    """One stored zip entry: where its bytes start inside the item, size and CRC-32."""
+    """One stored zip entry: where its bytes start inside the item, size and CRC-32.
+
+    ``local`` False: ``start`` is the offset of the entry's local header, not yet read (an archive
+    opened with ``lazy=True``; :func:`local_data_start` gives the data's start)."""
 
     name: str
     start: int
     size: int
     crc: int
+    local: bool = True
 
 
-def _entries(f: ItemFile, where: str) -> dict[str, Entry]:
+def _entries(f: ItemFile, where: str, lazy: bool = False) -> dict[str, Entry]:
     try:
         infos = zipfile.ZipFile(f).infolist()
     except CorruptCheckpointError:
@@ -180,9 +184,29 @@ def _entries(f: ItemFile, where: str) -> dict[str, Entry]:
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
             raise CorruptCheckpointError(f"{where}: archive entry {info.filename} is compressed")
-        out[info.filename] = Entry(info.filename, entry_data_start(f, info, where), info.file_size,
-                                   info.CRC)
+        if lazy and info.header_offset + info.file_size > f._len:
+            raise CorruptCheckpointError(
+                f"{where}: archive entry {info.filename} runs past the end of its item (truncated)")
+        start = info.header_offset if lazy else entry_data_start(f, info, where)
+        out[info.filename] = Entry(info.filename, start, info.file_size, info.CRC, not lazy)
     return out
+
+
+def local_data_start(read: Any, length: int, entry: Entry, where: str) -> int:
+    """Where the data of ``entry`` starts: itself when resolved, else after its local header (one
+    ``read(offset, size)``), checked to lie inside the item of ``length`` bytes."""
+    if entry.local:
+        return entry.start
+    head = bytes(read(entry.start, _LOCAL_HEADER.size))
+    if len(head) != _LOCAL_HEADER.size:
+        raise CorruptCheckpointError(f"{where}: archive entry {entry.name} is cut off")
+    sig, *_, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+    if sig != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{where}: bad zip local header for {entry.name}")
+    start = entry.start + _LOCAL_HEADER.size + name_len + extra_len
+    if start + entry.size > length:
+        raise CorruptCheckpointError(f"{where}: archive entry {entry.name} runs past the end of its item (truncated)")
+    return start
 
 
 def entry_data_start(f: ItemFile, info: zipfile.ZipInfo, where: str) -> int:
@@ -327,14 +351,22 @@ def _load_data_pkl(data: bytes, where: str) -> Any:
     return desc
 
 
-def open_archive(read: ReadAt, where: str) -> tuple[dict[str, Entry], str, bytes]:
+def open_archive(read: ReadAt, where: str, lazy: bool = False) -> tuple[dict[str, Entry], str, bytes]:
     """The stored entries of any ``torch.save`` archive read by ``read``, its record prefix
-    (``"<name>/"``) and its ``data.pkl`` bytes (nothing unpickled; big-endian archives refused)."""
+    (``"<name>/"``) and its ``data.pkl`` bytes (nothing unpickled; big-endian archives refused).
+
+    ``lazy``: read only the zip directory and the local headers of ``data.pkl`` and
+    ``byteorder``; the other entries' data starts are left to :func:`local_data_start` (an
+    archive of thousands of storages, opened by the thousand, is then a few reads)."""
     f = ItemFile(read)
     if bytes(f.pread(0, 4)) != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{where}: not a torch.save zip archive (damaged, or saved with "
                                      "_use_new_zipfile_serialization=False)")
-    entries = _entries(f, where)
+    entries = _entries(f, where, lazy)
+    if lazy:
+        for name, e in entries.items():
+            if name.endswith(("/data.pkl", "/byteorder")):
+                entries[name] = Entry(name, local_data_start(f.pread, f._len, e, where), e.size, e.crc)
     prefix, pkl = _find_data_pkl(entries, where)
     if pkl.size > MAX_DATA_PKL_BYTES:
         raise CorruptCheckpointError(f"{where}: data.pkl is {pkl.size} bytes; too large to be checkpoint metadata")

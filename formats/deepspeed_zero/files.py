@@ -155,5 +155,5 @@ class Parsed:
 def parse_file(root: Path, name: str, what: str) -> Parsed:
     """Parse ``root/name`` (a ``torch.save`` zip) without reading tensor data; errors name the file."""
     value, entries, prefix = load_archive(root / name, what, "the checkpoint is incomplete: copy the whole tag "
-                                          "folder save_checkpoint wrote", MAX_PICKLE_BYTES)
+                                          "folder save_checkpoint wrote", MAX_PICKLE_BYTES, lazy=True)
     return Parsed(root, name, value, entries, prefix)

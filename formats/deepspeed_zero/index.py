@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from formats.base import ChunkRef, ObjectEntry, TensorEntry, full_box
+from formats.base import Box, ChunkRef, ObjectEntry, TensorEntry, full_box
 from formats.dcp.archive import ArchiveTensor, TensorDesc
 from formats.dcp.archive_writer import contiguous_strides as c_strides
 from formats.deepspeed_zero.files import Parsed
@@ -28,12 +28,15 @@ VALUE_SLOT = -1
 
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """One tensor storage: zip member bytes ``[data_start, data_start + nbytes)`` of ``file``."""
+    """One tensor storage: zip member bytes ``[data_start, data_start + nbytes)`` of ``file``
+    (``resolved`` False: ``data_start`` is the member's local header, read when first needed)."""
 
     file: str
     data_start: int
     nbytes: int
     crc: int
+    resolved: bool = True
+    member: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,15 @@ class Flat:
 def is_dense(at: ArchiveTensor) -> bool:
     """True when the tensor's elements are one C-order run of its storage."""
     return all(st == c or s == 1 for s, st, c in zip(at.size, at.stride, c_strides(at.size)))
+
+
+#: A piece of a parameter and the boxes (with their first flat element) it covers.
+Cut = tuple[Piece, tuple[tuple[Box, int], ...]]
+
+
+def cut(shape: Shape, pieces: Sequence[Piece]) -> list[Cut]:
+    """Each piece with the boxes of its flat range of a tensor of ``shape``."""
+    return [(p, tuple(flat_boxes(shape, p.lo, p.hi))) for p in pieces]
 
 
 class IndexBuilder:
@@ -72,7 +84,8 @@ class IndexBuilder:
         slot = self._slot_of.get((parsed.name, member))
         if slot is None:
             slot = self._slot_of[(parsed.name, member)] = len(self.slots)
-            self.slots.append(Slot(parsed.name, at.data_start, at.data_length, at.data_crc))
+            local = parsed.entries[member].local
+            self.slots.append(Slot(parsed.name, at.data_start, at.data_length, at.data_crc, local, member))
         return slot, at
 
     def flat(self, parsed: Parsed, desc: Any, what: str) -> Flat:
@@ -101,20 +114,25 @@ class IndexBuilder:
     def add_pieces(self, key: str, path: tuple, dtype: str, shape: Shape,
                    pieces: Sequence[tuple[Piece, Flat]], where: str) -> None:
         """A tensor cut into flat pieces (``Piece`` of each rank, in that rank's ``Flat``)."""
+        self.add_cut(key, path, dtype, shape, cut(shape, [p for p, _ in pieces]), [f for _, f in pieces], where)
+
+    def add_cut(self, key: str, path: tuple, dtype: str, shape: Shape, cuts: Sequence[Cut],
+                flats: Sequence[Flat], where: str) -> None:
+        """A tensor cut into flat pieces whose boxes are known (:func:`cut`; a parameter's boxes
+        are shared by its master and every optimizer state), piece ``i`` in ``flats[i]``."""
         chunks = []
-        for piece, flat in pieces:
+        for (piece, boxes), flat in zip(cuts, flats):
             if flat.dtype != dtype:
                 raise CorruptCheckpointError(f"{where}: key {key!r}: partition of rank {piece.rank} holds {flat.dtype}, "
-                                             f"rank {pieces[0][0].rank} holds {dtype}")
+                                             f"rank {cuts[0][0].rank} holds {dtype}")
             if piece.offset + piece.hi - piece.lo > flat.numel:
                 raise CorruptCheckpointError(
                     f"{where}: key {key!r}: the partition in {flat.file} holds {flat.numel} elements, the "
                     f"parameter needs {piece.offset + piece.hi - piece.lo}; the files are from different runs")
             base = flat.offset + piece.offset - piece.lo
-            for box, first in flat_boxes(shape, piece.lo, piece.hi):
-                chunks.append(ChunkRef(box, flat.file, (flat.slot, base + first), piece.rank))
+            chunks += [ChunkRef(box, flat.file, (flat.slot, base + first), piece.rank) for box, first in boxes]
         if not chunks:  # a parameter without elements
-            chunks = [ChunkRef(full_box(shape), pieces[0][1].file if pieces else "", (VALUE_SLOT, -1))]
+            chunks = [ChunkRef(full_box(shape), flats[0].file if flats else "", (VALUE_SLOT, -1))]
         self.tensors[key] = TensorEntry(key, dtype, tuple(shape), tuple(chunks), path)
 
     def add_value(self, key: str, path: tuple, data: np.ndarray, dtype: str, file: str) -> None:

@@ -14,7 +14,7 @@ from formats.deepspeed_zero.flat import Piece
 from formats.deepspeed_zero.index import IndexBuilder
 from formats.deepspeed_zero.zero import OSD, Group, add_scalar, hparams_of, is_plain, need
 from formats.errors import CorruptCheckpointError, InvalidCheckpointError
-from formats.dcp.safe_pickle import Record
+from formats.dcp.safe_pickle import DTypeRef, Record
 
 Shape = tuple[int, ...]
 #: Model-states keys that describe the weights (read into tensors, not kept as objects).
@@ -22,6 +22,9 @@ STRUCTURE_KEYS = frozenset({"module", "buffer_names", "optimizer", "param_shapes
                             "shared_params", "frozen_param_fragments"})
 #: Optimizer-file keys kept as objects (the loss scaler and its flags).
 OPTIMIZER_OBJECT_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "zero_stage")
+#: The loss-scale keys DeepSpeed's ZeRO-0 fp16/bf16 optimizers save beside their state.
+ZERO0_SCALER_KEYS = ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor",
+                     "scale_window", "clip_grad")
 
 
 def module_of(model: Parsed) -> dict[str, Any]:
@@ -101,6 +104,11 @@ def add_objects(b: IndexBuilder, model: Parsed, optim: Parsed | None, left_out: 
         if not isinstance(key, str) or key in STRUCTURE_KEYS:
             continue
         _add_any(b, model, f"deepspeed.{key}", ("deepspeed", key), value, left_out)
+    opt = model.value.get("optimizer")
+    if isinstance(opt, dict) and OSD in opt:  # ZeRO-0's fp16/bf16 wrappers: the loss scale beside the state
+        scaler = {k: v for k, v in opt.items() if k in ZERO0_SCALER_KEYS}
+        if scaler:
+            _add_any(b, model, "deepspeed.loss_scaler", ("deepspeed", "loss_scaler"), scaler, left_out)
     osd = optim.value.get(OSD) if optim is not None and isinstance(optim.value, dict) else None
     if isinstance(osd, dict):
         for key in OPTIMIZER_OBJECT_KEYS:
@@ -108,10 +116,21 @@ def add_objects(b: IndexBuilder, model: Parsed, optim: Parsed | None, left_out: 
                 _add_any(b, optim, f"deepspeed.{key}", ("deepspeed", key), osd[key], left_out)
 
 
-def _add_any(b: IndexBuilder, parsed: Parsed, key: str, path: tuple, value: Any, left_out: list[str]) -> None:
-    if isinstance(value, Record):  # DeepSpeed's LossScaler, ZeroStageEnum: their plain fields
+def as_data(value: Any) -> Any:
+    """DeepSpeed's records as plain data: an IntEnum (``ZeroStageEnum``) its int, a class
+    (``LossScaler``) the dict of its fields, a torch dtype its name (``"torch.float16"``)."""
+    if isinstance(value, Record):
         as_int = record_int(value)
-        value = as_int if as_int is not None else dict(value.fields)
+        return as_int if as_int is not None else {k: as_data(v) for k, v in value.fields.items()}
+    if isinstance(value, DTypeRef):
+        return f"torch.{value.name}"
+    if isinstance(value, dict) and not isinstance(value, TensorDesc):
+        return {k: as_data(v) for k, v in value.items()}
+    return value
+
+
+def _add_any(b: IndexBuilder, parsed: Parsed, key: str, path: tuple, value: Any, left_out: list[str]) -> None:
+    value = as_data(value)
     if isinstance(value, TensorDesc):
         b.add_whole(key, path, parsed, value, f"key {path[-1]!r}")
     elif is_plain(value):

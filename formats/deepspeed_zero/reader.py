@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from formats.base import Box, CheckpointIndex, ChunkRef
-from formats.dcp.archive import ArchiveTensor, SliceReader, read_region_array, read_region_into, verify_crc
+from formats.dcp.archive import (ArchiveTensor, Entry, SliceReader, local_data_start, read_region_array, read_region_into,
+                                 verify_crc)
 from formats.deepspeed_pickle import record_int, torch_save_bytes
 from formats.deepspeed_zero.files import Parsed, TagFiles, find_tag_dir, list_tag_files, parse_file
 from formats.deepspeed_zero.index import VALUE_SLOT, IndexBuilder, c_strides
@@ -71,6 +72,7 @@ class DeepSpeedZeroReader:
         self._lock = threading.Lock()
         self._verify_lock = threading.Lock()
         self._fds: dict[str, tuple[int, int]] = {}
+        self._starts: dict[int, int] = {}
         files = list_tag_files(self.root)
         _check_supported(self.root, files)
         b = IndexBuilder()
@@ -114,8 +116,8 @@ class DeepSpeedZeroReader:
             else:
                 raise UnsupportedError(f"{optims[0].path}: neither ZeRO-1/2 partitions (single_partition_of_fp32_groups) "
                                        "nor ZeRO-3 ones (fp32_flat_groups); an optimizer this reader does not know")
+        add_buffers(b, model)
         if stage:
-            add_buffers(b, model)
             add_shared(b, model)
         add_groups(b, groups, optims[0].name if optims else model.name)
         add_objects(b, model, optims[0] if optims else None, left_out)
@@ -148,18 +150,29 @@ class DeepSpeedZeroReader:
         entry = self._index.tensors[key]
         slot_id, offset, *stride = chunk.locator
         slot = self._slots[slot_id]
-        isz = by_name(entry.dtype).itemsize
-        at = ArchiveTensor(entry.dtype, chunk.box.sizes, stride[0] if stride else c_strides(entry.shape), offset,
-                           slot.nbytes // isz, slot.data_start, slot.nbytes, slot.crc)
         where = f"{self.root / slot.file}: key {key!r}"
         fd, size = self._fd(slot.file, key)
         read = SliceReader(fd, 0, size, where)
+        isz = by_name(entry.dtype).itemsize
+        at = ArchiveTensor(entry.dtype, chunk.box.sizes, stride[0] if stride else c_strides(entry.shape), offset,
+                           slot.nbytes // isz, self._data_start(slot_id, read), slot.nbytes, slot.crc)
         if self._verify and slot_id not in self._verified:
             with self._verify_lock:
                 if slot_id not in self._verified:
                     verify_crc(at, read, where)
                     self._verified.add(slot_id)
         return at, read, region.relative_to(chunk.box)
+
+    def _data_start(self, number: int, read: SliceReader) -> int:
+        """Where storage ``number``'s bytes start in its file (its local header read once)."""
+        slot = self._slots[number]
+        if slot.resolved:
+            return slot.data_start
+        start = self._starts.get(number)
+        if start is None:
+            entry = Entry(slot.member, slot.data_start, slot.nbytes, slot.crc, local=False)
+            start = self._starts[number] = local_data_start(read, read.length, entry, read.where)
+        return start
 
     @property
     def storages(self) -> list[str]:
@@ -172,8 +185,10 @@ class DeepSpeedZeroReader:
         slot = self._slots[number]
         path = self.root / slot.file
         fd, size = self._fd(slot.file, slot.file)
-        at = ArchiveTensor("uint8", (slot.nbytes,), (1,), 0, slot.nbytes, slot.data_start, slot.nbytes, slot.crc)
-        verify_crc(at, SliceReader(fd, 0, size, str(path)), f"{path}: storage at byte {slot.data_start}")
+        read = SliceReader(fd, 0, size, str(path))
+        start = self._data_start(number, read)
+        at = ArchiveTensor("uint8", (slot.nbytes,), (1,), 0, slot.nbytes, start, slot.nbytes, slot.crc)
+        verify_crc(at, read, f"{path}: storage {slot.member}")
         with self._verify_lock:
             self._verified.add(number)
         return slot.nbytes

@@ -17,7 +17,7 @@ from formats.dcp.archive import TensorDesc
 from formats.deepspeed_pickle import record_int
 from formats.deepspeed_zero.files import Parsed
 from formats.deepspeed_zero.flat import Piece, zero3_pieces, zero12_pieces, zero12_shortfall
-from formats.deepspeed_zero.index import Flat, IndexBuilder
+from formats.deepspeed_zero.index import Flat, IndexBuilder, cut
 from formats.errors import CorruptCheckpointError, UnsupportedError
 
 Shape = tuple[int, ...]
@@ -98,23 +98,34 @@ def _state_dicts(states: Sequence[Any], where: Sequence[str], group: int) -> lis
     return out
 
 
-def add_states(b: IndexBuilder, optims: Sequence[Parsed], states: Sequence[dict], names: Sequence[str],
-               pieces: Sequence[Sequence[Piece]], shapes: Sequence[Shape], master: str, group: int) -> None:
-    """Add ``optim.state.<fqn>.<state>`` for each state of a flat group (``states``: per rank the
-    optimizer's state of the group's flat parameter; ``master``: the fp32 groups' key, in errors)."""
-    states = _state_dicts(states, [str(o.path) for o in optims], group)
-    for name, value in states[0].items():
-        if not isinstance(name, str):
-            continue
-        if isinstance(value, TensorDesc) and len(value.size) >= 1:
-            flats = [_state_flat(b, o, s, name, group) for o, s in zip(optims, states)]
-            for fqn, ps, shape in zip(names, pieces, shapes):
-                b.add_pieces(f"optim.state.{fqn}.{name}", ("optim", "state", fqn, name), flats[0].dtype, shape,
-                             [(p, flats[p.rank]) for p in ps], str(optims[0].root))
-        else:
-            for fqn in names:
-                add_scalar(b, optims[0], value, f"optim.state.{fqn}.{name}", ("optim", "state", fqn, name),
-                           f"{OSD} state {name!r} of group {group}")
+def add_flat_group(b: IndexBuilder, optims: Sequence[Parsed], params: Sequence[tuple[str, Shape]],
+                   pieces: Sequence[Sequence[Piece]], masters: Sequence[Flat], states: Sequence[Any] | None,
+                   group: int) -> None:
+    """Each parameter of a flat group: ``model.<fqn>`` from the ranks' fp32 partitions
+    (``masters``) and ``optim.state.<fqn>.<state>`` from the optimizer's state of the group's
+    flat parameter on each rank (``states``, None without optimizer state): the states of the
+    partition's size as pieces cut like the master, the others (a step) as scalars."""
+    tensors: dict[str, list[Flat]] = {}
+    scalars: dict[str, Any] = {}
+    if states is not None:
+        per_rank = _state_dicts(states, [str(o.path) for o in optims], group)
+        for name, value in per_rank[0].items():
+            if not isinstance(name, str):
+                continue
+            if isinstance(value, TensorDesc) and len(value.size) >= 1:
+                tensors[name] = [_state_flat(b, o, s, name, group) for o, s in zip(optims, per_rank)]
+            else:
+                scalars[name] = value
+    where = str(optims[0].root)
+    for (fqn, shape), ps in zip(params, pieces):
+        cuts = cut(shape, ps)
+        b.add_cut(f"model.{fqn}", ("model", fqn), masters[0].dtype, shape, cuts, [masters[p.rank] for p in ps], where)
+        for name, flats in tensors.items():
+            b.add_cut(f"optim.state.{fqn}.{name}", ("optim", "state", fqn, name), flats[0].dtype, shape, cuts,
+                      [flats[p.rank] for p in ps], where)
+        for name, value in scalars.items():
+            add_scalar(b, optims[0], value, f"optim.state.{fqn}.{name}", ("optim", "state", fqn, name),
+                       f"{OSD} state {name!r} of group {group}")
 
 
 def _state_flat(b: IndexBuilder, parsed: Parsed, state: dict, name: str, group: int) -> Flat:
@@ -193,12 +204,8 @@ def build_zero12(b: IndexBuilder, model: Parsed, optims: Sequence[Parsed]) -> li
                 f"{optims[min(short, len(optims) - 1)].path}: param group {g}'s fp32 partitions do not hold the "
                 f"{sum(numels)} elements param_shapes lists; the files are from different saves")
         pieces = zero12_pieces(numels, pads, [f.numel for f in flats])
-        for fqn, ps, shape in zip(names, pieces, dims):
-            b.add_pieces(f"model.{fqn}", ("model", fqn), flats[0].dtype, shape,
-                         [(p, flats[p.rank]) for p in ps], str(model.root))
         hp, states = _zero12_group_state(bases, g, where)
-        if states is not None:
-            add_states(b, optims, states, names, pieces, dims, "single_partition_of_fp32_groups", g)
+        add_flat_group(b, optims, list(group.items()), pieces, flats, states, g)
         groups.append(Group(hp, tuple(names)))
     return groups
 
@@ -251,12 +258,8 @@ def build_zero3(b: IndexBuilder, model: Parsed, optims: Sequence[Parsed]) -> lis
         if bad is not None:
             raise CorruptCheckpointError(f"{optims[bad].path}: fp32_flat_groups[{k}] holds {flats[bad].numel} elements, "
                                          f"the sub group's parameters need {length}; the files are from different saves")
-        for fqn, ps, shape in zip(names, pieces, dims):
-            b.add_pieces(f"model.{fqn}", ("model", fqn), flats[0].dtype, shape,
-                         [(p, flats[p.rank]) for p in ps], str(model.root))
         states = [need(inner, "state", w).get(k) for inner, w in zip(inners, where)]
-        if states[0] is not None:
-            add_states(b, optims, states, names, pieces, dims, "fp32_flat_groups", k)
+        add_flat_group(b, optims, list(group.items()), pieces, flats, states if states[0] is not None else None, k)
         sub_names.append(names)
     return _zero3_groups(inners[0], sub_names, where[0])
 

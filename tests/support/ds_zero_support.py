@@ -1,9 +1,10 @@
 """DeepSpeed ``save_checkpoint`` folders for the direct-reader tests, saved by DeepSpeed 0.19.8's
 own engine (CPU, gloo) and cached with DeepSpeed's own consolidations beside them.
 
-A case is named ``z<stage>-<dtype>-w<world>[-g2][-rich][-bf16opt]`` (dtype ``fp32`` / ``bf16`` /
-``fp16``; ``g2``: two param groups; ``rich``: buffers of every dtype, a tied and a frozen
-parameter; ``bf16opt``: DeepSpeed's BF16_Optimizer). Its cache entry holds::
+A case is named ``[hf-]z<stage>-<dtype>-w<world>[-g2][-rich][-bf16opt]`` (dtype ``fp32`` /
+``bf16`` / ``fp16``; ``g2``: two param groups; ``rich``: buffers of every dtype, a tied and a
+frozen parameter; ``bf16opt``: DeepSpeed's BF16_Optimizer; ``hf-``: a ``transformers.Trainer``
+run, :mod:`ds_trainer_run`, saved in ``run/checkpoint-3/``). Its cache entry holds::
 
     run/latest, run/global_step3/...   what engine.save_checkpoint wrote (3 AdamW steps)
     run/live.pt                        DeepSpeed's own full state after the save (safe_get_full_*)
@@ -31,7 +32,7 @@ import torch
 SUPPORT = Path(__file__).resolve().parent
 TIMEOUT = 300.0
 TAG = "global_step3"
-_NAME = re.compile(r"z(?P<stage>[0-3])-(?P<dtype>fp32|bf16|fp16)-w(?P<world>[1-9])(?P<extra>(?:-[a-z0-9]+)*)")
+_NAME = re.compile(r"(?P<hf>hf-)?z(?P<stage>[0-3])-(?P<dtype>fp32|bf16|fp16)-w(?P<world>[1-9])(?P<extra>(?:-[a-z0-9]+)*)")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -43,7 +44,7 @@ class Case:
     dtype: str
     world: int
     groups: int = 1
-    model: str = "pad"
+    model: str = "pad"  # "pad", "rich" or "hf" (the Trainer's Llama)
     bf16_optimizer: bool = False
 
     @classmethod
@@ -55,6 +56,8 @@ class Case:
         unknown = extras - {"g2", "rich", "bf16opt"}
         if unknown:
             raise KeyError(f"case {name!r}: unknown parts {sorted(unknown)}")
+        if m["hf"]:
+            return cls(int(m["stage"]), _DTYPES[m["dtype"]], int(m["world"]), 2, "hf")
         return cls(int(m["stage"]), _DTYPES[m["dtype"]], int(m["world"]), 2 if "g2" in extras else 1,
                    "rich" if "rich" in extras else "pad", "bf16opt" in extras)
 
@@ -88,19 +91,38 @@ torch.save({k: v.contiguous() for k, v in sd.items()}, sys.argv[2])
 """
 
 
+def save_dir(entry: Path, case: Case) -> Path:
+    """The folder holding ``latest`` (a Trainer's ``checkpoint-3/``)."""
+    from ds_trainer_run import TRAINER_TAG
+
+    return entry / "run" / TRAINER_TAG if case.model == "hf" else entry / "run"
+
+
 def build_case(name: str, out: Path) -> None:
     """Train and save case ``name`` into ``out`` with DeepSpeed, then DeepSpeed's consolidations."""
-    from ckpt_factory import run_world
-    from ds_zero_worker import train_and_save
-
     case = Case.parse(name)
-    run_world(train_and_save, case.world, (case.to_json(), str(out / "run")), timeout=TIMEOUT)
+    if case.model == "hf":
+        _run_trainer(case, out / "run")
+    else:
+        from ckpt_factory import run_world
+        from ds_zero_worker import train_and_save
+
+        run_world(train_and_save, case.world, (case.to_json(), str(out / "run")), timeout=TIMEOUT)
     if case.stage == 0:
         return
-    proc = _run_python(_FP32, str(out / "run"), str(out / "fp32.pt"))
+    proc = _run_python(_FP32, str(save_dir(out, case)), str(out / "fp32.pt"))
     if proc.returncode:
         (out / "fp32.err").write_text(proc.stderr[-4000:])
-    _ds_to_universal(out / "run" / TAG, out, case.stage)
+    _ds_to_universal(save_dir(out, case) / TAG, out, case.stage)
+
+
+def _run_trainer(case: Case, out: Path) -> None:
+    from ckpt_factory import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={case.world}",
+           f"--master_port={free_port()}", str(SUPPORT / "ds_trainer_run.py"), str(out), str(case.stage)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=deepspeed_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def _ds_to_universal(tag: Path, out: Path, stage: int) -> None:
@@ -126,7 +148,7 @@ def cache_dir() -> Path:
     import fixture_cache
 
     h = hashlib.sha256()
-    for name in ("ds_zero_support.py", "ds_zero_worker.py", "ds_worker.py", "models.py"):
+    for name in ("ds_zero_support.py", "ds_zero_worker.py", "ds_worker.py", "ds_trainer_run.py", "models.py"):
         h.update((SUPPORT / name).read_bytes())
     return fixture_cache.base_dir() / f"ds-zero-{torch.__version__}-{h.hexdigest()[:16]}"
 
