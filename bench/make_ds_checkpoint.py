@@ -42,6 +42,7 @@ def _rank(rank: int, world: int, port: int, args_json: dict, stage: int, ckpt: s
     import torch
 
     torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)  # env://: MASTER_ADDR/PORT above
     from ds_worker import _init_deepspeed
     from models import ModelArgs, build_model
 

@@ -20,7 +20,7 @@ from ds_support import requires_deepspeed
 from ds_zero_support import TAG, Case, live, next_loss, read_all, save_dir, saved, universal_atoms
 from oracle import bits_equal
 
-pytestmark = [requires_deepspeed, pytest.mark.framework]
+pytestmark = [requires_deepspeed]
 
 #: The matrix: ZeRO-0/1/2/3 x {fp32, bf16} x world {1, 2, 3}, plus two param groups, the rich
 #: model (buffers of every dtype, tied and frozen parameters) and DeepSpeed's BF16_Optimizer.
@@ -33,8 +33,13 @@ TRAINER = ["hf-z2-bf16-w2", "hf-z3-bf16-w2", "hf-z1-bf16-w1"]
 DEFAULT = {"z2-bf16-w3", "z3-fp32-w2", "z0-bf16-w1", "hf-z3-bf16-w2"}
 
 
+def _marks(name: str, default: set[str]) -> list:
+    marks = [] if name in default else [pytest.mark.slow]
+    return marks + ([pytest.mark.framework("deepspeed", "transformers")] if name.startswith("hf-") else [])
+
+
 def _cases(names: list[str]) -> list:
-    return [pytest.param(n, id=n, marks=() if n in DEFAULT else pytest.mark.slow) for n in names]
+    return [pytest.param(n, id=n, marks=_marks(n, DEFAULT)) for n in names]
 
 
 def _saved(name: str) -> tuple[Path, Case]:
@@ -113,7 +118,7 @@ CONVERT_DEFAULT = {"z2-bf16-w3", "hf-z3-bf16-w2"}
 
 
 def _convert_cases(names: list[str]) -> list:
-    return [pytest.param(n, id=n, marks=() if n in CONVERT_DEFAULT else pytest.mark.slow) for n in names]
+    return [pytest.param(n, id=n, marks=_marks(n, CONVERT_DEFAULT)) for n in names]
 
 
 def _target(case: Case) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from formats.dtypes import to_storage_array
 from formats.errors import (CheckpointNotFoundError, CorruptCheckpointError, InvalidCheckpointError,
                             UnsafePickleError)
 
-pytestmark = [requires_deepspeed, pytest.mark.framework]
+pytestmark = [requires_deepspeed]
 
 
 def _copy(name: str, tmp_path: Path) -> Path:

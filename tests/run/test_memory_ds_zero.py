@@ -11,7 +11,7 @@ import pytest
 from ds_support import requires_deepspeed
 from test_memory import MIB, rss_growth
 
-pytestmark = [requires_deepspeed, pytest.mark.framework]
+pytestmark = [requires_deepspeed]
 
 BUDGET = 24 * MIB
 #: What a conversion holds beyond the budget: the source check's CRC buffer per worker (4 MiB

@@ -117,10 +117,8 @@ def build_case(name: str, out: Path) -> None:
 
 
 def _run_trainer(case: Case, out: Path) -> None:
-    from ckpt_factory import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={case.world}",
-           f"--master_port={free_port()}", str(SUPPORT / "ds_trainer_run.py"), str(out), str(case.stage)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.world}",
+           str(SUPPORT / "ds_trainer_run.py"), str(out), str(case.stage)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=deepspeed_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
