@@ -12,8 +12,10 @@ DS_VERSION=${CKPTCONV_DEEPSPEED_VERSION:-0.19.8}
 source "$(dirname "$0")/lib.sh"
 fail() { ci_fail install_deepspeed.sh DeepSpeed "$1"; }
 python -c "import torch" || fail "torch does not import"
-# accelerate for the transformers.Trainer + DeepSpeed runs (tests/support/ds_trainer_run.py); they skip without it
-has_version accelerate 1.15.0 accelerate || python -m pip install -q --no-deps accelerate==1.15.0 \
+# accelerate for the transformers.Trainer + DeepSpeed runs (tests/support/ds_trainer_run.py), --no-deps (it
+# pulls torch) plus what its import needs; they skip without it (and fail under CI)
+has_version accelerate 1.15.0 accelerate || { python -m pip install -q huggingface_hub numpy psutil pyyaml safetensors \
+  && python -m pip install -q --no-deps accelerate==1.15.0; } \
   || echo "install_deepspeed.sh: accelerate could not be installed; the Trainer tests will skip" >&2
 has_version deepspeed "$DS_VERSION" deepspeed && exit 0
 python -m pip install -q einops hjson msgpack ninja numpy packaging psutil py-cpuinfo 'pydantic>=2' tqdm \
