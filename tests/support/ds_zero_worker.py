@@ -82,7 +82,20 @@ def optimizer_of(model: torch.nn.Module, case: dict) -> torch.optim.Optimizer:
                               {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}], lr=1e-2)
 
 
+def allow_cpu_fp16() -> None:
+    """Let DeepSpeed's CPU accelerator run fp16 on any CPU. It calls fp16 supported only where
+    oneDNN has fp16 kernels (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: AVX512-FP16 or
+    AMX-FP16), and ``DeepSpeedEngine`` refuses fp16 elsewhere ("Type fp16 is not supported on your
+    device"), although torch's CPU fp16 ops run the tiny models. Only that capability answer
+    changes: the fp16 optimizer, loss scaler and the files they save are DeepSpeed's own."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True  # type: ignore[method-assign]
+
+
 def engine_of(deepspeed: Any, case: dict, world: int, seed: int, universal: bool) -> Any:
+    if case["dtype"] == "float16":
+        allow_cpu_fp16()
     model = build(case, seed)
     optim = optimizer_of(model, case)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optim, config=ds_config(case, world, universal))
