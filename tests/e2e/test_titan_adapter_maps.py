@@ -24,7 +24,7 @@ from converter import api
 from converter.config import RunOptions
 from oracle import bits_equal, read_safetensors_dir
 
-pytestmark = [pytest.mark.framework,
+pytestmark = [pytest.mark.framework("torchtitan"),
               pytest.mark.skipif(titan_support.skip_reason() is not None, reason=str(titan_support.skip_reason()))]
 OPTS = RunOptions(workers=2)
 #: In the default suite: RoPE row permutations (llama3), grouped experts split and stacked
