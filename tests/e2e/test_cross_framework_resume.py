@@ -18,6 +18,13 @@ into the optimizer's ``wqkv``, torchtitan's flattened keys) of its save is loade
 Trainer (``CheckpointManager.load``; the job saved no train_state, lr_scheduler or dataloader, so
 those are excluded from loading), whose first step, with the same gradients mapped by torchtitan's
 own ``from_hf`` and ``_merge_qkv_on_load``, must equal the job's second step.
+
+The third case: a DeepSpeed 0.19.8 ZeRO-2 engine (2 ranks) trains the same ``LlamaForCausalLM`` with
+``torch.optim.AdamW`` (torchtitan's hyperparameters), saves with ``engine.save_checkpoint``, and takes
+one more step with seeded gradients (:mod:`ds_cross_worker`). ``ckptconv from-universal --map
+torchtitan-llama3`` of the saved folder, read directly, is loaded by torchtitan's Trainer, whose first
+step with the same gradients mapped by torchtitan's ``from_hf`` / ``_merge_qkv_on_load`` must equal
+DeepSpeed's step (its own ``get_full_hp_param`` fragments of the fp32 masters and Adam states).
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ import types
 import pytest
 import torch
 
+import ds_cross_worker
 import hf_fsdp_worker
 import titan_support
 from cli_runner import run_cli
+from worlds import run_world
 
 pytestmark = [pytest.mark.slow, pytest.mark.framework("torchtitan", "transformers")]
 
@@ -211,3 +220,54 @@ def test_the_fsdp2_jobs_save_resumes_in_torchtitans_trainer(forward, tmp_path):
     assert {float(t) for t in titan["step"].values()} == {float(t) for t in job["step2"].values()} == {4.0}
     assert titan["lr"] == [job["groups"][0]["lr"]] * len(titan["lr"])
     print("\nreverse: " + "; ".join(lines) + f"; worst {worst} ulp; {moved} parameters moved")
+
+
+@pytest.mark.framework("deepspeed", "torchtitan", "transformers")
+def test_a_deepspeed_zero2_run_resumes_in_torchtitans_trainer(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = _spec()
+    config = hf_config(spec)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in LlamaForCausalLM(LlamaConfig(**config)).named_parameters()}
+    g = torch.Generator().manual_seed(33)
+    grads = {n: 2e-4 * torch.randn(s, generator=g) for n, s in shapes.items()}
+    # below DeepSpeed's gradient_clipping (default 1.0, as torchtitan's max_norm): the engine's step
+    # sees them unclipped, as torchtitan's optimizer sees the ones injected after its clipping
+    assert torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in grads.values()])) < 0.9
+    torch.save(grads, tmp_path / "grads_hf.pt")
+    job = {"config": config, "steps": 2, "save": str(tmp_path / "ds"), "grads": str(tmp_path / "grads_hf.pt"),
+           "out": str(tmp_path / "ds_step.pt")}
+    run_world(ds_cross_worker.train_save_step, 2, (json.dumps(job),), timeout=900)
+    ds = torch.load(tmp_path / "ds_step.pt", weights_only=False)
+    assert (tmp_path / "ds" / "global_step2" / "mp_rank_00_model_states.pt").is_file()
+
+    dump = tmp_path / "titan"
+    heads = json.dumps({k: config[k] for k in ("num_attention_heads", "num_key_value_heads")})
+    args = ["from-universal", str(tmp_path / "ds"), str(dump / "checkpoint" / "step-2"), "--mesh", MESH,
+            "--map", "torchtitan-llama3", "--config", heads]
+    code, stdout, stderr = run_cli(*args, "--dry-run")
+    assert code == 0, stdout + stderr
+    fused = "optimizer.state.layers.0.attention.qkv_linear.wqkv.weight.exp_avg_sq"
+    line = next(x for x in stdout.splitlines() if x.endswith("]") and f"-> {fused} " in x)
+    assert "optim.state.model.layers.0.self_attn.k_proj.weight.exp_avg_sq" in line and "fused" in line, line
+    code, stdout, stderr = run_cli(*args)
+    assert code == 0, stdout + stderr
+
+    inject = tmp_path / "grads_titan.pt"
+    torch.save(from_hf(spec, grads), inject)
+    captured = tmp_path / "titan_step.pt"
+    reports = titan_support.run_job({"mesh": MESH, "dump": str(dump), "steps": 1, "capture_step": str(captured),
+                                     "inject_grads": str(inject),
+                                     "exclude": ["dataloader", "lr_scheduler", "train_state"]}, tmp_path / "run")
+    assert all(r["loaded"] for r in reports), reports
+    titan = torch.load(captured, weights_only=False)
+    lines, worst = [], 0
+    for role in ("after", "exp_avg", "exp_avg_sq"):
+        exact, ulps = _compare(to_hf(spec, titan[role]), ds[role], role)
+        worst = max(worst, ulps)
+        lines.append(f"{role}: {exact}/{len(ds[role])} tensors bit-exact")
+    assert {float(t) for t in titan["step"].values()} == set(ds["step"]) == {3.0}
+    assert titan["lr"] == [ds["groups"][0]["lr"]] * len(titan["lr"]) == [ds_cross_worker.ADAMW["lr"]] * len(titan["lr"])
+    print("\ndeepspeed zero-2 -> torchtitan: " + "; ".join(lines) + f"; worst {worst} ulp; "
+          f"deepspeed losses {ds['losses']}")
