@@ -28,8 +28,9 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file in the same dir, fsync, rename, fsync dir."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, sync_dir: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically: temp file in the same dir, fsync, rename, fsync dir
+    (``sync_dir=False``: the caller's next atomic write in the same dir makes the rename durable)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -37,7 +38,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def short(text: object, limit: int = 160) -> str:

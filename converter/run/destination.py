@@ -588,14 +588,16 @@ def write_complete_marker(out: Path, doc: Mapping[str, Any]) -> None:
 
 
 def write_loads_manifest(out: Path, loads: Sequence[Sequence[str]]) -> None:
-    """Record in ``out`` the files each rank's ``dcp.load`` opens (``loads[rank]``: names in ``out``)."""
+    """Record in ``out`` the files each rank's ``dcp.load`` opens (``loads[rank]``: names in ``out``).
+    Written just before the completion marker, whose directory fsync makes this rename durable too
+    (one directory fsync for both, as for the data files before them)."""
     from formats.fsutil import atomic_write_bytes
 
     names = sorted({n for files in loads for n in files}, key=_file_order)
     at = {n: i for i, n in enumerate(names)}
     doc = {"schema": LOADS_SCHEMA, "world_size": len(loads), "files": names,
            "loads": [[at[n] for n in files] for files in loads]}
-    atomic_write_bytes(out / LOADS_MANIFEST, json.dumps(doc, separators=(",", ":")).encode())
+    atomic_write_bytes(out / LOADS_MANIFEST, json.dumps(doc, separators=(",", ":")).encode(), sync_dir=False)
 
 
 def _file_order(name: str) -> tuple:
