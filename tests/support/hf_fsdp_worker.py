@@ -12,7 +12,18 @@ With ``JOB["save"]`` the job then saves its state as such a job does (``dcp.save
 ``{"model": ..., "optim": ...}`` from ``get_state_dict``: a transformers FSDP2 checkpoint), and with
 ``JOB["grads2"]`` it takes a second step with those gradients, saved under ``after2``, ``exp_avg2``, ...
 
-JOB keys: ``ckpt``, ``config`` (``LlamaConfig`` keyword arguments), ``grads``, ``out``, ``save``, ``grads2``.
+With ``JOB["train"]`` (``{"steps": [...], "lrs": [...], "max_norm": ..., "seq_len": ..., "global_batch": ...}``)
+it instead trains on, after the load, as torchtitan's Trainer does in the tests
+(:mod:`titan_support`'s synthetic data: sample ``i`` of the global batch seeded ``1000 + i``, rank
+``r`` of ``D`` taking its ``r``-th slice, the same batch every step): the mean token cross-entropy,
+FSDP2's gradient averaging, ``clip_grad_norm_`` at ``max_norm``, each step's lr set from ``lrs``;
+``losses`` holds each step's global mean loss.
+
+With ``JOB["model_only"]`` only the weights are loaded and the AdamW starts fresh with the
+hyperparameters of ``JOB["hparams"]`` (a restart that loses the optimizer).
+
+JOB keys: ``ckpt``, ``config`` (``LlamaConfig`` keyword arguments), ``grads``, ``out``, ``save``, ``grads2``,
+``train``, ``model_only``, ``hparams``.
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -42,10 +54,17 @@ def main() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1.0, betas=(0.5, 0.5), eps=1.0, weight_decay=0.0)
-    model_sd, optim_sd = get_state_dict(model, optim)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=job["ckpt"])
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if job.get("model_only"):  # weights only (a --model-only conversion): a fresh AdamW with JOB["hparams"]
+        state = {"model": get_model_state_dict(model)}  # not get_state_dict: it would initialise optim's state
+        dcp.load(state, checkpoint_id=job["ckpt"])
+        set_model_state_dict(model, state["model"])
+        for group in optim.param_groups:
+            group.update({k: tuple(v) if k == "betas" else v for k, v in job["hparams"].items()})
+    else:
+        model_sd, optim_sd = get_state_dict(model, optim)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=job["ckpt"])
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     named = list(model.named_parameters())
     full = (lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
@@ -65,6 +84,13 @@ def main() -> None:
         for role in ("exp_avg", "exp_avg_sq", "step"):
             got[role + suffix] = {n: full(optim.state[p][role]).detach().clone() for n, p in named}
 
+    if job.get("train"):
+        got["losses"] = _train(model, optim, job["train"], job["config"]["vocab_size"])
+        if dist.get_rank() == 0:
+            torch.save(got, job["out"])
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     step(job["grads"], "")
     if job.get("save"):
         model_sd, optim_sd = get_state_dict(model, optim)
@@ -75,6 +101,36 @@ def main() -> None:
         torch.save(got, job["out"])
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _train(model, optim, train: dict, vocab: int) -> dict[str, float]:
+    """Train the steps of ``train`` on titan_support's synthetic batch; each step's global mean loss."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = train["global_batch"] // world
+    seqs = []
+    for i in range(rank * local, rank * local + local):
+        g = torch.Generator().manual_seed(1000 + i)
+        seqs.append(torch.randint(2, vocab, (train["seq_len"] + 1,), generator=g))
+    toks = torch.stack(seqs)
+    inputs, labels = toks[:, :-1], toks[:, 1:]
+    losses = {}
+    for step, lr in zip(train["steps"], train["lrs"]):
+        for group in optim.param_groups:
+            group["lr"] = lr
+        logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train["max_norm"])
+        optim.step()
+        optim.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses[str(step)] = float(mean) / world
+    return losses
 
 
 def run(job: dict, out_dir: "os.PathLike[str] | str", ranks: int = 2, timeout: int = 900) -> dict:

@@ -13,7 +13,8 @@ last step is saved through its state dict adapter with DCP's ``HuggingFaceStorag
 ``capture_step`` (a ``torch.save`` path: rank 0 writes the first optimizer step's full gradients as the
 optimizer sees them, after clipping, and every parameter and Adam state right after that step, by the
 model's parameter names, through :func:`_capture_step`), ``inject_grads`` (with ``capture_step``: a
-``torch.save`` of full gradients by FQN that replace the first step's own just before it).
+``torch.save`` of full gradients by FQN that replace the first step's own just before it),
+``record_lr`` (report each step's learning rate, as the optimizer holds it just before stepping).
 
 Each rank reports the losses of the steps it ran, the bytes ``CheckpointManager.load`` read from each
 checkpoint file (counted in torch's ``FileSystemReader.read_data``), and the keys whose loaded value
@@ -202,11 +203,18 @@ def main() -> None:
     trainer.checkpointer.load = load
     if job.get("capture_step"):
         _capture_step(trainer, job["capture_step"], job.get("inject_grads"))
+    lrs: dict[str, float] = {}
+    if job.get("record_lr"):
+        def record(_opt, _args, _kwargs):
+            lrs[str(trainer.step)] = trainer.optimizers.optimizers[0].param_groups[0]["lr"]
+
+        trainer.optimizers.register_step_pre_hook(record)
     try:
         trainer.train()
     finally:
         trainer.close()
     report["losses"] = {str(k): v for k, v in losses.items()}
+    report["lrs"] = lrs
     report["reads"] = {k: (v if k == "items" else dict(v)) for k, v in reads.items()}
     Path(f"{job['out']}.{rank}.json").write_text(json.dumps(report))
     import torch.distributed as dist
