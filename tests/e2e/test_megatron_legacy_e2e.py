@@ -253,6 +253,8 @@ LOCAL_CASES = [  # (source, target mesh, vpp, --plan, layout megatron loads with
     ("moe,ep2,dp2", "dp2,ep2", 1, "megatron-core", dict(tp=1, pp=1, dp=2, ep=2)),  # each expert rank's experts in its own file
     ("moe,ep2,dp2", "tp2,dp2,ep2", 1, None, dict(tp=2, pp=1, dp=2, ep=2)),  # no --plan: TP x EP, experts' TP too
     ("moe,ep2,dp2", "pp2,dp2,ep2", 1, None, dict(tp=1, pp=2, dp=2, ep=2)),  # no --plan: PP x EP
+    ("tp2,pp2,vpp2", "tp2", 1, None, dict(tp=2, pp=1, dp=1)),  # no --plan: TP (stages merged)
+    ("moe,ep2,dp2", "dp2,ep2", 1, None, dict(tp=1, pp=1, dp=2, ep=2)),  # no --plan: EP
 ]
 
 
