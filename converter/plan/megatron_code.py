@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from converter import knobs
+from converter.plan.from_code import cached_json
 from converter.plan.mesh import Mesh
 from formats.base import Box, CheckpointIndex
 from formats.errors import ConfigError, PlanError
@@ -116,20 +117,7 @@ def _cached(job: dict) -> dict:
     key = json.dumps([job, versions], sort_keys=True)
     base = os.environ.get("CKPTCONV_PLAN_CACHE") or Path.home() / ".cache" / "ckptconv" / "plans"
     path = Path(base) / ("megatron-" + hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
-    if path.is_file():
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass
-    doc = _run(job)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(path)
-    except OSError:
-        pass
-    return doc
+    return cached_json(path, lambda: _run(job))
 
 
 def _run(job: dict) -> dict:
