@@ -12,10 +12,11 @@ The choice, in order:
    the model family's rules (3.) place the tensors the source shows no TP split for (norms, the
    router, grouped experts, whose EP layout does not tell their TP dim).
 3. **The model family from its names**: torchtitan's MoE decoders (0.3.0's
-   ``moe.routed_experts.inner_experts.w1_EFD``, 0.2.x's ``moe.experts.w1``; DeepSeek-V3, Qwen3-MoE,
-   Llama 4) and its MLA / q-k-norm attention (DeepSeek-V3 and Qwen3 dense) -> ``moe``; torchtitan's
-   Llama names (``tok_embeddings``, ``layers.N.attention.*``, ``layers.N.feed_forward.*``) and Hugging
-   Face's (``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj``: an FSDP2 job on transformers'
+   ``moe.routed_experts.inner_experts.w1_EFD`` and gpt_oss's ``mlp1_weight_EGD``, 0.2.x's
+   ``moe.experts.w1``; DeepSeek-V3, Qwen3-MoE, gpt_oss, Kimi, Llama 4) and its MLA / q-k-norm
+   attention (DeepSeek-V3 and Qwen3 dense) -> ``moe``; torchtitan's Llama names (``tok_embeddings``,
+   ``layers.N.attention.*``, ``layers.N.feed_forward.*``) and Hugging Face's
+   (``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj``: an FSDP2 job on transformers'
    ``LlamaForCausalLM``) -> ``llama``.
 4. ``fsdp`` otherwise.
 
@@ -43,8 +44,10 @@ from converter.plan.placement_rules import (
 from converter.plan.placements import Replicate
 from formats.base import Shape
 
-#: torchtitan's routed experts: 0.3.0 (``w1_EFD``...) and 0.2.x (``moe.experts.w1``) names.
-_TITAN_EXPERTS = re.compile(r"(?:^|.*\.)layers\.\d+\.moe\.(?:routed_experts\.inner_experts\.w[123]_E[DF]{2}|experts\.w[123])")
+#: torchtitan's routed experts: 0.3.0 (``w1_EFD``..., gpt_oss's ``mlp1_weight_EGD``...) and 0.2.x
+#: (``moe.experts.w1``) names.
+_TITAN_EXPERTS = re.compile(r"(?:^|.*\.)layers\.\d+\.moe\.(?:routed_experts\.inner_experts\."
+                            r"(?:w[123]_E[DF]{2}|mlp[12]_(?:weight|bias)_E[DFG]+)|experts\.w[123])")
 #: torchtitan attention beyond Llama's: MLA projections and norms (DeepSeek-V3), q/k norms (Qwen3).
 _TITAN_ATTENTION_EXTRA = re.compile(r"(?:^|.*\.)layers\.\d+\.attention\.(?:wq_[ab]|wkv_[ab]|q_norm|k_norm|kv_norm)\.weight")
 #: torchtitan's Llama decoder (0.3.0's fused ``qkv_linear.wqkv`` and older ``wq``/``wk``/``wv``).

@@ -7,8 +7,9 @@ Built-ins (``--plan``):
   ``fully_shard`` does), replicated over ``dp_replicate`` and ``tp``.
 - ``llama``: torchtitan's Llama 3 tensor-parallel plan by module name, FSDP on top (FSDP2's
   ``_StridedShard`` where FSDP shards a dim TP already split).
-- ``moe``: ``llama`` plus torchtitan 0.3.0's MoE decoders (deepseek_v3, qwen3 MoE): MLA attention,
-  router, shared experts, and routed experts on the EP sparse mesh (:func:`compose_experts`).
+- ``moe``: ``llama`` plus torchtitan 0.3.0's MoE decoders (deepseek_v3, qwen3 MoE, gpt_oss,
+  kimi_k2_7): MLA attention, router, shared experts, and routed experts on the EP sparse mesh
+  (:func:`compose_experts`).
 - ``megatron``: Megatron-core's GPT TP plan by module name (:mod:`converter.plan.megatron_plan`).
 - ``source``: the TP split dim the source layout shows for each tensor (:class:`SourceSplits`), with
   the new degrees.
@@ -422,6 +423,7 @@ class SourcePlan:
 
 
 _L = r"layers\.\d+\."
+_V = r"vision_encoder\.layers\.\d+\."  # torchtitan 0.3.0's vision encoder blocks
 _HF = r"model\.layers\.\d+\."  # Hugging Face decoder layers
 FSDP_PLAN = RulePlan("fsdp", (Rule("fsdp", r".*"),))
 LLAMA_PLAN = RulePlan(
@@ -441,8 +443,28 @@ LLAMA_PLAN = RulePlan(
         Rule("feed_forward.w1/w3", _L + r"feed_forward\.w[13]\.(weight|bias)", Shard(0)),
         Rule("feed_forward.w2", _L + r"feed_forward\.w2\.weight", Shard(1)),
         Rule("feed_forward.w2.bias", _L + r"feed_forward\.w2\.bias", Replicate()),
-        Rule("norms", r"(" + _L + r"(attention_norm|ffn_norm)|norm)\.(weight|bias)", Replicate()),
+        Rule("norms", r"(" + _L + r"(attention_norm|ffn_norm|post_attention_norm|post_ffn_norm)|norm)\.(weight|bias)",
+             Replicate()),  # (muse_glimmer's post-attention / post-FFN norms too)
         Rule("output", r"(output|lm_head)\.(weight|bias)", Shard(0)),  # ColwiseParallel (lm_head: 0.3.0)
+        # torchtitan 0.3.0's muse_glimmer (models/muse_glimmer/sharding.py): the embedding inside its
+        # EmbeddingWithNorm, vocab-parallel as tok_embeddings; the attention output gate colwise
+        Rule("tok_embeddings.embedding (muse_glimmer)", r"tok_embeddings\.embedding\.weight", Shard(0)),
+        Rule("attention.o_gate (muse_glimmer)", _L + r"attention\.o_gate\.(weight|bias)", Shard(0)),
+        # torchtitan 0.3.0's vision encoders (kimi_k2_7's MoonViT3d, muse_glimmer's;
+        # models/common/vision_encoder_sharding.py): per block q/k/v and fc1 colwise, proj and fc2
+        # rowwise (bias replicated), norms whole; kimi's projector colwise then rowwise; patch
+        # embeddings, position tables, final norms and muse's adapter and projection whole over tp
+        Rule("vision attn.wq/wk/wv", _V + r"attn\.w[qkv]\.(weight|bias)", Shard(0), tp_divisible=True),
+        Rule("vision attn.proj", _V + r"attn\.proj\.weight", Shard(1), tp_divisible=True),
+        Rule("vision mlp.linear_fc1", _V + r"mlp\.linear_fc1\.(weight|bias)", Shard(0)),
+        Rule("vision mlp.linear_fc2", _V + r"mlp\.linear_fc2\.weight", Shard(1)),
+        Rule("vision row biases, norms", _V + r"(attn\.proj\.bias|mlp\.linear_fc2\.bias|norm[12]\.(weight|bias))",
+             Replicate()),
+        Rule("vision projector.linear_1 (kimi)", r"vision_encoder\.projector\.linear_1\.(weight|bias)", Shard(0)),
+        Rule("vision projector.linear_2 (kimi)", r"vision_encoder\.projector\.linear_2\.weight", Shard(1)),
+        Rule("vision whole over tp", r"vision_encoder\.(pos_embed|positional_embedding_vlm|projector\.linear_2\.bias|"
+             r"(patch_embed|conv1_linear|final_norm|projector\.pre_norm|ln_pre|ln_post)\.(weight|bias))"
+             r"|vision_projection\.(weight|bias)|vision_adapter\.(c_fc|c_proj)\.(weight|bias)", Replicate()),
         # Hugging Face Llama names (an FSDP2 job on transformers' LlamaForCausalLM; its tp_plan is
         # torchtitan's: q/k/v and gate/up colwise, o/down rowwise, the embedding rowwise)
         Rule("embed_tokens (HF)", r"model\.embed_tokens\.weight", Shard(0)),
@@ -458,7 +480,7 @@ LLAMA_PLAN = RulePlan(
 )
 
 
-#: torchtitan's MoE decoders (0.3.0 and 0.2.x names; deepseek_v3, qwen3 MoE flavors) on top of the Llama rules: MLA
+#: torchtitan's MoE decoders (0.3.0 and 0.2.x names; deepseek_v3, qwen3 MoE, gpt_oss) on top of the Llama rules: MLA
 #: attention (low-rank projections and their norms replicated over tp, up-projections colwise), q/k
 #: norms, the router gate (replicated over tp), shared experts (a colwise/rowwise FFN) and the routed
 #: grouped experts ``[num_experts, ...]`` (:func:`compose_experts`: EP on dim 0, efsdp, or TP on the
@@ -476,6 +498,16 @@ MOE_PLAN = RulePlan(
         Rule("moe experts w1/w3", _L + r"moe\.routed_experts\.inner_experts\.w[13]_EFD", Shard(1), experts=True),
         Rule("moe experts w2", _L + r"moe\.routed_experts\.inner_experts\.w2_EDF", Shard(2), experts=True),
         Rule("moe.expert_bias", _L + r"moe\.expert_bias_E", Replicate(), fsdp_dim=None),
+        # gpt_oss (models/gpt_oss/sharding.py): attention sinks, one per head, split over tp with the
+        # heads; GptOssGroupedExperts' fused mlp1 (gate and up, colwise) and mlp2 (rowwise), with
+        # biases (_GPT_OSS_EXPERTS_PARAM_LAYOUT: mlp1 S(1), mlp2 S(2), mlp2_bias replicated over tp)
+        Rule("attention.sinks (gpt_oss)", _L + r"attention\.sinks", Shard(0), tp_divisible=True),
+        Rule("moe experts mlp1 (gpt_oss)", _L + r"moe\.routed_experts\.inner_experts\.mlp1_(weight_EGD|bias_EG)", Shard(1),
+             experts=True),
+        Rule("moe experts mlp2 (gpt_oss)", _L + r"moe\.routed_experts\.inner_experts\.mlp2_weight_EDF", Shard(2),
+             experts=True),
+        Rule("moe experts mlp2 bias (gpt_oss)", _L + r"moe\.routed_experts\.inner_experts\.mlp2_bias_ED", Replicate(),
+             experts=True),
         # torchtitan 0.2.x's names for the same tensors (GroupedExperts w1/w3 [E, hidden, dim], w2 [E,
         # dim, hidden]; TensorParallel Shard(1)/Shard(2) without EP; the expert_bias buffer)
         Rule("moe experts w1/w3 (0.2.x)", _L + r"moe\.experts\.w[13]", Shard(1), experts=True),
