@@ -176,8 +176,12 @@ def target_layout(index: CheckpointIndex, refs: Mapping[str, AtomRef], mesh: Mes
 def _unused_dims(params: Mapping[str, tuple], placements: Mapping[str, TensorPlacement], mesh: Mesh,
                  plan_name: str, megatron: bool) -> list[str]:
     """Warnings for a ``tp`` / ``ep`` dim of ``mesh`` no placement splits a tensor over, naming the
-    family's plan when it would (placed only then: the warning is rare)."""
+    family's plan when it would (placed only then: the warning is rare). A ``torchtitan:`` plan's
+    placements are torchtitan's own and name the dims EP borrows (``tp: Shard(0)`` for experts
+    when ep spans the tp ranks), never ``ep``: no ep warning for it."""
     dims = unused_dims(placements, mesh)
+    if plan_name.startswith("torchtitan:"):
+        dims = [d for d in dims if d != "ep"]
     if not dims:
         return []
     family = model_family(params, megatron)
