@@ -6,7 +6,7 @@ their parsing (zip directory and allowlisted ``data.pkl`` only; no tensor data r
     mp_rank_<mp>_model_states.pt                          ZeRO-0/1/2: module, param_shapes, counters
     zero_pp_rank_<dp>_mp_rank_<mp>_model_states.pt        ZeRO-3 (one per dp rank)
     [bf16_|fp16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt   ZeRO-1/2/3: the rank's partitions
-    layer_<l>-model_<mp>-model_states.pt                  pipeline engines: one per layer
+    layer_<l>[-model_<mp>]-model_states.pt                pipeline engines: one per layer
     layer_<l>_expert_<e>_mp_rank_<mp>_model_states.pt     MoE experts
     expp_rank_<ep>_mp_rank_<mp>_optim_states.pt           MoE without ZeRO
 
@@ -36,7 +36,8 @@ MODEL_STATES = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 ZERO3_MODEL_STATES = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 OPTIM_STATES = re.compile(r"(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 EXPP_OPTIM_STATES = re.compile(r"expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
-LAYER_STATES = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+#: ``-model_<mp>`` only on a topology with a model axis (Megatron-DeepSpeed's pipe x model x data).
+LAYER_STATES = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
 EXPERT_STATES = re.compile(r"(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt")
 
 
@@ -70,7 +71,7 @@ def list_tag_files(folder: Path) -> TagFiles:
         elif m := EXPP_OPTIM_STATES.fullmatch(name):
             files.expp_optim[(int(m[2]), int(m[1]))] = name
         elif m := LAYER_STATES.fullmatch(name):
-            files.layers[(int(m[1]), int(m[2]))] = name
+            files.layers[(int(m[1]), int(m[2] or 0))] = name
         elif m := EXPERT_STATES.fullmatch(name):
             files.experts[(int(m[1] or -1), int(m[2]), int(m[3]))] = name
         elif m := MODEL_STATES.fullmatch(name):

@@ -35,17 +35,25 @@ FORMAT = "deepspeed-zero"
 
 
 def _check_supported(root: Path, files: TagFiles) -> None:
-    """Refuse layouts not read yet, naming what is there."""
+    """Refuse layouts not read yet, naming a file of the layout, what it is and what to do. A
+    pipeline save is told first: its stages' model-states files are ``mp_rank_<stage>`` too."""
+    if files.layers:
+        raise UnsupportedError(f"{root / min(files.layers.values())}: a pipeline-parallel save (PipelineModule "
+                               f"layer files, {len(files.layers)} of them) is not supported yet: convert a Megatron-DeepSpeed "
+                               "save with DeepSpeed's ds_to_universal.py, then ckptconv import-ds")
+    if files.experts or files.expp_optim:
+        name = min({**files.experts, **files.expp_optim}.values())
+        raise UnsupportedError(f"{root / name}: a mixture-of-experts save (deepspeed.moe expert files "
+                               "layer_*_expert_*, expp_rank_*) is not supported yet, nor by DeepSpeed's "
+                               "ds_to_universal.py (DeepSpeed #5716): load it in DeepSpeed and save "
+                               "engine.module.state_dict() with safetensors to convert the weights")
     mps = set(files.model) | {mp for mp, _ in files.zero3_model} | {mp for mp, _ in files.optim}
     if mps - {0}:
-        raise UnsupportedError(f"{root}: model-parallel ranks mp_rank_{sorted(mps)[-1]:02d} (tensor parallelism); "
-                               "not supported yet: convert with ds_to_universal.py and import-ds")
-    if files.layers:
-        raise UnsupportedError(f"{root}: pipeline layer files ({next(iter(files.layers.values()))}); not supported "
-                               "yet: convert with ds_to_universal.py and import-ds")
-    if files.experts or files.expp_optim:
-        name = next(iter({**files.experts, **files.expp_optim}.values()))
-        raise UnsupportedError(f"{root}: MoE expert files ({name}); not supported yet")
+        mp = sorted(mps)[-1]
+        name = files.model.get(mp) or min(n for (m, _), n in {**files.zero3_model, **files.optim}.items() if m == mp)
+        raise UnsupportedError(f"{root / name}: a model-parallel save ({len(mps)} tensor-parallel ranks "
+                               "mp_rank_*, as Megatron-DeepSpeed writes) is not supported yet: convert it with "
+                               "DeepSpeed's ds_to_universal.py, then ckptconv import-ds")
     if len(files.optim_prefixes) > 1:
         raise CorruptCheckpointError(f"{root}: optimizer files of two kinds ({', '.join(sorted(p or 'zero_' for p in files.optim_prefixes))}"
                                      "...): the folder mixes two saves; keep the files of one")

@@ -1,0 +1,200 @@
+"""DeepSpeed 0.19.8 ranks (CPU, gloo) that save the layouts ckptconv's ZeRO reader refuses, each
+with DeepSpeed's own engine and ``save_checkpoint``:
+
+* ``tp``: a 2-way model-parallel engine (``deepspeed.initialize(mpu=...)``, the interface
+  Megatron-DeepSpeed hands its tensor-parallel groups through) writes ``mp_rank_00`` and
+  ``mp_rank_01`` files;
+* ``pipe``: a :class:`deepspeed.pipe.PipelineModule` of two stages writes
+  ``layer_XX-model_00-model_states.pt`` per layer;
+* ``moe``: a :class:`deepspeed.moe.layer.MoE` layer with ``ep_size`` 2 writes
+  ``layer_0_expert_<e>_mp_rank_00_model_states.pt`` and, without ZeRO, ``expp_rank_<r>_*``.
+
+Only the layout matters to these tests (the refusals name the files); the models are tiny.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_worker import _init_deepspeed
+
+DIM = 8
+STEPS = 2
+
+
+def _config(world_dp: int, stage: int, **extra: Any) -> dict:
+    return {"train_batch_size": 2 * world_dp, "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1 << 30, **extra}
+
+
+class ModelParallel:
+    """The ``mpu`` DeepSpeed asks a model-parallel framework for (Megatron-DeepSpeed's
+    ``megatron.core.parallel_state`` answers these): every rank a tensor-parallel rank of one
+    model-parallel group, data parallelism of 1."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.mp_group = dist.new_group(list(range(self.world)))
+        for r in range(self.world):  # new_group is collective: every rank makes every dp group
+            group = dist.new_group([r])
+            if r == self.rank:
+                self.dp_group = group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.world
+
+    def get_model_parallel_group(self) -> Any:
+        return self.mp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+    def get_data_parallel_world_size(self) -> int:
+        return 1
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_group
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.ReLU(), torch.nn.Linear(DIM, DIM))
+
+
+def _step(engine: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, DIM, generator=g)
+    out = engine(x)
+    loss = (out[0] if isinstance(out, tuple) else out).square().mean()
+    engine.backward(loss)
+    engine.step()
+
+
+def save_tp(rank: int, world: int, out_dir: str, stage: int) -> None:
+    """ZeRO-``stage`` under a ``world``-way model-parallel mpu: ``mp_rank_00`` .. ``mp_rank_<world-1>``."""
+    deepspeed = _init_deepspeed(rank, world)
+    mpu = ModelParallel()
+    model = _mlp(rank)  # each tensor-parallel rank its own shard's values
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optim, mpu=mpu, config=_config(1, stage))
+    for step in range(STEPS):
+        _step(engine, step)
+    engine.save_checkpoint(out_dir)
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out - y).square().mean()
+
+
+def save_pipe(rank: int, world: int, out_dir: str, stage: int, model_axis: bool = False) -> None:
+    """A :class:`PipelineModule` of ``world`` stages (one rank each) trained and saved: the engine
+    writes ``layer_<l>-model_states.pt`` per layer (``model_axis``: on Megatron-DeepSpeed's
+    pipe x model x data topology, ``layer_<l>-model_00-model_states.pt``) beside one
+    ``mp_rank_<stage>_model_states.pt`` per stage."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    deepspeed = _init_deepspeed(rank, world)
+    torch.manual_seed(0)
+    layers = [LayerSpec(torch.nn.Linear, DIM, DIM), LayerSpec(torch.nn.ReLU), LayerSpec(torch.nn.Linear, DIM, DIM)]
+    topology = PipeModelDataParallelTopology(num_pp=world, num_mp=1, num_dp=1) if model_axis else None
+    model = PipelineModule(layers=layers, num_stages=None if model_axis else world, topology=topology,
+                           loss_fn=_mse, partition_method="uniform")
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optim,
+                                      config=_config(1, stage, gradient_accumulation_steps=1))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, DIM, generator=g), torch.randn(2, DIM, generator=g)) for _ in range(STEPS)]
+    it = iter(batches)
+    for _ in range(STEPS):
+        engine.train_batch(data_iter=it)
+    engine.save_checkpoint(out_dir)
+
+
+class _MoEModel(torch.nn.Module):
+    def __init__(self, ep_size: int) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        self.inp = torch.nn.Linear(DIM, DIM)
+        self.moe = MoE(hidden_size=DIM, expert=torch.nn.Linear(DIM, DIM), num_experts=2 * ep_size, ep_size=ep_size,
+                       k=1, min_capacity=4, capacity_factor=4.0)
+        self.out = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _, _ = self.moe(self.inp(x))
+        return self.out(h)
+
+
+def save_moe(rank: int, world: int, out_dir: str, stage: int) -> None:
+    """A model with a :class:`deepspeed.moe.layer.MoE` layer (``ep_size`` = ``world``, two experts
+    per rank) trained and saved: ``layer_0_expert_<e>_mp_rank_00_model_states.pt`` per expert,
+    and per expert-parallel rank ``expp_rank_<r>_mp_rank_00_optim_states.pt`` (no ZeRO) or
+    ZeRO's own optimizer files."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    deepspeed = _init_deepspeed(rank, world)
+    torch.manual_seed(0)
+    model = _MoEModel(world)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        [{"params": list(model.parameters()), "name": "params"}])
+    optim = torch.optim.AdamW(groups, lr=1e-2, foreach=False)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optim, config=_config(world, stage))
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randn(2, 4, DIM, generator=g)
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(out_dir)
+
+
+_FP32_OF = """
+import contextlib, io, sys, torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+with contextlib.redirect_stdout(io.StringIO()):
+    sd = get_fp32_state_dict_from_zero_checkpoint(sys.argv[1], tag=sys.argv[2])
+torch.save({k: v.contiguous() for k, v in sd.items()}, sys.argv[3])
+"""
+
+
+def save_twice(rank: int, world: int, out_dir: str, stage: int, case_name: str) -> None:
+    """The ds_zero_support case ``case_name`` (its model, optimizer and batches) trained 4 steps
+    by one engine, saved after step 3 (``global_step3``) and after step 4 (``global_step4``,
+    ``latest``)."""
+    from ds_zero_support import Case
+    from ds_zero_worker import args_of, engine_of
+    from ds_worker import _loss
+    from models import make_batch
+
+    case = Case.parse(case_name).to_json()
+    assert case["stage"] == stage and case["world"] == world
+    deepspeed = _init_deepspeed(rank, world)
+    engine = engine_of(deepspeed, case, world, seed=0, universal=False)
+    for step in range(4):
+        inputs, targets = make_batch(args_of(case), seed=rank, step=step, first_stage=True)
+        engine.backward(_loss(engine, inputs, targets))
+        engine.step()
+        if step >= 2:
+            engine.save_checkpoint(out_dir)
+
+
+def consolidate(out_dir: str, tag: str, dst: str) -> None:
+    """DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` of ``out_dir``'s ``tag``, saved to
+    ``dst`` (a fresh interpreter: it runs on no process group)."""
+    import subprocess
+    import sys
+
+    from ds_zero_support import deepspeed_env
+
+    proc = subprocess.run([sys.executable, "-c", _FP32_OF, out_dir, tag, dst], capture_output=True, text=True,
+                          timeout=300, env=deepspeed_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
