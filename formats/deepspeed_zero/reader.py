@@ -50,10 +50,11 @@ def _check_supported(root: Path, files: TagFiles) -> None:
     mps = set(files.model) | {mp for mp, _ in files.zero3_model} | {mp for mp, _ in files.optim}
     if mps - {0}:
         mp = sorted(mps)[-1]
-        name = files.model.get(mp) or min(n for (m, _), n in {**files.zero3_model, **files.optim}.items() if m == mp)
+        name = files.model.get(mp) or min(n for names in (files.zero3_model, files.optim)
+                                          for (m, _), n in names.items() if m == mp)
         raise UnsupportedError(f"{root / name}: a model-parallel save ({len(mps)} tensor-parallel ranks "
-                               "mp_rank_*, as Megatron-DeepSpeed writes) is not supported yet: convert it with "
-                               "DeepSpeed's ds_to_universal.py, then ckptconv import-ds")
+                               "mp_rank_*) is not supported yet: convert a Megatron-DeepSpeed save (it records "
+                               "universal_checkpoint_info) with DeepSpeed's ds_to_universal.py, then ckptconv import-ds")
     if len(files.optim_prefixes) > 1:
         raise CorruptCheckpointError(f"{root}: optimizer files of two kinds ({', '.join(sorted(p or 'zero_' for p in files.optim_prefixes))}"
                                      "...): the folder mixes two saves; keep the files of one")

@@ -2,7 +2,8 @@
 
 The folders are saved by DeepSpeed 0.19.8's own engine in 2-rank gloo runs on CPU
 (``ds_layout_support``): a model-parallel engine (``mpu``, as Megatron-DeepSpeed passes its
-tensor-parallel groups: ``mp_rank_01_*``), a 2-stage ``PipelineModule`` (``layer_XX-model_states.pt``,
+tensor-parallel groups: ``mp_rank_01_*``, ZeRO-1 and ZeRO-3), a 2-stage ``PipelineModule`` (ZeRO-0
+and ZeRO-1: ``layer_XX-model_states.pt``,
 and ``layer_XX-model_00-model_states.pt`` on Megatron-DeepSpeed's pipe x model x data topology) and a
 ``deepspeed.moe.layer.MoE`` with ``ep_size`` 2 (``layer_0_expert_<e>_*``, and ``expp_rank_<r>_*``
 without ZeRO). Each command exits 2 with one line naming a file of the layout, what it is, that it
@@ -34,6 +35,12 @@ pytestmark = [requires_deepspeed]
 LAYOUTS = {
     "tp-z1": (["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"],
               "mp_rank_01_model_states.pt", "a model-parallel save (2 tensor-parallel ranks", "ds_to_universal.py"),
+    "tp-z3": (["zero_pp_rank_0_mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"],
+              "zero_pp_rank_0_mp_rank_01_model_states.pt", "a model-parallel save (2 tensor-parallel ranks",
+              "ds_to_universal.py"),
+    "pipe-z0": (["layer_00-model_states.pt", "layer_02-model_states.pt", "mp_rank_01_model_states.pt"],
+                "layer_00-model_states.pt", "a pipeline-parallel save (PipelineModule layer files, 3 of them)",
+                "ds_to_universal.py"),
     "pipe-z1": (["layer_00-model_states.pt", "layer_02-model_states.pt", "mp_rank_01_model_states.pt"],
                 "layer_00-model_states.pt", "a pipeline-parallel save (PipelineModule layer files, 3 of them)",
                 "ds_to_universal.py"),

@@ -24,6 +24,8 @@ WORLD = 2
 #: The layouts: name -> (worker function, ZeRO stage, extra worker arguments).
 LAYOUTS: dict[str, tuple[str, int, tuple]] = {
     "tp-z1": ("save_tp", 1, ()),
+    "tp-z3": ("save_tp", 3, ()),
+    "pipe-z0": ("save_pipe", 0, ()),
     "pipe-z1": ("save_pipe", 1, ()),
     "pipemp-z1": ("save_pipe", 1, (True,)),
     "moe-z0": ("save_moe", 0, ()),
