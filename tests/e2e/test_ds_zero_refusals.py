@@ -2,16 +2,15 @@
 
 The folders are saved by DeepSpeed 0.19.8's own engine in 2-rank gloo runs on CPU
 (``ds_layout_support``): a model-parallel engine (``mpu``, as Megatron-DeepSpeed passes its
-tensor-parallel groups: ``mp_rank_01_*``, ZeRO-1 and ZeRO-3), a 2-stage ``PipelineModule`` (ZeRO-0
-and ZeRO-1: ``layer_XX-model_states.pt``,
-and ``layer_XX-model_00-model_states.pt`` on Megatron-DeepSpeed's pipe x model x data topology) and a
+tensor-parallel groups: ``mp_rank_01_*``, ZeRO-1 and ZeRO-3), a 2-stage ``PipelineModule`` without
+ZeRO (``layer_XX-model_states.pt``; under ZeRO-1 it is read: ``test_ds_pipeline.py``) and a
 ``deepspeed.moe.layer.MoE`` with ``ep_size`` 2 (``layer_0_expert_<e>_*``, and ``expp_rank_<r>_*``
 without ZeRO). Each command exits 2 with one line naming a file of the layout, what it is, that it
 is not supported and what to do; no traceback (one with ``--debug``); nothing written at the output.
 
 The default suite's cases (:func:`test_refused_when_added_to_a_real_zero_folder`) copy a real ZeRO-2
 save (``ds_zero_support`` case ``z2-bf16-w3``) and add files named the way DeepSpeed names them
-(``PipelineModule.ckpt_layer_path``, ``DeepSpeedEngine._get_expert_ckpt_name`` /
+(``DeepSpeedEngine._get_expert_ckpt_name`` /
 ``_get_ckpt_name`` with an mp rank of 1); the DeepSpeed-saved layouts, ~15 s each to save, are slow.
 """
 
@@ -41,11 +40,6 @@ LAYOUTS = {
     "pipe-z0": (["layer_00-model_states.pt", "layer_02-model_states.pt", "mp_rank_01_model_states.pt"],
                 "layer_00-model_states.pt", "a pipeline-parallel save (PipelineModule layer files, 3 of them)",
                 "ds_to_universal.py"),
-    "pipe-z1": (["layer_00-model_states.pt", "layer_02-model_states.pt", "mp_rank_01_model_states.pt"],
-                "layer_00-model_states.pt", "a pipeline-parallel save (PipelineModule layer files, 3 of them)",
-                "ds_to_universal.py"),
-    "pipemp-z1": (["layer_00-model_00-model_states.pt", "layer_02-model_00-model_states.pt"],
-                  "layer_00-model_00-model_states.pt", "a pipeline-parallel save", "ds_to_universal.py"),
     "moe-z0": ([*(f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(4)),
                 "expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"],
                "expp_rank_0_mp_rank_00_optim_states.pt", "a mixture-of-experts save", "safetensors"),
@@ -100,21 +94,14 @@ def test_refused_as_deepspeed_saves_it(layout: str, command: str, tmp_path: Path
 def test_refusal_is_one_line_in_a_real_process_and_a_traceback_with_debug(tmp_path: Path) -> None:
     """Through ``python -m converter`` (the installed entry point): the same one line and exit 2;
     ``--debug`` shows the traceback of the UnsupportedError instead."""
-    _, named, what, hint = LAYOUTS["pipe-z1"]
-    src = saved_layout("pipe-z1")
+    _, named, what, hint = LAYOUTS["tp-z1"]
+    src = saved_layout("tp-z1")
     argv = [sys.executable, "-m", "converter", "to-universal", str(src), str(tmp_path / "out")]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert_refused(proc.returncode, proc.stdout, proc.stderr, src / TAG / named, what, hint)
     proc = subprocess.run([*argv[:3], "--debug", *argv[3:]], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "UnsupportedError" in proc.stderr
     assert list(tmp_path.iterdir()) == []
-
-
-def _add_pipeline(tag: Path) -> tuple[str, str, str]:
-    """A layer file as ``PipelineModule.save_state_dict`` writes it: ``torch.save`` of the layer's
-    ``state_dict()`` at ``ckpt_layer_path`` (``-model_00`` on a topology with a model axis)."""
-    torch.save(torch.nn.Linear(4, 4).state_dict(), tag / "layer_01-model_00-model_states.pt")
-    return "layer_01-model_00-model_states.pt", "a pipeline-parallel save", "ds_to_universal.py"
 
 
 def _add_moe(tag: Path) -> tuple[str, str, str]:
@@ -135,7 +122,7 @@ def _add_tp(tag: Path) -> tuple[str, str, str]:
 
 
 @pytest.mark.parametrize("command", ["inspect", "to-universal", "export-hf"])
-@pytest.mark.parametrize("add", [_add_pipeline, _add_moe, _add_tp], ids=["pipeline", "moe", "tp"])
+@pytest.mark.parametrize("add", [_add_moe, _add_tp], ids=["moe", "tp"])
 def test_refused_when_added_to_a_real_zero_folder(add, command: str, tmp_path: Path) -> None:
     """A real ZeRO-2 save (3 ranks) with one layout's files added as DeepSpeed names them: the
     same one-line refusal, and no output."""

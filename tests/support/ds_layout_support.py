@@ -4,7 +4,7 @@
 
 A layout is named ``<kind>-z<stage>``: ``tp`` (a model-parallel ``mpu``, 2 ranks), ``pipe`` (a
 2-stage ``PipelineModule``), ``pipemp`` (the same on the pipe x model x data topology, as
-Megatron-DeepSpeed builds it), ``moe`` (a ``deepspeed.moe.layer.MoE`` with ``ep_size`` 2). An entry
+Megatron-DeepSpeed builds it), ``moe`` (a ``deepspeed.moe.layer.MoE`` with ``ep_size`` 2); ``pipe4``: 2 stages x 2 data-parallel ranks. An entry
 is the folder ``save_checkpoint`` wrote: ``latest`` and ``global_step2/``. ``steps-z2`` is no
 refused layout: a ZeRO-2 run saved twice, one training step apart (for ``diff``).
 """
@@ -28,12 +28,15 @@ LAYOUTS: dict[str, tuple[str, int, tuple]] = {
     "pipe-z0": ("save_pipe", 0, ()),
     "pipe-z1": ("save_pipe", 1, ()),
     "pipemp-z1": ("save_pipe", 1, (True,)),
+    "pipe4-z1": ("save_pipe", 1, (False, 2)),  # 4 ranks: 2 stages x 2 data-parallel ranks
     "moe-z0": ("save_moe", 0, ()),
     "moe-z2": ("save_moe", 2, ()),
     # not refused: ds_zero_support's case z2-fp32-w2 saved after steps 3 and 4 by one run, with
     # DeepSpeed's own consolidation of each (fp32-global_step3.pt, fp32-global_step4.pt)
     "steps-z2": ("save_twice", 2, ("z2-fp32-w2",)),
 }
+#: Layouts saved by more than WORLD ranks.
+WORLDS = {"pipe4-z1": 4}
 #: The tags of ``steps-z2``.
 STEP_TAGS = ("global_step3", "global_step4")
 
@@ -44,7 +47,7 @@ def build_layout(name: str, out: Path) -> None:
     from worlds import run_world
 
     fn, stage, extra = LAYOUTS[name]
-    run_world(getattr(ds_layout_worker, fn), WORLD, (str(out), stage, *extra), timeout=TIMEOUT)
+    run_world(getattr(ds_layout_worker, fn), WORLDS.get(name, WORLD), (str(out), stage, *extra), timeout=TIMEOUT)
     if fn == "save_twice":
         for tag in STEP_TAGS:
             ds_layout_worker.consolidate(str(out), tag, str(out / f"fp32-{tag}.pt"))

@@ -14,6 +14,7 @@ Only the layout matters to these tests (the refusals name the files); the models
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,29 +95,50 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (out - y).square().mean()
 
 
-def save_pipe(rank: int, world: int, out_dir: str, stage: int, model_axis: bool = False) -> None:
-    """A :class:`PipelineModule` of ``world`` stages (one rank each) trained and saved: the engine
-    writes ``layer_<l>-model_states.pt`` per layer (``model_axis``: on Megatron-DeepSpeed's
-    pipe x model x data topology, ``layer_<l>-model_00-model_states.pt``) beside one
-    ``mp_rank_<stage>_model_states.pt`` per stage."""
+def save_pipe(rank: int, world: int, out_dir: str, stage: int, model_axis: bool = False, stages: int = 2) -> None:
+    """A :class:`PipelineModule` of ``stages`` stages over ``world`` ranks (``world // stages``
+    data-parallel replicas) trained and saved: the engine writes ``layer_<l>-model_states.pt`` per
+    layer (``model_axis``: on Megatron-DeepSpeed's pipe x model x data topology,
+    ``layer_<l>-model_00-model_states.pt``) beside one ``mp_rank_<stage>_model_states.pt`` per
+    stage; under ZeRO each rank then writes ``live-rank<r>.pt``, DeepSpeed's full state of its stage."""
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     deepspeed = _init_deepspeed(rank, world)
     torch.manual_seed(0)
     layers = [LayerSpec(torch.nn.Linear, DIM, DIM), LayerSpec(torch.nn.ReLU), LayerSpec(torch.nn.Linear, DIM, DIM)]
-    topology = PipeModelDataParallelTopology(num_pp=world, num_mp=1, num_dp=1) if model_axis else None
-    model = PipelineModule(layers=layers, num_stages=None if model_axis else world, topology=topology,
+    dp = world // stages
+    topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=1, num_dp=dp) if model_axis else None
+    model = PipelineModule(layers=layers, num_stages=None if model_axis else stages, topology=topology,
                            loss_fn=_mse, partition_method="uniform")
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optim,
-                                      config=_config(1, stage, gradient_accumulation_steps=1))
-    g = torch.Generator().manual_seed(0)
+                                      config=_config(dp, stage, gradient_accumulation_steps=1))
+    g = torch.Generator().manual_seed(1 + rank)  # the data-parallel replicas' batches differ
     batches = [(torch.randn(2, DIM, generator=g), torch.randn(2, DIM, generator=g)) for _ in range(STEPS)]
-    it = iter(batches)
+    it = iter(batches * world)
     for _ in range(STEPS):
         engine.train_batch(data_iter=it)
     engine.save_checkpoint(out_dir)
+    if stage:  # (ZeRO-0: DeepSpeed's accessors have no ZeRO mapping to read)
+        torch.save(_live_pipe(engine), Path(out_dir) / f"live-rank{rank}.pt")
+
+
+def _live_pipe(engine: Any) -> dict[str, Any]:
+    """This stage's full fp32 masters, Adam states and step, gathered by DeepSpeed's own
+    ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` (ZeRO-1: each partition's
+    fragment over the stage's data-parallel group), by the parameter names of the checkpoint."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, Any] = {}
+    for name, p in engine.module.named_parameters():
+        out[f"model.{name}"] = safe_get_full_fp32_param(p).detach().clone()
+        for state in ("exp_avg", "exp_avg_sq"):
+            out[f"optim.state.{name}.{state}"] = safe_get_full_optimizer_state(p, state).detach().clone()
+    steps = [st["step"] for st in engine.optimizer.optimizer.state.values() if "step" in st]
+    out["step"] = steps[0].detach().clone()
+    out["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.optimizer.param_groups]
+    return out
 
 
 class _MoEModel(torch.nn.Module):
