@@ -38,7 +38,8 @@ def bytes_per_param(stage: int, dtype: str) -> int:
 
 def _rank(rank: int, world: int, port: int, args_json: dict, stage: int, ckpt: str) -> None:
     os.environ.update(MASTER_PORT=str(port), MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", tempfile.mkdtemp(prefix="ds-ext-"))
+    # one fixed directory per user (a fresh mkdtemp per rank left hundreds of empty dirs in /tmp)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), f"ckptconv-ds-ext-{os.getuid()}"))
     import torch
 
     torch.set_num_threads(1)

@@ -51,7 +51,8 @@ def ds_config(stage: int) -> dict:
 
 
 def main(out: str, stage: int) -> None:
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", tempfile.mkdtemp(prefix="ds-ext-"))
+    # one fixed directory per user (a fresh mkdtemp per rank left hundreds of empty dirs in /tmp)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), f"ckptconv-ds-ext-{os.getuid()}"))
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see ds_worker's docstring

@@ -26,7 +26,8 @@ MAX_ERRORS = 20
 
 
 def _init_deepspeed(rank: int, world: int) -> Any:
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", tempfile.mkdtemp(prefix="ds-ext-"))
+    # one fixed directory per user (a fresh mkdtemp per rank left hundreds of empty dirs in /tmp)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), f"ckptconv-ds-ext-{os.getuid()}"))
     import deepspeed
     import deepspeed.ops
 
