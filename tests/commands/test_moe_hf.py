@@ -192,6 +192,7 @@ QWEN3_MOE_DERIVED = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qw
                      "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 8, "tie_word_embeddings": False}
 
 
+@pytest.mark.slow  # ~16 s: runs in CI's framework step
 @pytest.mark.framework("transformers")
 def test_transformers_qwen3_moe_logits_equal_torchtitans_model(tmp_path):
     """The export, loaded by transformers' Qwen3MoeForCausalLM, computes the logits of torchtitan's own

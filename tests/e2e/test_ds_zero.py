@@ -30,7 +30,7 @@ EXTRA = ["z2-fp32-w2-g2", "z3-bf16-w3-g2", "z1-bf16-w2-rich", "z2-bf16-w3-rich",
 #: transformers.Trainer runs with a DeepSpeed config (its own AdamW, two groups, tied embeddings).
 TRAINER = ["hf-z2-bf16-w2", "hf-z3-bf16-w2", "hf-z1-bf16-w1"]
 #: The cases of the default suite (every other one is slow).
-DEFAULT = {"z2-bf16-w3", "z3-fp32-w2", "z0-bf16-w1", "hf-z3-bf16-w2"}
+DEFAULT = {"z2-bf16-w3", "z0-bf16-w1"}  # the rest (HF Trainer, ZeRO-3: ~90 s) run in CI's framework step
 
 
 def _marks(name: str, default: set[str]) -> list:
@@ -117,7 +117,7 @@ def test_optimizer_states_equal_ds_to_universal(name: str) -> None:
 
 
 #: The cases whose conversions run in the default suite.
-CONVERT_DEFAULT = {"z2-bf16-w3", "hf-z3-bf16-w2"}
+CONVERT_DEFAULT = {"z2-bf16-w3"}
 
 
 def _convert_cases(names: list[str]) -> list:

@@ -107,6 +107,7 @@ def _load_worker(rank: int, world: int, layout: dict, args_json: dict, ckpt: str
         torch.save(logits, out)
 
 
+@pytest.mark.slow  # ~20 s: runs in CI's framework step
 def test_transformers_checkpoint_trains_on_tp2_dp2(llama_export, tmp_path):
     _, args, out = llama_export
     tokens = tokens_for(args)

@@ -116,6 +116,7 @@ def test_diff_through_the_adapter(tmp_path):
     assert code == 1 and "q_proj" in out
 
 
+@pytest.mark.slow  # ~45 s on 2 cores: runs in CI's framework step
 def test_wrong_flavor_and_unknown_model_are_one_line(tmp_path):
     from cli_runner import run_cli
 

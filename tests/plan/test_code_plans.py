@@ -103,6 +103,7 @@ def test_torchtitan_plan_equals_builtin_llama(mesh):
         assert got[fqn].unique_boxes(shape, m) == want[fqn].unique_boxes(shape, m), fqn
 
 
+@pytest.mark.slow  # ~12 s: runs in CI's framework step
 @needs_titan
 def test_torchtitan_plan_1024_ranks_one_process():
     m = parse_mesh("pp2,dp64,tp8")

@@ -35,7 +35,8 @@ def big_zero3() -> Path:
 
 
 @pytest.mark.parametrize("command", [
-    pytest.param(["from-universal", "--mesh", "dp3"], id="from-universal"),
+    # all slow (a 300 MB ZeRO-3 save to build, ~40 s): they run in CI's framework step
+    pytest.param(["from-universal", "--mesh", "dp3"], id="from-universal", marks=pytest.mark.slow),
     pytest.param(["to-universal"], id="to-universal", marks=pytest.mark.slow),
     pytest.param(["export-ds"], id="export-ds", marks=pytest.mark.slow),
     pytest.param(["export-hf"], id="export-hf", marks=pytest.mark.slow),
