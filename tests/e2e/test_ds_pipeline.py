@@ -9,7 +9,8 @@ group). DeepSpeed's consolidations do not take these folders (``zero_to_fp32``'s
 'items'`` on the stages' ``module`` None; ``ds_to_universal.py``: ``ZeroDivisionError``), so the
 oracles are DeepSpeed's own gathering in the saving run (``safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state`` of every stage's parameters, ``live-rank<r>.pt``) and
-``torch.load`` of the layer files it wrote. Each save takes ~15-25 s: slow.
+``torch.load`` of the layer files it wrote, and plain (non-pipeline) DeepSpeed engines loading the
+``export-ds`` output. Each save takes ~15-25 s: slow.
 """
 
 from __future__ import annotations
@@ -105,3 +106,29 @@ def test_a_missing_stage_or_rank_file_is_one_line(name: str, tmp_path: Path) -> 
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
         assert ("stage 1" if "model_states" in missing else "mp_rank_01_optim_states") in lines[0], lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,world", [(2, 2), (3, 3), (1, 1)], ids=["z2-w2", "z3-w3", "z1-w1"])
+def test_exported_loads_in_a_plain_deepspeed_engine(stage: int, world: int, tmp_path: Path) -> None:
+    """``export-ds`` of the 2-stage x dp2 pipeline save; the same model as a plain
+    ``nn.Sequential`` under a DeepSpeed ZeRO-``stage`` engine of ``world`` ranks (no pipeline)
+    loads it with ``load_universal``: every fp32 master, Adam state and step equals the pipeline
+    run's own (DeepSpeed's accessors on both sides), bit for bit, and it trains on."""
+    from ds_layout_support import TIMEOUT
+    from ds_layout_worker import load_flat
+    from worlds import run_world
+
+    entry = saved_layout("pipe4-z1")
+    code, _, err = run_cli("export-ds", str(entry), str(tmp_path / "ds"))
+    assert code == 0, err
+    expected: dict = {}
+    for live in _lives(entry):
+        expected.update(live)
+    torch.save(expected, tmp_path / "expected.pt")
+    (tmp_path / "rep").mkdir()
+    run_world(load_flat, world, (str(tmp_path / "ds"), stage, str(tmp_path / "expected.pt"), str(tmp_path / "rep")),
+              timeout=TIMEOUT)
+    for r in range(world):
+        rep = json.loads((tmp_path / "rep" / f"rank{r}.json").read_text())
+        assert not rep["errors"] and rep["checked"] == 12, rep

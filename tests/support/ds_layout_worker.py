@@ -220,3 +220,32 @@ def consolidate(out_dir: str, tag: str, dst: str) -> None:
     proc = subprocess.run([sys.executable, "-c", _FP32_OF, out_dir, tag, dst], capture_output=True, text=True,
                           timeout=300, env=deepspeed_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def load_flat(rank: int, world: int, load_dir: str, stage: int, expected_path: str, report_dir: str) -> None:
+    """The pipeline's model as a plain ``torch.nn.Sequential`` (the same parameter names
+    ``0.*``, ``2.*``) under a ZeRO-``stage`` engine of ``world`` ranks (no pipeline) loads the
+    universal checkpoint ``load_dir`` (``load_universal``); its full state, by DeepSpeed's own
+    accessors, must equal ``expected_path`` bit for bit; a JSON report per rank."""
+    import json
+
+    from ds_worker import compare_state, live_state
+    from oracle import bits_equal
+
+    deepspeed = _init_deepspeed(rank, world)
+    model = _mlp(1234)  # other weights: the load must win
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    config = _config(world, stage, checkpoint={"load_universal": True})
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optim, config=config)
+    path, _ = engine.load_checkpoint(load_dir, load_optimizer_states=True, load_lr_scheduler_states=False)
+    live = live_state(engine)
+    expected = torch.load(expected_path, weights_only=False)
+    errors = [] if path is not None else [f"load_checkpoint({load_dir}) returned None"]
+    checked = compare_state(live, expected, errors)
+    if not bits_equal(torch.as_tensor(live["step"]), torch.as_tensor(expected["step"])):
+        errors.append(f"step: got {live['step']!r}, want {expected['step']!r}")
+    if live.get("unmapped"):
+        errors.append(f"unmapped: {live['unmapped']}")
+    _step(engine, 0)  # it trains on
+    report = {"rank": rank, "checked": checked, "errors": errors[:20]}
+    (Path(report_dir) / f"rank{rank}.json").write_text(json.dumps(report, default=repr))
