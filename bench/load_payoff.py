@@ -22,7 +22,8 @@ its shards and AdamW state, and ``dcp.load``\\ s each of the three checkpoints w
     python bench/load_payoff.py --size 400MB --worlds 4,8 --repeats 2
 
 Results: ``bench/results/load_payoff-<time>.json`` (every rank, every round, the load average).
-Not covered here (issue 29.1): the synthetic 70B/405B planning at scale, the 2 GB run and the plot.
+The plot: ``bench/plot_load_payoff.py RESULT.json``; the load planning of one rank at scale
+(synthetic 70B/405B ``.metadata``): ``bench/load_planning_scale.py``.
 """
 
 from __future__ import annotations
