@@ -45,7 +45,6 @@ import contextlib
 import json
 import math
 import os
-import pickle
 import resource
 import subprocess
 import sys
@@ -145,6 +144,8 @@ def plan_rank(metadata_path: str, shape: syn.Shape, mesh_text: str, rank: int, w
     from converter.plan.mesh import parse_mesh
 
     layout = {d.name: d.size for d in parse_mesh(mesh_text).dims}  # ckptconv's order: dp_shard outer, tp inner
+    if tuple(layout) != ("dp_shard", "tp"):
+        raise SystemExit(f"--mesh {mesh_text}: the rank's state dict is built for FSDP2 over TP (tpN,dpM)")
     world = math.prod(layout.values())
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
