@@ -7,6 +7,7 @@ failed) and anything else are internal errors (status 3). ``--debug`` shows trac
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -214,8 +215,11 @@ def _missing_key(message: str) -> list[str]:
                    "two files) or node (the same per node of --ranks-per-node ranks). 'ckptconv files DST --rank R' "
                    "lists what a rank opens.")
 @click.option("--ranks-per-node", type=int, default=None, metavar="K",
-              help="With --local-files node: ranks per node (node N holds ranks N*K .. N*K+K-1). Under a multi-node "
-                   "torchrun, each node writes its own node's files into DST on that node (node-local disks).")
+              help="With --local-files node: ranks per node (node N holds ranks N*K .. N*K+K-1).")
+@click.option("--node-local-dst", is_flag=True,
+              help="With --local-files node, under torchrun --nnodes N --nproc-per-node K (the target job's shape): DST "
+                   "is on each node's own storage (e.g. /local/ckpt); each node writes there only its node's files and "
+                   "__<R>.metadata, and marks its folder complete when they are.")
 @click.option("--json", "as_json", is_flag=True,
               help="With --dry-run: print the target plan as JSON (schemas/target-plan.schema.json).")
 @click.option("--layout", "layout_key", default=None, metavar="KEY",
@@ -230,8 +234,8 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
                        dtype: str | None, drop_dataloader: bool, config: str | None, layout_objects: str,
                        out_format: str, consolidate: bool, max_shard_size: str | None, fqn_index: str | None,
                        vpp: int, megatron_names: str | None, local_files: str, ranks_per_node: int | None,
-                       as_json: bool, layout_key: str | None, svg_file: str | None, key_map: str | None,
-                       map_direction: str, key_style: str, keys: tuple[str, ...],
+                       node_local_dst: bool, as_json: bool, layout_key: str | None, svg_file: str | None,
+                       key_map: str | None, map_direction: str, key_style: str, keys: tuple[str, ...],
                        model_only: bool, optim_only: bool, **kw: Any) -> None:
     """Write from SRC (universal store or any checkpoint) the DCP checkpoint a job on --mesh would save."""
     from converter.api import from_universal
@@ -254,7 +258,7 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
                             consolidate=consolidate, max_shard_size=max_shard_size, fqn_index=fqn_index,
                             vpp=vpp, megatron_names=megatron_names, local_files=local_files,
                             ranks_per_node=ranks_per_node, key_map=key_map, map_direction=map_direction,
-                            key_style=key_style,
+                            key_style=key_style, node_local_dst=node_local_dst,
                             # the text lists a few chunks per key; --json / --layout all
                             preview_chunks=None if as_json or layout_key is not None else PREVIEW_CHUNK_LINES)
     if result.preview is not None and (as_json or layout_key is not None):
@@ -262,6 +266,8 @@ def from_universal_cmd(src: str, dst: str, mesh: str, mesh_order: str | None, pl
             click.echo(f"ckptconv: warning: {w}", err=True)
         _show_preview(result.preview, as_json, layout_key, svg_file, src, kw.get("trust_pickle", False))
         return
+    if node_local_dst and os.environ.get("LOCAL_RANK", "0") == "0":
+        sys.stdout = sys.__stdout__  # each node's first process reports its node's folder
     report_result(result)
 
 

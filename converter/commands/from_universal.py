@@ -34,6 +34,7 @@ from converter.plan.dcp_safetensors import (FORMATS, StorageLayout, consolidatio
                                              tensors_only_warning)
 from converter.plan.target_layout import (LocalFiles, TargetLayout, atom_refs, layout_tasks, local_objects, rank_loads,
                                           target_dtype, target_layout)
+from converter.run import distributed
 from converter.run.cross_view import map_header, mapped, with_map
 from converter.run.destination import (FROM_UNIVERSAL_LEGACY, FROM_UNIVERSAL_ST, option_value, write_complete_marker,
                                        write_loads_manifest)
@@ -111,7 +112,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                    fqn_index: str | os.PathLike | Mapping[str, int] | None = None, vpp: int = 1,
                    megatron_names: str | None = None, local_files: str = "dedup",
                    ranks_per_node: int | None = None, key_map: Any = None, map_direction: str = "auto",
-                   key_style: str = "auto") -> ConversionResult:
+                   key_style: str = "auto", node_local_dst: bool = False) -> ConversionResult:
     """Write the DCP checkpoint a job on ``mesh`` would save, from the store (or checkpoint) ``src``.
 
     ``selection`` (``--keys``, ``--model-only``, ``--optim-only``) writes only the entries it keeps.
@@ -142,6 +143,10 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     everything that rank loads, replicated boxes and non-tensor entries included, and its own
     ``__<rank>.metadata`` maps them: ``dcp.load`` of the folder reads only the rank's two files) or
     ``node`` (the same per node of ``ranks_per_node`` consecutive ranks: one copy per node).
+    ``node_local_dst`` (``--node-local-dst``, with ``local_files`` ``node``, under a torchrun of the
+    target job's shape: ``--nnodes world/K --nproc-per-node K``): ``dst`` is on each node's own
+    storage; each node writes there only its node's files and metadata, as a conversion of its own
+    (:func:`converter.run.distributed.per_node`), and marks that folder complete when its files are.
     ``key_map`` (``--map NAME|FILE|torchtitan:MODEL``): the checkpoint as another framework names it,
     every parameter's optimizer states and param groups with it (:mod:`converter.plan.cross_map`),
     ``map_direction`` ``auto`` / ``to-hf`` / ``from-hf``, in ``key_style`` (``auto``: the destination
@@ -152,6 +157,15 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
     local = LocalFiles(local_files, ranks_per_node)
     if local.local and format != "dcp":
         raise ConfigError(f"--local-files {local_files} writes rank-local DCP metadata: it is for --format dcp")
+    node = None
+    if node_local_dst:
+        if local.mode != "node":
+            raise ConfigError("--node-local-dst writes each node's own files into DST on that node: add --local-files "
+                              "node --ranks-per-node K")
+        world = parse_mesh(mesh, mesh_order).world_size
+        local.check(world)  # K divides the mesh: else one line here, before any I/O
+        if not options.dry_run:  # a dry run plans the whole output, wherever it runs
+            node = distributed.node_place(local.group, world)
     if format == LEGACY_FORMAT:
         if key_map is not None or key_style != "auto":
             raise ConfigError("--map writes another framework's names; --format megatron-legacy writes Megatron's own")
@@ -225,6 +239,8 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                       **({"--vpp": vpp} if vpp != 1 else {}),
                       **({"--layout-bound-objects": layout_objects} if layout_objects != "drop" else {}),
                       **({"--local-files": local.mode, "--ranks-per-node": local.ranks_per_node} if local.local else {}),
+                      **({"--node-local-dst": f"node {node} of {local.nodes(target_mesh.world_size)}"}
+                         if node is not None else {}),
                       **map_header(key_map, map_direction, key_style)}
             expected = PlannedOutput.of(((k, target_dtype(e, refs.get(k), dtype), e.shape)
                                          for k, e in index.tensors.items()), (k for k, *_ in object_specs))
@@ -235,8 +251,11 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                                             consolidate, max_shard_bytes, options, mapping, expected)
             else:
                 conversion = _conversion(src, dst, index, reader, layout, tasks, object_specs, header, plan,
-                                         preview_chunks, framework, expected)
-        return run_conversion(with_map(conversion, cross), options)
+                                         preview_chunks, framework, expected, node)
+        if node is None:
+            return run_conversion(with_map(conversion, cross), options)
+        with distributed.per_node(local.group):  # each node: a conversion of its own folder
+            return run_conversion(with_map(conversion, cross), options)
     finally:
         reader.close()
 
@@ -263,13 +282,13 @@ def _check_format(format: str, consolidate: bool, max_shard_size: int | str | No
 def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: CheckpointIndex, reader: CheckpointReader,
                 layout: TargetLayout, tasks: list[WriteTask], object_specs: list, header: dict[str, Any],
                 plan_name: str, preview_chunks: int | None = None, framework: Mapping[str, bytes] | None = None,
-                expected: PlannedOutput | None = None) -> Conversion:
+                expected: PlannedOutput | None = None, node: int | None = None) -> Conversion:
     """The planned conversion: a DCP writer for the layout's chunks and the objects' specs (and the
     ``framework`` files copied beside them); its dry run is the target plan (``preview_chunks``
     chunks listed per key; None: all). With rank-local metadata (``--local-files rank|node``) the
     objects are stored once per rank (node) that loads them, and a completion marker follows the
     ranks' metadata; otherwise ``.ckptconv-loads.json`` (what each rank's ``dcp.load`` opens)
-    precedes ``.metadata``."""
+    precedes ``.metadata``. ``node`` (``--node-local-dst``): only that node's part (:func:`_node_part`)."""
     mesh, local = layout.mesh, layout.local
     loaders = loading_ranks(object_specs, mesh)
     if local.local:
@@ -278,6 +297,10 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
     else:
         object_readers = None
         object_loads = [(o[3], loaders.get(o[0])) for o in object_specs]
+    own = None
+    if node is not None:
+        own = range(node * local.group, (node + 1) * local.group)
+        tasks, expected = _node_part(own, layout, tasks, object_specs, object_readers, expected)
 
     def loads() -> list[list[str]]:
         return [[rank_metadata_name(r) if local.local else METADATA_NAME, *map(rank_file, sorted(files))]
@@ -296,9 +319,10 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
         objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
         planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
         writer = DCPWriter(out, layout.chunks, objects, planner_data, mesh.world_size, direct_io=knobs.DIRECT_WRITES,
-                           readers=layout.readers, object_readers=object_readers)
+                           readers=layout.readers, object_readers=object_readers, ranks=own)
         marker = {"format": "dcp", "local_files": local.mode, "ranks_per_node": local.ranks_per_node,
                   "world_size": mesh.world_size, "mesh": str(mesh),
+                  **({"node": node, "nodes": local.nodes(mesh.world_size)} if node is not None else {}),
                   "files": [*writer.metadata_names(), *writer.data_files()]}
         if local.local:
             before, after = None, lambda: write_complete_marker(out, marker)
@@ -314,6 +338,22 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
                                plan_choice=choice)
     return Conversion("from-universal", src, dst, index, reader, tasks, header, open_output, planned, describe,
                       expected=expected)
+
+
+def _node_part(own: range, layout: TargetLayout, tasks: list[WriteTask], object_specs: list,
+               object_readers: list | None, expected: PlannedOutput | None
+               ) -> tuple[list[WriteTask], PlannedOutput | None]:
+    """The part of a rank-local plan one node writes into its own folder: the tasks of its ranks'
+    files, and what its ranks' metadata must name (every tensor and non-tensor entry one of its
+    ranks loads)."""
+    mine = set(own)
+    tasks = [t for t in tasks if t.target.rank in mine]
+    if expected is None:
+        return tasks, None
+    keys = {c.key for c, rd in zip(layout.chunks, layout.readers or ()) if mine.intersection(rd)}
+    objects = {o[0] for o, rd in zip(object_specs, object_readers or ()) if mine.intersection(rd)}
+    return tasks, PlannedOutput({k: v for k, v in expected.tensors.items() if k in keys},
+                                frozenset(k for k in expected.objects if k in objects))
 
 
 def _st_conversion(src: str | os.PathLike, dst: str | os.PathLike, index: CheckpointIndex, reader: CheckpointReader,

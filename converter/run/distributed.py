@@ -15,6 +15,13 @@ URL destinations (``s3://...``, :mod:`converter.run.remote`) work for universal 
 the metadata and, once every rank reported a successful upload (an agreed step), the marker.
 DCP / HF outputs to a URL are refused under torchrun (their files are shared by the ranks).
 
+Node-local destinations (``from-universal --local-files node --ranks-per-node K --node-local-dst``):
+:func:`per_node` splits the job into one :class:`Dist` per node (a gloo subgroup of its K
+processes, torchrun's ``--nproc-per-node``). Each node is then a conversion of its own, into DST on
+its own storage: its local rank 0 prepares, journals and publishes that node's files, the
+node's processes share only that node's tasks, and a node's outcome (complete, failed, resumed)
+is its own; no node writes to or waits for another node's folder.
+
 Outside torchrun (or with ``WORLD_SIZE=1``) :func:`current` is a one-rank context whose every
 method runs locally: the conversions behave exactly as before. Python API users under torchrun
 call :func:`init_from_env` themselves before converting.
@@ -22,12 +29,13 @@ call :func:`init_from_env` themselves before converting.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import heapq
 import os
 import shutil
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
@@ -108,6 +116,8 @@ class Dist:
 
     rank: int = 0
     world: int = 1
+    group: Any = None  # the process group of the collectives (None: the whole job)
+    node: int | None = None  # per_node: the node this group of ranks is
 
     @property
     def leader(self) -> bool:
@@ -126,7 +136,7 @@ class Dist:
         import torch.distributed as td
 
         out: list[Any] = [None] * self.world
-        td.all_gather_object(out, obj)
+        td.all_gather_object(out, obj, group=self.group)
         return out
 
     def agree(self, error: BaseException | None) -> None:
@@ -148,7 +158,8 @@ class Dist:
             cls = getattr(errors, name, None)
             if not (isinstance(cls, type) and issubclass(cls, errors.CkptConvError)):
                 cls, message = errors.CkptConvError, f"internal error: {name}: {message}"
-            raise cls(f"rank {rank} of {self.world} failed, nothing was published: {message}")
+            where = "" if self.node is None else f" on node {self.node}"
+            raise cls(f"rank {rank} of {self.world}{where} failed, nothing was published: {message}")
 
     def collective(self, fn: Callable[[], T], *, leader_only: bool = False) -> T | None:
         """Run ``fn`` (on every rank, or rank 0 only), then agree on the outcome."""
@@ -224,6 +235,8 @@ class Dist:
         stats, error = ExecStats(), None
         try:
             prefix = f"[rank {self.rank}/{self.world}]" if self.active else ""
+            if self.node is not None:
+                prefix = f"[node {self.node}{' ' + prefix[1:-1] if prefix else ''}]"
             stats = execute(mine, reader, recording, journal=journal, progress_prefix=prefix, **kw)
             sink.sync()
         except BaseException as e:  # noqa: BLE001 - re-raised by agree on every rank
@@ -249,7 +262,7 @@ class Dist:
     def shutdown(self) -> None:
         """Leave the process group (a final barrier first)."""
         global _CURRENT
-        if self.active:
+        if self.active and self.group is None:
             import torch.distributed as td
 
             if td.is_initialized():
@@ -326,6 +339,65 @@ def init_from_env() -> Dist:
     return _CURRENT
 
 
+def local_world() -> int:
+    """Processes per node torchrun started (``LOCAL_WORLD_SIZE``; 1 outside torchrun)."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    except ValueError:
+        raise errors.ConfigError("LOCAL_WORLD_SIZE must be an integer (set by torchrun)") from None
+
+
+def node_place(ranks_per_node: int, target_world: int) -> int:
+    """The target node whose files this process writes into a node-local destination: its node
+    of the launcher (``RANK // K``). Pure over the environment, so every process checks the same
+    and refuses in one line before any collective: the launcher must have the target job's shape,
+    ``--nproc-per-node K`` (``ranks_per_node``) on ``target_world / K`` nodes."""
+    rank, world = env_world()
+    local = local_world()
+    if "WORLD_SIZE" not in os.environ and target_world > 1:
+        raise errors.ConfigError(
+            f"--node-local-dst: run it under torchrun --nnodes {target_world // ranks_per_node} --nproc-per-node "
+            f"{ranks_per_node} (one launcher per node of the target job)")
+    if local != ranks_per_node:
+        raise errors.ConfigError(
+            f"--node-local-dst: --ranks-per-node {ranks_per_node}, but torchrun started {local} process(es) per node; "
+            f"each node's processes write that node's {ranks_per_node} ranks' files: launch --nproc-per-node "
+            f"{ranks_per_node}")
+    if world != target_world:
+        raise errors.ConfigError(
+            f"--node-local-dst: the mesh has {target_world} ranks ({target_world // ranks_per_node} nodes of "
+            f"{ranks_per_node}), but torchrun started {world // local} node(s) of {local}: launch --nnodes "
+            f"{target_world // ranks_per_node} --nproc-per-node {ranks_per_node}")
+    return rank // ranks_per_node
+
+
+@contextlib.contextmanager
+def per_node(ranks_per_node: int) -> Iterator[Dist]:
+    """Within the block, :func:`current` is this node's :class:`Dist`: local rank of the
+    ``ranks_per_node`` consecutive ranks of its node, collectives in their gloo subgroup (every
+    process of the job creates every node's group, in node order, as torch requires)."""
+    global _CURRENT
+    job = _CURRENT
+    k = ranks_per_node
+    if job.world % k:
+        raise errors.ConfigError(f"--ranks-per-node {k} does not divide the job's {job.world} processes")
+    node = job.rank // k
+    group = None
+    if job.active and k > 1:
+        import torch.distributed as td
+
+        for n in range(job.world // k):  # new_group is collective over the whole job
+            g = td.new_group(ranks=list(range(n * k, (n + 1) * k)),
+                             timeout=_dt.timedelta(seconds=TIMEOUT_SECONDS))
+            if n == node:
+                group = g
+    _CURRENT = Dist(job.rank % k, k if job.active else 1, group, node)
+    try:
+        yield _CURRENT
+    finally:
+        _CURRENT = job
+
+
 #: Seconds between two checks that the launcher (torchrun) still lives.
 LAUNCHER_POLL_SECONDS = 0.5
 #: Seconds a rank whose launcher died has to stop on its own (SIGTERM) before it exits hard.
@@ -361,4 +433,5 @@ def watch_launcher() -> None:
     threading.Thread(target=watch, name="ckptconv-launcher-watch", daemon=True).start()
 
 
-__all__ = ["Dist", "assign", "share", "current", "init_from_env", "env_world", "JOURNAL_NAME"]
+__all__ = ["Dist", "assign", "share", "current", "init_from_env", "env_world", "local_world", "node_place",
+           "per_node", "JOURNAL_NAME"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from converter.run.distributed import RUNS_PER_RANK, TASK_OVERHEAD_BYTES, assign, share
+from converter.run.distributed import RUNS_PER_RANK, TASK_OVERHEAD_BYTES, assign, node_place, share
 from converter.run.journal import task_id
 from converter.plan.copy_tasks import Piece, WriteTask
 from formats.base import Box
@@ -109,6 +109,30 @@ def _run_cli(args: list[str]) -> None:
     from converter.cli import cli
 
     cli.main(args=args, prog_name="ckptconv", standalone_mode=False)
+
+
+@pytest.mark.parametrize("env,answer", [
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, 1),
+    ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, "--ranks-per-node 2, but torchrun started 4 process"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, "launch --nnodes 2 --nproc-per-node 2"),
+    ({}, "run it under torchrun --nnodes 2 --nproc-per-node 2"),
+])
+def test_node_place_needs_the_target_jobs_launcher_shape(monkeypatch, env, answer):
+    """--node-local-dst: the node a process writes is RANK // K, on a launcher of the target's shape
+    (--nproc-per-node K, --nnodes world / K); anything else is one line, from the environment alone
+    (every process refuses alike, before any collective)."""
+    from formats.errors import ConfigError
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if isinstance(answer, int):
+        assert node_place(2, 4) == answer
+        return
+    with pytest.raises(ConfigError) as e:
+        node_place(2, 4)
+    assert answer in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.fixture(scope="module")
