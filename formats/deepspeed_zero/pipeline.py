@@ -48,7 +48,10 @@ def _stage_count(root: Path, files: TagFiles, parse: Callable[[str, str], Parsed
     if not files.model:
         raise CheckpointNotFoundError(f"{root}: pipeline layer files but no mp_rank_*_model_states.pt; copy the "
                                       "whole tag folder")
-    value = parse(files.model[min(files.model)], "the model states").value
+    model = parse(files.model[min(files.model)], "the model states")
+    if _tp_degree(model) > 1:
+        raise refuse(root, files, f"with tensor parallelism inside the stages (tp_degree {_tp_degree(model)})")
+    value = model.value
     dims = value.get("checkpoint_parallel_dimensions") if isinstance(value, dict) else None
     for count in (dims.get("pp_degree") if isinstance(dims, dict) else None, value.get("mp_world_size")):
         if isinstance(count, int) and not isinstance(count, bool) and count >= 1:
@@ -61,6 +64,10 @@ def build_pipeline(b: IndexBuilder, root: Path, files: TagFiles, parse: Callable
                    by_rank: Callable[[dict[int, str], str], list[str]]) -> tuple[list[Group], Parsed, list[Parsed], int]:
     """Lay out every stage's parameters and states; (merged groups, stage 0's model states,
     stage 0's optimizer files, data-parallel ranks per stage)."""
+    tps = {mp for _, mp in files.layers}
+    if tps - {0}:
+        raise refuse(root, files, f"with tensor parallelism inside the stages ({len(tps)} model-parallel ranks "
+                                  "per layer, layer_*-model_01-*)")
     stages = list(range(_stage_count(root, files, parse)))
     missing = [s for s in stages if s not in files.model]
     if missing or sorted(files.model) != stages:

@@ -3,7 +3,8 @@
 The folders are saved by DeepSpeed 0.19.8's own engine in 2-rank gloo runs on CPU
 (``ds_layout_support``): a model-parallel engine (``mpu``, as Megatron-DeepSpeed passes its
 tensor-parallel groups: ``mp_rank_01_*``, ZeRO-1 and ZeRO-3), a 2-stage ``PipelineModule`` without
-ZeRO (``layer_XX-model_states.pt``; under ZeRO-1 it is read: ``test_ds_pipeline.py``) and a
+ZeRO (``layer_XX-model_states.pt``; under ZeRO-1 it is read: ``test_ds_pipeline.py``) or with 2
+tensor-parallel ranks per stage (4 ranks, ``layer_XX-model_01-model_states.pt``), and a
 ``deepspeed.moe.layer.MoE`` with ``ep_size`` 2 (``layer_0_expert_<e>_*``, and ``expp_rank_<r>_*``
 without ZeRO). Each command exits 2 with one line naming a file of the layout, what it is, that it
 is not supported and what to do; no traceback (one with ``--debug``); nothing written at the output.
@@ -40,6 +41,9 @@ LAYOUTS = {
     "pipe-z0": (["layer_00-model_states.pt", "layer_02-model_states.pt", "mp_rank_01_model_states.pt"],
                 "layer_00-model_states.pt", "a pipeline-parallel save (PipelineModule layer files, 3 of them)",
                 "ds_to_universal.py"),
+    "pipetp-z1": (["layer_00-model_01-model_states.pt", "mp_rank_03_model_states.pt"],
+                  "layer_00-model_00-model_states.pt", "a pipeline-parallel save (PipelineModule layer files, 6 of them) "
+                  "with tensor parallelism inside the stages", "ds_to_universal.py"),
     "moe-z0": ([*(f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(4)),
                 "expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"],
                "expp_rank_0_mp_rank_00_optim_states.pt", "a mixture-of-experts save", "safetensors"),

@@ -29,6 +29,8 @@ LAYOUTS: dict[str, tuple[str, int, tuple]] = {
     "pipe-z1": ("save_pipe", 1, ()),
     "pipemp-z1": ("save_pipe", 1, (True,)),
     "pipe4-z1": ("save_pipe", 1, (False, 2)),  # 4 ranks: 2 stages x 2 data-parallel ranks
+    "pipe4bf-z1": ("save_pipe", 1, (False, 2, True)),  # the same in bf16
+    "pipetp-z1": ("save_pipe", 1, (True, 2, False, 2)),  # 4 ranks: 2 stages x 2 model-parallel ranks (refused)
     "moe-z0": ("save_moe", 0, ()),
     "moe-z2": ("save_moe", 2, ()),
     # not refused: ds_zero_support's case z2-fp32-w2 saved after steps 3 and 4 by one run, with
@@ -36,7 +38,7 @@ LAYOUTS: dict[str, tuple[str, int, tuple]] = {
     "steps-z2": ("save_twice", 2, ("z2-fp32-w2",)),
 }
 #: Layouts saved by more than WORLD ranks.
-WORLDS = {"pipe4-z1": 4}
+WORLDS = {"pipe4-z1": 4, "pipe4bf-z1": 4, "pipetp-z1": 4}
 #: The tags of ``steps-z2``.
 STEP_TAGS = ("global_step3", "global_step4")
 

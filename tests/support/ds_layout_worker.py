@@ -95,27 +95,31 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (out - y).square().mean()
 
 
-def save_pipe(rank: int, world: int, out_dir: str, stage: int, model_axis: bool = False, stages: int = 2) -> None:
+def save_pipe(rank: int, world: int, out_dir: str, stage: int, model_axis: bool = False, stages: int = 2,
+              bf16: bool = False, tp: int = 1) -> None:
     """A :class:`PipelineModule` of ``stages`` stages over ``world`` ranks (``world // stages``
     data-parallel replicas) trained and saved: the engine writes ``layer_<l>-model_states.pt`` per
     layer (``model_axis``: on Megatron-DeepSpeed's pipe x model x data topology,
-    ``layer_<l>-model_00-model_states.pt``) beside one ``mp_rank_<stage>_model_states.pt`` per
-    stage; under ZeRO each rank then writes ``live-rank<r>.pt``, DeepSpeed's full state of its stage."""
+    ``layer_<l>-model_<t>-model_states.pt``, ``tp`` model-parallel ranks per stage) beside one ``mp_rank_<stage>_model_states.pt`` per
+    stage (``bf16``: DeepSpeed's bf16 training, its BF16_Optimizer's ``bf16_*`` optimizer files); under ZeRO each rank then writes ``live-rank<r>.pt``, DeepSpeed's full state of its stage."""
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     deepspeed = _init_deepspeed(rank, world)
     torch.manual_seed(0)
     layers = [LayerSpec(torch.nn.Linear, DIM, DIM), LayerSpec(torch.nn.ReLU), LayerSpec(torch.nn.Linear, DIM, DIM)]
-    dp = world // stages
-    topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=1, num_dp=dp) if model_axis else None
+    dp = world // stages // tp
+    topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=tp, num_dp=dp) if model_axis else None
     model = PipelineModule(layers=layers, num_stages=None if model_axis else stages, topology=topology,
                            loss_fn=_mse, partition_method="uniform")
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optim,
-                                      config=_config(dp, stage, gradient_accumulation_steps=1))
+                                      config=_config(dp, stage, gradient_accumulation_steps=1,
+                                                     **({"bf16": {"enabled": True}} if bf16 else {})))
     g = torch.Generator().manual_seed(1 + rank)  # the data-parallel replicas' batches differ
-    batches = [(torch.randn(2, DIM, generator=g), torch.randn(2, DIM, generator=g)) for _ in range(STEPS)]
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    batches = [(torch.randn(2, DIM, generator=g, dtype=dtype), torch.randn(2, DIM, generator=g, dtype=dtype))
+               for _ in range(STEPS)]
     it = iter(batches * world)
     for _ in range(STEPS):
         engine.train_batch(data_iter=it)
