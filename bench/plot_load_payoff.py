@@ -50,10 +50,11 @@ def plot(doc: dict, path: Path) -> None:
         ax.set_title(layout, fontsize=10)
         ax.set_xlabel("ranks (gloo, CPU)")
         ax.set_xticks(worlds)
-        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
+    top = max([s["wall_s"] for s in doc["summary"]] + [r["wall_s"] for r in doc["rows"]])
+    axes[0][0].set_ylim(0, 1.08 * top)  # shared y: one limit that holds every line and dot of both panels
     axes[0][0].set_ylabel("dcp.load wall s, slowest rank\n(line: median of rounds; dots: rounds)")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    axes[0][-1].legend(fontsize=8, loc="best")
     src = doc["source"]
     load = doc.get("loadavg")
     fig.suptitle(f"The resumed job's load of a {src['bytes'] / 1e9:.2f} GB FSDP{src['world']} checkpoint, "
