@@ -96,20 +96,13 @@ def rank_state(shape: syn.Shape, mesh, extra: list[str]) -> dict:
     """``{"model", "optim"[, "extra"]}`` as ``get_state_dict(model, AdamW)`` holds it on this rank of
     ``mesh`` (``(dp_shard, tp)``): meta-device DTensors with FSDP2-over-TP placements."""
     import torch
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     tp = mesh["tp"].size()
 
     def dtensor(fqn: str, gshape: tuple[int, ...]) -> DTensor:
-        dim = syn.tp_dim(fqn)
-        if dim is None:
-            placements = (Shard(0), Replicate())
-        elif dim == 0:
-            placements = (_StridedShard(0, split_factor=tp), Shard(0))
-        else:
-            placements = (Shard(0), Shard(dim))
+        placements = syn.fsdp_tp_placements(syn.tp_dim(fqn), tp)
         local, _ = compute_local_shape_and_global_offset(gshape, mesh, placements)
         stride = tuple(math.prod(gshape[i + 1:]) for i in range(len(gshape)))
         return DTensor.from_local(torch.empty(local, device="meta"), mesh, placements, shape=torch.Size(gshape),

@@ -108,22 +108,29 @@ def tp_dim(fqn: str) -> int | None:
     return TP_DIMS.get(parts[-2] if len(parts) >= 2 else parts[0])
 
 
+def fsdp_tp_placements(dim: int | None, tp: int) -> tuple:
+    """FSDP2's placements over a parameter TP shards on ``dim`` (mesh ``(dp_shard, tp)``):
+    ``_StridedShard(0, tp)`` x ``Shard(0)``, ``Shard(0)`` x ``Shard(dim)``, or ``Shard(0)`` x
+    ``Replicate()`` for a replicated one (None)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if dim is None:
+        return (Shard(0), Replicate())
+    if dim == 0:
+        return (_StridedShard(0, split_factor=tp), Shard(0))
+    return (Shard(0), Shard(dim))
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def fsdp_tp_box(shape: tuple[int, ...], dim: int | None, dp_rank: int, dp: int, tp_rank: int,
                 tp: int) -> tuple[tuple, tuple]:
     """A rank's shard under FSDP2 over a TP-sharded DTensor (mesh ``(dp_shard, tp)``), as torch's
     own ``compute_local_shape_and_global_offset`` gives it: FSDP's ``_StridedShard(0, tp)`` over
     TP's ``Shard(0)``, ``Shard(0)`` x ``Shard(1)``, or ``Shard(0)`` x ``Replicate()``."""
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    if dim is None:
-        placements = (Shard(0), Replicate())
-    elif dim == 0:
-        placements = (_StridedShard(0, split_factor=tp), Shard(0))
-    else:
-        placements = (Shard(0), Shard(dim))
+    placements = fsdp_tp_placements(dim, tp)
     sizes, offsets = _compute_local_shape_and_global_offset(shape, (dp, tp), [dp_rank, tp_rank], placements)
     sizes, offsets = tuple(sizes), tuple(offsets)
     if math.prod(sizes) == 0:  # empty shards: DCP records them at offset = dim size on dim 0
