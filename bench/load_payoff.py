@@ -7,7 +7,8 @@ silently loads only the overlap of its boxes with its rank's metadata: torch che
 Llama + AdamW) is converted by ``ckptconv from-universal --plan llama`` twice: the default
 (``dedup``: one ``.metadata``, a replicated box stored once) and ``--local-files rank`` (rank-local
 ``__<R>.metadata``, every rank's file holds all it loads). Then a W-rank gloo job
-(``torch.multiprocessing`` spawn, CPU) builds the target model on the meta device, materializes
+(``torchrun --standalone --nproc-per-node W``, as a job starts; ``--launcher spawn``:
+``torch.multiprocessing`` spawn; CPU) builds the target model on the meta device, materializes
 its shards and AdamW state, and ``dcp.load``\\ s each of the three checkpoints with torch's own
 ``FileSystemReader`` and ``DefaultLoadPlanner`` (page cache of the checkpoint dropped first,
 ``posix_fadvise(DONTNEED)``). Per rank it records:
@@ -173,7 +174,8 @@ def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tu
     from converter.plan.mesh import parse_mesh
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    if port is not None:  # spawned; under torchrun its env:// (MASTER_ADDR/PORT, RANK, WORLD_SIZE) is set
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     args = ModelArgs.from_json(args_json)
     reports = []
@@ -206,14 +208,33 @@ def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tu
         dist.destroy_process_group()
 
 
-def load_world(world: int, args_json: dict, cases: list[tuple[str, str, str]], repeats: int) -> list[dict]:
+def load_world(world: int, args_json: dict, cases: list[tuple[str, str, str]], repeats: int,
+               launcher: str = "torchrun") -> list[dict]:
+    """Every rank's reports of a ``world``-rank load job: ``torchrun --standalone --nproc-per-node
+    world`` running this file's ``--rank-worker`` (the default, as a job starts), or
+    ``torch.multiprocessing`` spawn."""
     import tempfile
 
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_load_rank, args=(world, _free_port(), args_json, cases, repeats, tmp), nprocs=world, join=True)
+        if launcher == "torchrun":
+            spec = Path(tmp, "spec.json")
+            spec.write_text(json.dumps({"args_json": args_json, "cases": cases, "repeats": repeats, "out": tmp}))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   str(Path(__file__).resolve()), "--rank-worker", str(spec)]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+            subprocess.run(cmd, check=True, env=env)
+        else:
+            import torch.multiprocessing as mp
+
+            mp.spawn(_load_rank, args=(world, _free_port(), args_json, cases, repeats, tmp), nprocs=world, join=True)
         return [r for k in range(world) for r in json.loads(Path(tmp, f"rank{k}.json").read_text())]
+
+
+def rank_worker(spec_path: str) -> None:
+    """One rank of the torchrun load job (RANK / WORLD_SIZE from torchrun)."""
+    spec = json.loads(Path(spec_path).read_text())
+    _load_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, spec["args_json"],
+               [tuple(c) for c in spec["cases"]], spec["repeats"], spec["out"])
 
 
 # ----------------------------------------------------------------------------- report
@@ -254,7 +275,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--work", default=str(BENCH / "out" / "load_payoff"), help="where the converted checkpoints go")
     p.add_argument("--out", default=None)
+    p.add_argument("--launcher", choices=("torchrun", "spawn"), default="torchrun",
+                   help="how the load job starts its ranks (torchrun --standalone, or torch.multiprocessing spawn)")
+    p.add_argument("--rank-worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.rank_worker:
+        return rank_worker(a.rank_worker)
     info = make_checkpoint(parse_size(a.size))
     src, work = info["path"], Path(a.work)
     rows, conversions = [], []
@@ -266,13 +292,13 @@ def main(argv: list[str] | None = None) -> None:
                 out = work / f"{mesh.replace(',', '_')}-{variant}"
                 conversions.append({"mesh": mesh, "variant": variant, "seconds": round(convert(src, out, mesh, variant), 2)})
                 cases.append((mesh, variant, str(out)))
-        rows += [{**r, "world": world} for r in load_world(world, info["model_args"], cases, a.repeats)]
+        rows += [{**r, "world": world} for r in load_world(world, info["model_args"], cases, a.repeats, a.launcher)]
         for mesh in target_meshes(world):
             for variant in ("dedup", "rank"):
                 shutil.rmtree(work / f"{mesh.replace(',', '_')}-{variant}", ignore_errors=True)
     summary = summarize(rows)
     doc = {"source": {k: info[k] for k in ("path", "bytes", "params", "world")}, "worlds": a.worlds,
-           "repeats": a.repeats, "loadavg": os.getloadavg(), "cpu_count": os.cpu_count(),
+           "repeats": a.repeats, "launcher": a.launcher, "loadavg": os.getloadavg(), "cpu_count": os.cpu_count(),
            "conversions": conversions, "summary": summary, "rows": rows}
     out = Path(a.out) if a.out else BENCH / "results" / f"load_payoff-{time.strftime('%Y%m%dT%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
