@@ -35,6 +35,7 @@ from formats.errors import (
     CorruptCheckpointError,
     DestinationError,
     IncompleteCheckpointError,
+    InternalError,
     InvalidCheckpointError,
 )
 from formats.fsutil import (DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, fsync_paths, loads_json,
@@ -144,9 +145,23 @@ class UniversalWriter:
         return record
 
     def prepare(self) -> None:
-        """Create the store's folders and the backend's metadata files (the first I/O)."""
+        """Create the store's folders and the backend's metadata files (the first I/O).
+
+        A plan that names one array for two keys is refused first (InternalError, nothing
+        written): their chunk files would be the same files, written by two tasks at once."""
+        self._refuse_shared_arrays()
         self._meta_files = {str(p) for p in self._layout.prepare(self.root, self._tensors)}
         self._prepared = True
+
+    def _refuse_shared_arrays(self) -> None:
+        holder: dict[str, str] = {}
+        for key, record in self._tensors.items():
+            other = holder.setdefault(record.array, key)
+            if other != key:
+                raise InternalError(
+                    f"internal error: the output is not its plan: tensors {short(repr(other))} and "
+                    f"{short(repr(key))} are both stored in {short(record.array)}; nothing was published "
+                    "(refused before writing; please report this bug)")
 
     def chunks(self, key: str) -> list[tuple[tuple[int, ...], Box]]:
         """The (chunk index, box) pairs of a tensor's array; each is one write task."""

@@ -188,8 +188,9 @@ def test_a_dcp_writer_that_lays_two_chunks_over_one_another_publishes_nothing(st
 @pytest.mark.parametrize("backend", ["zarr", "safetensors"])
 def test_a_store_planned_with_one_array_for_two_keys_publishes_nothing(dcp_checkpoint, tmp_path, monkeypatch, backend):
     """Planted: the store's plan names one array for two keys of one shape (the second key's
-    chunk files silently replace the first's): the writer's records say so, and the check
-    refuses to publish."""
+    chunk files would replace the first's): the writer refuses the plan before writing, in the
+    output check's words (it used to write both, two tasks on the same chunk files at once, and
+    sometimes one task's rename failed first with an I/O error instead)."""
     import dataclasses
 
     from converter.commands import to_universal as cmd
