@@ -36,10 +36,12 @@ def refuse(root: Path, files: TagFiles, why: str) -> UnsupportedError:
                             f"files, {len(files.layers)} of them) {why} is not supported yet: {HINT}")
 
 
-def _tp_degree(model: Parsed) -> int:
+def _refuse_tp(root: Path, files: TagFiles, model: Parsed) -> None:
+    """Refuse a stage whose model states record tensor parallelism (``tp_degree`` > 1)."""
     dims = model.value.get("checkpoint_parallel_dimensions") if isinstance(model.value, dict) else None
     tp = dims.get("tp_degree") if isinstance(dims, dict) else None
-    return tp if isinstance(tp, int) else 1
+    if isinstance(tp, int) and tp > 1:
+        raise refuse(root, files, f"with tensor parallelism inside the stages (tp_degree {tp})")
 
 
 def _stage_count(root: Path, files: TagFiles, parse: Callable[[str, str], Parsed]) -> int:
@@ -49,8 +51,7 @@ def _stage_count(root: Path, files: TagFiles, parse: Callable[[str, str], Parsed
         raise CheckpointNotFoundError(f"{root}: pipeline layer files but no mp_rank_*_model_states.pt; copy the "
                                       "whole tag folder")
     model = parse(files.model[min(files.model)], "the model states")
-    if _tp_degree(model) > 1:
-        raise refuse(root, files, f"with tensor parallelism inside the stages (tp_degree {_tp_degree(model)})")
+    _refuse_tp(root, files, model)
     value = model.value
     dims = value.get("checkpoint_parallel_dimensions") if isinstance(value, dict) else None
     for count in (dims.get("pp_degree") if isinstance(dims, dict) else None, value.get("mp_world_size")):
@@ -76,6 +77,8 @@ def build_pipeline(b: IndexBuilder, root: Path, files: TagFiles, parse: Callable
         raise CheckpointNotFoundError(f"{root}: {what}; copy every stage's files of one save")
     if files.zero3_model:
         raise refuse(root, files, "with ZeRO-3 files")
+    if not files.optim:
+        raise refuse(root, files, "without ZeRO (its optimizer pickled whole in the model states)")
     merged: list[Group] = []
     first: tuple[Parsed, list[Parsed]] | None = None
     world = 0
@@ -84,13 +87,10 @@ def build_pipeline(b: IndexBuilder, root: Path, files: TagFiles, parse: Callable
         if model.value.get("module") is not None:
             raise CorruptCheckpointError(f"{model.path}: holds a module beside pipeline layer files "
                                          f"({min(files.layers.values())}); the folder mixes two saves, keep the files of one")
-        if _tp_degree(model) > 1:
-            raise refuse(root, files, f"with tensor parallelism inside the stages (tp_degree {_tp_degree(model)})")
+        _refuse_tp(root, files, model)
         if model.value.get("frozen_param_shapes"):
             raise refuse(root, files, "with frozen parameters (they are only in the layer files)")
         optim_names = {dp: n for (mp, dp), n in files.optim.items() if mp == s}
-        if not files.optim:
-            raise refuse(root, files, "without ZeRO (its optimizer pickled whole in the model states)")
         if not optim_names:
             raise CheckpointNotFoundError(f"{root}: no zero_pp_rank_*_mp_rank_{s:02d}_optim_states.pt (pipeline stage "
                                           f"{s}'s optimizer partitions); copy every stage's files of the save")
