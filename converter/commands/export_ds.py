@@ -42,7 +42,7 @@ from formats.base import CheckpointIndex, full_box
 from formats.deepspeed import (LATEST_UNIVERSAL, MASTER, MODEL_STATES_FILES, OPTIMIZER_STATE, STEP, ZERO_DIR,
                                AtomWriter, atom_path, check_param_name, model_states_bytes, optimizer_state_bytes)
 from formats.dtypes import by_name, from_storage_array, to_storage_array
-from formats.errors import ConfigError, InvalidCheckpointError
+from formats.errors import ConfigError, InvalidCheckpointError, UnsupportedError
 from formats.fsutil import atomic_write_bytes
 from formats.manifest import Manifest
 
@@ -220,12 +220,30 @@ def export_ds(src: str | os.PathLike, dst: str | os.PathLike, *, tag: str | None
         reader.close()
 
 
+#: Where DeepSpeed's native MoE layers keep their experts (``deepspeed.moe.layer.MoE``).
+NATIVE_EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
+
+
+def _refuse_native_moe(index: Any, src: str | os.PathLike) -> None:
+    """Refuse a checkpoint of ``deepspeed.moe`` experts: DeepSpeed's universal loader restores each
+    parameter from ``zero/<its name on the loading rank>``, and a native MoE layer names its experts
+    by LOCAL ids there, so every expert-parallel rank past 0 would load the wrong experts."""
+    key = next((k for k in index.tensors if NATIVE_EXPERTS in k), None)
+    if key is not None:
+        raise UnsupportedError(
+            f"{src}: a mixture-of-experts checkpoint (deepspeed.moe expert {key.split('.', 1)[-1]!r}, global expert "
+            "ids) cannot be written as a DeepSpeed universal checkpoint: DeepSpeed's universal loader restores "
+            "native MoE experts by their local names, so expert-parallel ranks past 0 would load other experts; "
+            "load the DeepSpeed folder itself, or from-universal it to a DCP checkpoint")
+
+
 def _plan(reader: Any, src: str | os.PathLike, dst: str | os.PathLike, tag: str | None,
           options: RunOptions) -> Conversion:
     """The conversion: one write task per atom file (the same plan for the dry run and the run);
     the commit writes the optimizer state, both model-states files and, last,
     ``latest_universal``."""
     index = reader.index()
+    _refuse_native_moe(index, src)
     paths = {k: e.path for k, e in index.tensors.items()} | {k: o.path for k, o in index.objects.items()}
     refs, atoms = group_atoms(paths)
     group_values = {k: reader.load_object(k, options.trust_pickle) for k, o in index.objects.items()

@@ -21,6 +21,7 @@ from formats.dcp.archive import (ArchiveTensor, Entry, SliceReader, local_data_s
 from formats.deepspeed_pickle import record_int, torch_save_bytes
 from formats.deepspeed_zero.files import Parsed, TagFiles, find_tag_dir, list_tag_files, parse_file
 from formats.deepspeed_zero.index import VALUE_SLOT, IndexBuilder, c_strides
+from formats.deepspeed_zero.moe import build_moe
 from formats.deepspeed_zero.pipeline import build_pipeline
 from formats.deepspeed_zero.model import (add_buffers, add_frozen_from_module, add_objects, add_shared,
                                           build_zero0)
@@ -38,17 +39,11 @@ FORMAT = "deepspeed-zero"
 def _check_supported(root: Path, files: TagFiles) -> None:
     """Refuse layouts not read yet, naming a file of the layout, what it is and what to do. A
     pipeline save (:mod:`.pipeline`) is told apart first: its stages' files are ``mp_rank_<stage>``."""
-    if files.experts or files.expp_optim:
-        name = min({**files.experts, **files.expp_optim}.values())
-        raise UnsupportedError(f"{root / name}: a mixture-of-experts save (deepspeed.moe expert files "
-                               "layer_*_expert_*, expp_rank_*) is not supported yet, nor by DeepSpeed's "
-                               "ds_to_universal.py (DeepSpeed #5716): load it in DeepSpeed and save "
-                               "engine.module.state_dict() with safetensors to convert the weights")
     if len(files.optim_prefixes) > 1:
         raise CorruptCheckpointError(f"{root}: optimizer files of two kinds ({', '.join(sorted(p or 'zero_' for p in files.optim_prefixes))}"
                                      "...): the folder mixes two saves; keep the files of one")
-    if files.layers:
-        return
+    if files.layers or files.experts or files.expp_optim:
+        return  # (MoE layouts: .moe.check_layout)
     mps = set(files.model) | {mp for mp, _ in files.zero3_model} | {mp for mp, _ in files.optim}
     if mps - {0}:
         mp = sorted(mps)[-1]
@@ -99,6 +94,8 @@ class DeepSpeedZeroReader:
 
     def _build(self, b: IndexBuilder, files: TagFiles, left_out: list[str]) -> tuple[int, int]:
         """Lay out every tensor and object; (ZeRO stage, data-parallel ranks)."""
+        if files.experts or files.expp_optim:
+            return self._build_moe(b, files, left_out)
         if files.layers:
             return self._build_pipeline(b, files, left_out)
         optim_names = _by_rank(self.root, {dp: n for (_, dp), n in files.optim.items()}, "*_optim_states.pt")
@@ -141,6 +138,18 @@ class DeepSpeedZeroReader:
         stage = record_int(optims[0].value[OSD].get("zero_stage")) or 1
         add_groups(b, groups, optims[0].name)
         add_objects(b, model, optims[0], left_out)
+        self._ds_version = model.value.get("ds_version") if isinstance(model.value.get("ds_version"), str) else None
+        return stage, world
+
+    def _build_moe(self, b: IndexBuilder, files: TagFiles, left_out: list[str]) -> tuple[int, int]:
+        """A ``deepspeed.moe`` save (:mod:`.moe`): experts under their global names."""
+        groups, model, optims, stage, world = build_moe(b, self.root, files, self._parse,
+                                                        lambda names, what: _by_rank(self.root, names, what))
+        add_buffers(b, model)
+        if stage:
+            add_shared(b, model)
+        add_groups(b, groups, optims[0].name if optims else model.name)
+        add_objects(b, model, optims[0] if optims else None, left_out)
         self._ds_version = model.value.get("ds_version") if isinstance(model.value.get("ds_version"), str) else None
         return stage, world
 

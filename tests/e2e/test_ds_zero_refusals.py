@@ -4,10 +4,9 @@ The folders are saved by DeepSpeed 0.19.8's own engine in 2-rank gloo runs on CP
 (``ds_layout_support``): a model-parallel engine (``mpu``, as Megatron-DeepSpeed passes its
 tensor-parallel groups: ``mp_rank_01_*``, ZeRO-1 and ZeRO-3), a 2-stage ``PipelineModule`` without
 ZeRO (``layer_XX-model_states.pt``; under ZeRO-1 it is read: ``test_ds_pipeline.py``) or with 2
-tensor-parallel ranks per stage (4 ranks, ``layer_XX-model_01-model_states.pt``), and a
-``deepspeed.moe.layer.MoE`` with ``ep_size`` 2 (``layer_0_expert_<e>_*``, and ``expp_rank_<r>_*``
-without ZeRO). Each command exits 2 with one line naming a file of the layout, what it is, that it
-is not supported and what to do; no traceback (one with ``--debug``); nothing written at the output.
+tensor-parallel ranks per stage (4 ranks, ``layer_XX-model_01-model_states.pt``); MoE saves,
+refused here before, are read (``test_ds_moe.py``). Each command exits 2 with one line naming a
+file of the layout, what it is, that it is not supported and what to do; no traceback (one with ``--debug``); nothing written at the output.
 
 The default suite's cases (:func:`test_refused_when_added_to_a_real_zero_folder`) copy a real ZeRO-2
 save (``ds_zero_support`` case ``z2-bf16-w3``) and add files named the way DeepSpeed names them
@@ -44,12 +43,6 @@ LAYOUTS = {
     "pipetp-z1": (["layer_00-model_01-model_states.pt", "mp_rank_03_model_states.pt"],
                   "layer_00-model_00-model_states.pt", "a pipeline-parallel save (PipelineModule layer files, 6 of them) "
                   "with tensor parallelism inside the stages", "ds_to_universal.py"),
-    "moe-z0": ([*(f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(4)),
-                "expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"],
-               "expp_rank_0_mp_rank_00_optim_states.pt", "a mixture-of-experts save", "safetensors"),
-    "moe-z2": ([*(f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(4)),
-                "zero_pp_rank_1_mp_rank_00_optim_states.pt"],
-               "layer_0_expert_0_mp_rank_00_model_states.pt", "a mixture-of-experts save", "safetensors"),
 }
 #: Every command that takes a checkpoint to read, with its arguments (OUT: the output path).
 COMMANDS = {
@@ -108,13 +101,13 @@ def test_refusal_is_one_line_in_a_real_process_and_a_traceback_with_debug(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def _add_moe(tag: Path) -> tuple[str, str, str]:
+def _add_expert_file(tag: Path) -> str:
     """An expert file as ``DeepSpeedEngine._save_moe_checkpoint`` writes it: ``torch.save`` of the
     expert's parameters (``deepspeed_moe.experts.deepspeed_experts.<e>.*`` keys) at
     ``_get_expert_ckpt_name``: ``layer_<moe layer>_expert_<global expert>_mp_rank_<mp>_model_states.pt``."""
     expert = {f"moe.deepspeed_moe.experts.deepspeed_experts.1.{k}": v for k, v in torch.nn.Linear(4, 4).state_dict().items()}
     torch.save(expert, tag / "layer_0_expert_1_mp_rank_00_model_states.pt")
-    return "layer_0_expert_1_mp_rank_00_model_states.pt", "a mixture-of-experts save", "safetensors"
+    return "layer_0_expert_1_mp_rank_00_model_states.pt"
 
 
 def _add_tp(tag: Path) -> tuple[str, str, str]:
@@ -126,7 +119,7 @@ def _add_tp(tag: Path) -> tuple[str, str, str]:
 
 
 @pytest.mark.parametrize("command", ["inspect", "to-universal", "export-hf"])
-@pytest.mark.parametrize("add", [_add_moe, _add_tp], ids=["moe", "tp"])
+@pytest.mark.parametrize("add", [_add_tp], ids=["tp"])
 def test_refused_when_added_to_a_real_zero_folder(add, command: str, tmp_path: Path) -> None:
     """A real ZeRO-2 save (3 ranks) with one layout's files added as DeepSpeed names them: the
     same one-line refusal, and no output."""
@@ -140,4 +133,24 @@ def test_refused_when_added_to_a_real_zero_folder(add, command: str, tmp_path: P
     named, what, hint = add(src / ZERO_TAG)
     out = tmp_path / "out"
     assert_refused(*run_cli(*_argv(command, src, out)), src / ZERO_TAG / named, what, hint)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("command", ["inspect", "to-universal"])
+def test_an_expert_file_added_to_a_dense_zero_folder_is_one_line(command: str, tmp_path: Path) -> None:
+    """A real ZeRO-2 save (no MoE) with one expert file added: one line naming the model-states
+    file, which records no MoE layers (``num_experts``); exit 2, no output."""
+    from ds_zero_support import TAG as ZERO_TAG
+    from ds_zero_support import saved
+
+    src = tmp_path / "src"
+    shutil.copytree(saved("z2-bf16-w3") / "run", src)
+    for p in [src, *src.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    _add_expert_file(src / ZERO_TAG)
+    code, out, err = run_cli(*_argv(command, src, tmp_path / "out"))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err and not out.strip(), err
+    assert lines[0].startswith(f"ckptconv: error: {src / ZERO_TAG / 'mp_rank_00_model_states.pt'}: "), lines[0]
+    assert "records no num_experts" in lines[0], lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -1,10 +1,10 @@
 """DeepSpeed ``save_checkpoint`` folders of the layouts the ZeRO reader refuses (tensor-parallel
-``mp_rank_01``, pipeline layer files, MoE expert files), saved by DeepSpeed 0.19.8's own engine in a
+``mp_rank_01``, pipeline layer files) or reads as pipelines, saved by DeepSpeed 0.19.8's own engine in a
 2-rank gloo run on CPU (:mod:`ds_layout_worker`) and cached.
 
 A layout is named ``<kind>-z<stage>``: ``tp`` (a model-parallel ``mpu``, 2 ranks), ``pipe`` (a
 2-stage ``PipelineModule``), ``pipemp`` (the same on the pipe x model x data topology, as
-Megatron-DeepSpeed builds it), ``moe`` (a ``deepspeed.moe.layer.MoE`` with ``ep_size`` 2); ``pipe4``: 2 stages x 2 data-parallel ranks. An entry
+Megatron-DeepSpeed builds it); ``pipe4``: 2 stages x 2 data-parallel ranks. An entry
 is the folder ``save_checkpoint`` wrote: ``latest`` and ``global_step2/``. ``steps-z2`` is no
 refused layout: a ZeRO-2 run saved twice, one training step apart (for ``diff``).
 """
@@ -31,8 +31,6 @@ LAYOUTS: dict[str, tuple[str, int, tuple]] = {
     "pipe4-z1": ("save_pipe", 1, (False, 2)),  # 4 ranks: 2 stages x 2 data-parallel ranks
     "pipe4bf-z1": ("save_pipe", 1, (False, 2, True)),  # the same in bf16
     "pipetp-z1": ("save_pipe", 1, (True, 2, False, 2)),  # 4 ranks: 2 stages x 2 model-parallel ranks (refused)
-    "moe-z0": ("save_moe", 0, ()),
-    "moe-z2": ("save_moe", 2, ()),
     # not refused: ds_zero_support's case z2-fp32-w2 saved after steps 3 and 4 by one run, with
     # DeepSpeed's own consolidation of each (fp32-global_step3.pt, fp32-global_step4.pt)
     "steps-z2": ("save_twice", 2, ("z2-fp32-w2",)),

@@ -5,9 +5,8 @@ with DeepSpeed's own engine and ``save_checkpoint``:
   Megatron-DeepSpeed hands its tensor-parallel groups through) writes ``mp_rank_00`` and
   ``mp_rank_01`` files;
 * ``pipe``: a :class:`deepspeed.pipe.PipelineModule` of two stages writes
-  ``layer_XX-model_00-model_states.pt`` per layer;
-* ``moe``: a :class:`deepspeed.moe.layer.MoE` layer with ``ep_size`` 2 writes
-  ``layer_0_expert_<e>_mp_rank_00_model_states.pt`` and, without ZeRO, ``expp_rank_<r>_*``.
+  ``layer_XX-model_00-model_states.pt`` per layer.
+(MoE saves: :mod:`ds_moe_worker`.)
 
 Only the layout matters to these tests (the refusals name the files); the models are tiny.
 """
@@ -143,44 +142,6 @@ def _live_pipe(engine: Any) -> dict[str, Any]:
     out["step"] = steps[0].detach().clone()
     out["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.optimizer.param_groups]
     return out
-
-
-class _MoEModel(torch.nn.Module):
-    def __init__(self, ep_size: int) -> None:
-        from deepspeed.moe.layer import MoE
-
-        super().__init__()
-        self.inp = torch.nn.Linear(DIM, DIM)
-        self.moe = MoE(hidden_size=DIM, expert=torch.nn.Linear(DIM, DIM), num_experts=2 * ep_size, ep_size=ep_size,
-                       k=1, min_capacity=4, capacity_factor=4.0)
-        self.out = torch.nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, _, _ = self.moe(self.inp(x))
-        return self.out(h)
-
-
-def save_moe(rank: int, world: int, out_dir: str, stage: int) -> None:
-    """A model with a :class:`deepspeed.moe.layer.MoE` layer (``ep_size`` = ``world``, two experts
-    per rank) trained and saved: ``layer_0_expert_<e>_mp_rank_00_model_states.pt`` per expert,
-    and per expert-parallel rank ``expp_rank_<r>_mp_rank_00_optim_states.pt`` (no ZeRO) or
-    ZeRO's own optimizer files."""
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-    deepspeed = _init_deepspeed(rank, world)
-    torch.manual_seed(0)
-    model = _MoEModel(world)
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        [{"params": list(model.parameters()), "name": "params"}])
-    optim = torch.optim.AdamW(groups, lr=1e-2, foreach=False)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optim, config=_config(world, stage))
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        x = torch.randn(2, 4, DIM, generator=g)
-        loss = engine(x).square().mean()
-        engine.backward(loss)
-        engine.step()
-    engine.save_checkpoint(out_dir)
 
 
 _FP32_OF = """
