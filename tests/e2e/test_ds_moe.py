@@ -4,7 +4,8 @@ DeepSpeed 0.19.8's own code (CPU, gloo).
 The saves (``ds_moe_support``, one cached save per layout shared by every test here): two MoE
 layers of different ``ep_size`` (``z2-bf16-w2``: ep 2 with 2 experts per rank and ep 1 with
 both experts on both ranks, ZeRO-2 in bf16; ``z1-fp32-w4``: ep 2 x expert-data-parallel 2 and
-ep 4, ZeRO-1; ``z0-fp32-w2``: no ZeRO, ``expp_rank_*`` optimizer files). DeepSpeed's own
+ep 4, ZeRO-1; ``z0-fp32-w2`` / ``z0-bf16-w2``: no ZeRO, ``expp_rank_*`` optimizer files, bf16:
+DeepSpeed's unfused bf16 optimizer with its fp32 masters). DeepSpeed's own
 ``ds_to_universal.py`` fails on MoE folders (DeepSpeed #5716) and ``zero_to_fp32`` knows no expert
 files, so the oracles are DeepSpeed's own gathering on every rank of the saving run
 (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``, the local experts under the
@@ -155,3 +156,23 @@ def test_a_missing_file_is_one_line_naming_it(name: str, tmp_path: Path) -> None
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
         assert said in lines[0], lines[0]
+
+
+def test_a_zero3_looking_moe_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    """DeepSpeed's native MoE does not train under ZeRO-3: a MoE folder with ZeRO-3 model-states
+    files (here a ZeRO-2 save with one added, as ``_get_zero_ckpt_name`` names them) is refused in
+    one line naming an expert file and the layout, for every command; nothing written."""
+    entry = saved_moe("z2-bf16-w2")
+    src = tmp_path / "src"
+    shutil.copytree(entry / TAG, src)
+    for p in [src, *src.iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    shutil.copy(src / "mp_rank_00_model_states.pt", src / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    for argv in (["inspect", str(src)], ["to-universal", str(src), str(tmp_path / "out")],
+                 ["from-universal", str(src), str(tmp_path / "out"), "--mesh", "dp2"]):
+        code, out, err = run_cli(*argv)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and not out.strip(), err
+        assert lines[0].startswith(f"ckptconv: error: {src / 'layer_0_expert_0_mp_rank_00_model_states.pt'}: "), lines[0]
+        assert "mixture-of-experts save with ZeRO-3 files" in lines[0] and "not supported" in lines[0], lines[0]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

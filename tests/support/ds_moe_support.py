@@ -25,6 +25,7 @@ LAYOUTS: dict[str, tuple[int, str, int, tuple[int, int, int, int]]] = {
     "z2-bf16-w2": (2, "bf16", 2, (2, 4, 1, 2)),
     "z1-fp32-w4": (1, "fp32", 4, (2, 4, 4, 4)),
     "z0-fp32-w2": (0, "fp32", 2, (2, 4, 1, 2)),
+    "z0-bf16-w2": (0, "bf16", 2, (2, 4, 1, 2)),
 }
 
 

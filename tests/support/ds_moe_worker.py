@@ -78,14 +78,18 @@ def live_moe(engine: Any) -> dict[str, Any]:
         engine.optimizer._hp_optimizer_states_linked = False
         engine.optimizer._lazy_init_hp_params_optimizer_state()
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    # ZeRO-0 fp16/bf16 (FP16_UnfusedOptimizer): the optimizer steps fp32 copies of the parameters
+    masters = {id(lp): hp for lps, hps in zip(getattr(engine.optimizer, "fp16_groups", []),
+                                              getattr(engine.optimizer, "fp32_groups", [])) for lp, hp in zip(lps, hps)}
     out: dict[str, Any] = {}
     for name, p in engine.module.named_parameters():
         key = rename.get(name, name)
         master = safe_get_full_fp32_param(p)
-        out[f"model.{key}"] = (p if master is None else master).detach().clone()
+        hp = masters.get(id(p), p)
+        out[f"model.{key}"] = (hp if master is None else master).detach().clone()
         for state in STATES:
             value = safe_get_full_optimizer_state(p, state)
-            out[f"optim.state.{key}.{state}"] = (inner.state[p][state] if value is None else value).detach().clone()
+            out[f"optim.state.{key}.{state}"] = (inner.state[hp][state] if value is None else value).detach().clone()
     steps = [s["step"] for s in inner.state.values() if "step" in s]
     out["step"] = steps[0].detach().clone()
     out["steps_equal"] = all(torch.equal(s, steps[0]) for s in steps)
