@@ -25,11 +25,21 @@ from formats.errors import CkptConvError, InternalError
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptconv")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.option("--ds-tp-rules", "ds_tp_rules", default=None, metavar="RULES.json",
+              help="How a tensor-parallel DeepSpeed save's mp_rank slices join when it records no "
+                   "universal_checkpoint_info: JSON with ds_to_universal's pattern keys (docs/deepspeed.md); "
+                   "also $CKPTCONV_DS_TP_RULES.")
 @click.pass_context
-def cli(ctx: click.Context, debug: bool) -> None:
+def cli(ctx: click.Context, debug: bool, ds_tp_rules: str | None) -> None:
     """Offline, model-free conversion of PyTorch Distributed Checkpoints."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    if ds_tp_rules is not None:  # read (and checked) by the DeepSpeed reader, in this process and its workers
+        from formats.deepspeed_zero.tp import RULES_ENV
+
+        before = os.environ.get(RULES_ENV)
+        os.environ[RULES_ENV] = os.path.abspath(ds_tp_rules)
+        ctx.call_on_close(lambda: os.environ.pop(RULES_ENV) if before is None else os.environ.update({RULES_ENV: before}))
 
 
 @cli.command("to-universal")

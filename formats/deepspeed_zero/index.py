@@ -75,6 +75,13 @@ class IndexBuilder:
         self.objects: dict[str, ObjectEntry] = {}
         self.object_values: dict[str, Any] = {}
 
+    def fork(self) -> IndexBuilder:
+        """A builder of its own tensors and objects over this one's storages and values (one
+        tensor-parallel rank's, joined later: :mod:`.tp`)."""
+        other = IndexBuilder()
+        other.slots, other._slot_of, other.values = self.slots, self._slot_of, self.values
+        return other
+
     # -- storages ------------------------------------------------------------------------------
 
     def stored(self, parsed: Parsed, desc: Any, what: str) -> tuple[int, ArchiveTensor]:

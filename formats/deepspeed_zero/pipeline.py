@@ -30,10 +30,15 @@ from formats.errors import CheckpointNotFoundError, CorruptCheckpointError, Unsu
 HINT = "convert a Megatron-DeepSpeed save with DeepSpeed's ds_to_universal.py, then ckptconv import-ds"
 
 
-def refuse(root: Path, files: TagFiles, why: str) -> UnsupportedError:
+#: Pipeline x TP: ds_to_universal joins the slices right only as universal_checkpoint_info says.
+TP_HINT = ("with universal_checkpoint_info in the model states (Megatron-DeepSpeed records it) convert it with "
+           "DeepSpeed's ds_to_universal.py, then ckptconv import-ds; without it no converter knows how the slices join")
+
+
+def refuse(root: Path, files: TagFiles, why: str, hint: str = HINT) -> UnsupportedError:
     """The one-line refusal of a pipeline save, naming its first layer file."""
     return UnsupportedError(f"{root / min(files.layers.values())}: a pipeline-parallel save (PipelineModule layer "
-                            f"files, {len(files.layers)} of them) {why} is not supported yet: {HINT}")
+                            f"files, {len(files.layers)} of them) {why} is not supported yet: {hint}")
 
 
 def _refuse_tp(root: Path, files: TagFiles, model: Parsed) -> None:
@@ -41,7 +46,7 @@ def _refuse_tp(root: Path, files: TagFiles, model: Parsed) -> None:
     dims = model.value.get("checkpoint_parallel_dimensions") if isinstance(model.value, dict) else None
     tp = dims.get("tp_degree") if isinstance(dims, dict) else None
     if isinstance(tp, int) and tp > 1:
-        raise refuse(root, files, f"with tensor parallelism inside the stages (tp_degree {tp})")
+        raise refuse(root, files, f"with tensor parallelism inside the stages (tp_degree {tp})", TP_HINT)
 
 
 def _stage_count(root: Path, files: TagFiles, parse: Callable[[str, str], Parsed]) -> int:
@@ -68,7 +73,7 @@ def build_pipeline(b: IndexBuilder, root: Path, files: TagFiles, parse: Callable
     tps = {mp for _, mp in files.layers}
     if tps - {0}:
         raise refuse(root, files, f"with tensor parallelism inside the stages ({len(tps)} model-parallel ranks "
-                                  "per layer, layer_*-model_01-*)")
+                                  "per layer, layer_*-model_01-*)", TP_HINT)
     stages = list(range(_stage_count(root, files, parse)))
     missing = [s for s in stages if s not in files.model]
     if missing or sorted(files.model) != stages:

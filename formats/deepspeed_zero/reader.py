@@ -23,8 +23,9 @@ from formats.deepspeed_zero.files import Parsed, TagFiles, find_tag_dir, list_ta
 from formats.deepspeed_zero.index import VALUE_SLOT, IndexBuilder, c_strides
 from formats.deepspeed_zero.moe import build_moe
 from formats.deepspeed_zero.pipeline import build_pipeline
-from formats.deepspeed_zero.model import (add_buffers, add_frozen_from_module, add_objects, add_shared,
+from formats.deepspeed_zero.model import (add_buffers, add_frozen_from_module, add_objects, add_shared, as_data,
                                           build_zero0)
+from formats.deepspeed_zero.tp import HOW_TO, INFO_KEY, Join, TpRules, join_entries, param_name, rules_from_env
 from formats.deepspeed_zero.zero import OSD, add_groups, build_zero3, build_zero12, frozen_zero3
 from formats.dtypes import by_name
 from formats.errors import CheckpointNotFoundError, CorruptCheckpointError, PlanError, UnsupportedError
@@ -42,16 +43,11 @@ def _check_supported(root: Path, files: TagFiles) -> None:
     if len(files.optim_prefixes) > 1:
         raise CorruptCheckpointError(f"{root}: optimizer files of two kinds ({', '.join(sorted(p or 'zero_' for p in files.optim_prefixes))}"
                                      "...): the folder mixes two saves; keep the files of one")
-    if files.layers or files.experts or files.expp_optim:
-        return  # (MoE layouts: .moe.check_layout)
-    mps = set(files.model) | {mp for mp, _ in files.zero3_model} | {mp for mp, _ in files.optim}
-    if mps - {0}:
-        mp = sorted(mps)[-1]
-        name = files.model.get(mp) or min(n for names in (files.zero3_model, files.optim)
-                                          for (m, _), n in names.items() if m == mp)
-        raise UnsupportedError(f"{root / name}: a model-parallel save ({len(mps)} tensor-parallel ranks "
-                               "mp_rank_*) is not supported yet: convert a Megatron-DeepSpeed save (it records "
-                               "universal_checkpoint_info) with DeepSpeed's ds_to_universal.py, then ckptconv import-ds")
+
+
+def _first_diff(a: dict, b: dict) -> str:
+    only = sorted(set(a) ^ set(b))
+    return f"key {only[0]!r} only on one" if only else "the same keys in another order"
 
 
 def _by_rank(root: Path, names: dict[int, str], what: str) -> list[str]:
@@ -66,10 +62,14 @@ def _by_rank(root: Path, names: dict[int, str], what: str) -> list[str]:
 class DeepSpeedZeroReader:
     """A :class:`formats.base.CheckpointReader` over a DeepSpeed ``save_checkpoint`` tag folder."""
 
-    def __init__(self, path: str | os.PathLike, verify: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = False, tp_rules: TpRules | None = None) -> None:
         """``path``: the tag folder (``global_step<N>/``) or the folder whose ``latest`` names it.
-        ``verify``: check each storage's zip CRC-32 once, before its first read."""
+        ``verify``: check each storage's zip CRC-32 once, before its first read. ``tp_rules``: how
+        a tensor-parallel save's slices join (:mod:`.tp`; default: the file ``$CKPTCONV_DS_TP_RULES``
+        names, else the save's own ``universal_checkpoint_info``)."""
         self.root = find_tag_dir(path)
+        self._tp_rules = tp_rules
+        self._tp = 1
         self._verify = verify
         self._verified: set[int] = set()
         self._lock = threading.Lock()
@@ -83,7 +83,7 @@ class DeepSpeedZeroReader:
         self._read_files: set[str] = set()
         stage, world = self._build(b, files, left_out)
         self._slots, self._values, self._objects = b.slots, b.values, b.object_values
-        info = {"partitioning": "zero_flat", "zero_stage": stage, "world_size": world,
+        info = {"partitioning": "zero_flat", "zero_stage": stage, "world_size": world, "tp_degree": self._tp,
                 "dtype_prefix": next(iter(files.optim_prefixes), None), "version": self._ds_version,
                 "left_out": left_out, "files": sorted(self._read_files)}
         self._index = CheckpointIndex(FORMAT, str(self.root), b.tensors, b.objects, info)
@@ -98,20 +98,74 @@ class DeepSpeedZeroReader:
             return self._build_moe(b, files, left_out)
         if files.layers:
             return self._build_pipeline(b, files, left_out)
-        optim_names = _by_rank(self.root, {dp: n for (_, dp), n in files.optim.items()}, "*_optim_states.pt")
+        mps = sorted(set(files.model) | {mp for mp, _ in files.zero3_model} | {mp for mp, _ in files.optim})
+        if mps in ([], [0]):
+            return self._build_rank(b, files, 0, left_out)
+        return self._build_tp(b, files, mps, left_out)
+
+    def _build_tp(self, b: IndexBuilder, files: TagFiles, mps: list[int], left_out: list[str]) -> tuple[int, int]:
+        """A tensor-parallel save: each TP rank laid out on its own, then every tensor joined as
+        the rules say (:mod:`.tp`); objects are TP rank 0's."""
+        if mps != list(range(len(mps))):
+            missing = next(r for r in range(len(mps) + 1) if r not in mps)
+            raise CheckpointNotFoundError(f"{self.root}: no files of tensor-parallel rank {missing} (mp_rank_{missing:02d}; "
+                                          f"have {', '.join(f'{m:02d}' for m in mps)}); copy every rank's files of the save")
+        built = []
+        for mp in mps:
+            sub = b.fork()
+            stage, world = self._build_rank(sub, files, mp, left_out if mp == 0 else [])
+            built.append((sub, stage, world, self._model_name))
+            if mp == 0:
+                rules = self._rules_of(self._first_model, len(mps))
+        sub0, stage, world, _ = built[0]
+        for t, (sub, st, w, name) in enumerate(built[1:], 1):
+            if (st, w) != (stage, world) or list(sub.tensors) != list(sub0.tensors):
+                what = (f"ZeRO-{st} over {w} data-parallel ranks, rank 0 ZeRO-{stage} over {world}" if (st, w) != (stage, world)
+                        else f"other tensors than rank 0 ({_first_diff(sub.tensors, sub0.tensors)})")
+                raise CorruptCheckpointError(f"{self.root / name}: tensor-parallel rank {t} "
+                                             f"holds {what}; the files are from different saves")
+        ranks = [[t + len(mps) * d for d in range(world)] for t in range(len(mps))]
+        where = str(self.root)
+        for key, entry in sub0.tensors.items():
+            name = param_name(entry)
+            join = rules.join_of(name) if name is not None and entry.shape else Join("replicated")
+            b.tensors[key] = join_entries(key, [sub.tensors[key] for sub, *_ in built], join, ranks, where)
+        b.objects.update(sub0.objects)
+        b.object_values.update(sub0.object_values)
+        self._tp = len(mps)
+        return stage, world
+
+    def _rules_of(self, model: Parsed, tp: int) -> TpRules:
+        """The join rules: given (``tp_rules``, else the file ``$CKPTCONV_DS_TP_RULES`` names: they
+        win), else the save's ``universal_checkpoint_info``; none: the one-line refusal saying how
+        to give them."""
+        rules = self._tp_rules or rules_from_env()
+        if rules is not None:
+            return rules
+        info = model.value.get(INFO_KEY) if isinstance(model.value, dict) else None
+        if info:
+            return TpRules.parse(as_data(info), f"{model.path}: {INFO_KEY}")
+        raise UnsupportedError(f"{model.path}: a tensor-parallel save ({tp} ranks mp_rank_*) without {INFO_KEY} "
+                               "(which parameters are replicated, row- or column-parallel: how the slices join) is not "
+                               f"supported yet; {HOW_TO}")
+
+    def _build_rank(self, b: IndexBuilder, files: TagFiles, mp: int, left_out: list[str]) -> tuple[int, int]:
+        """Lay out the tensors and objects of model-parallel rank ``mp``; (ZeRO stage, data-parallel ranks)."""
+        optim_names = _by_rank(self.root, {dp: n for (m, dp), n in files.optim.items() if m == mp}, "*_optim_states.pt")
         optims = [self._parse(n, "the optimizer partitions") for n in optim_names]
         osd = optims[0].value.get(OSD) if optims and isinstance(optims[0].value, dict) else None
         if optims and isinstance(osd, dict) and "fp32_flat_groups" in osd:
             stage, world = 3, len(optims)
-            models = _by_rank(self.root, {dp: n for (_, dp), n in files.zero3_model.items()}, "zero_pp_rank_*_model_states.pt")
+            models = _by_rank(self.root, {dp: n for (m, dp), n in files.zero3_model.items() if m == mp},
+                              "zero_pp_rank_*_model_states.pt")
             model = self._parse(models[0], "the model states")
             groups = build_zero3(b, model, optims)
             if model.value.get("frozen_param_shapes"):
                 frozen_zero3(b, [model] + [self._parse(n, "the model states") for n in models[1:]], world)
         else:
-            name = files.model.get(0)
+            name = files.model.get(mp)
             if name is None:
-                raise CheckpointNotFoundError(f"{self.root}: no mp_rank_00_model_states.pt; copy the whole tag folder")
+                raise CheckpointNotFoundError(f"{self.root}: no mp_rank_{mp:02d}_model_states.pt; copy the whole tag folder")
             model = self._parse(name, "the model states")
             if not optims:
                 stage, world = 0, 1
@@ -129,6 +183,7 @@ class DeepSpeedZeroReader:
         add_groups(b, groups, optims[0].name if optims else model.name)
         add_objects(b, model, optims[0] if optims else None, left_out)
         self._ds_version = model.value.get("ds_version") if isinstance(model.value.get("ds_version"), str) else None
+        self._first_model, self._model_name = model, model.name
         return stage, world
 
     def _build_pipeline(self, b: IndexBuilder, files: TagFiles, left_out: list[str]) -> tuple[int, int]:

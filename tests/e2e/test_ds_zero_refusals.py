@@ -2,7 +2,8 @@
 
 The folders are saved by DeepSpeed 0.19.8's own engine in 2-rank gloo runs on CPU
 (``ds_layout_support``): a model-parallel engine (``mpu``, as Megatron-DeepSpeed passes its
-tensor-parallel groups: ``mp_rank_01_*``, ZeRO-1 and ZeRO-3), a 2-stage ``PipelineModule`` without
+tensor-parallel groups: ``mp_rank_01_*``, ZeRO-1 and ZeRO-3) that records no
+``universal_checkpoint_info`` (with it, or with ``--ds-tp-rules``, it is read: ``test_ds_tp.py``), a 2-stage ``PipelineModule`` without
 ZeRO (``layer_XX-model_states.pt``; under ZeRO-1 it is read: ``test_ds_pipeline.py``) or with 2
 tensor-parallel ranks per stage (4 ranks, ``layer_XX-model_01-model_states.pt``); MoE saves,
 refused here before, are read (``test_ds_moe.py``). Each command exits 2 with one line naming a
@@ -33,10 +34,11 @@ pytestmark = [requires_deepspeed]
 #: layout -> (files DeepSpeed wrote that make it, the file the error names, what it says, the hint).
 LAYOUTS = {
     "tp-z1": (["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"],
-              "mp_rank_01_model_states.pt", "a model-parallel save (2 tensor-parallel ranks", "ds_to_universal.py"),
+              "mp_rank_00_model_states.pt", "a tensor-parallel save (2 ranks mp_rank_*) without "
+              "universal_checkpoint_info", "--ds-tp-rules"),
     "tp-z3": (["zero_pp_rank_0_mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"],
-              "zero_pp_rank_0_mp_rank_01_model_states.pt", "a model-parallel save (2 tensor-parallel ranks",
-              "ds_to_universal.py"),
+              "zero_pp_rank_0_mp_rank_00_model_states.pt", "a tensor-parallel save (2 ranks mp_rank_*) without "
+              "universal_checkpoint_info", "--ds-tp-rules"),
     "pipe-z0": (["layer_00-model_states.pt", "layer_02-model_states.pt", "mp_rank_01_model_states.pt"],
                 "layer_00-model_states.pt", "a pipeline-parallel save (PipelineModule layer files, 3 of them)",
                 "ds_to_universal.py"),
@@ -115,7 +117,8 @@ def _add_tp(tag: Path) -> tuple[str, str, str]:
     (mp rank 1): here copies of rank 0's (only the names decide the refusal)."""
     for p in sorted(tag.glob("*mp_rank_00*")):
         shutil.copy(p, tag / p.name.replace("mp_rank_00", "mp_rank_01"))
-    return "mp_rank_01_model_states.pt", "a model-parallel save (2 tensor-parallel ranks", "ds_to_universal.py"
+    return ("mp_rank_00_model_states.pt", "a tensor-parallel save (2 ranks mp_rank_*) without universal_checkpoint_info",
+            "--ds-tp-rules")
 
 
 @pytest.mark.parametrize("command", ["inspect", "to-universal", "export-hf"])
