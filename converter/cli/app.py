@@ -27,7 +27,7 @@ from formats.errors import CkptConvError, InternalError
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.option("--ds-tp-rules", "ds_tp_rules", default=None, metavar="RULES.json",
               help="How a tensor-parallel DeepSpeed save's mp_rank slices join when it records no "
-                   "universal_checkpoint_info: JSON with ds_to_universal's pattern keys (docs/deepspeed.md); "
+                   "universal_checkpoint_info: JSON with ds_to_universal's pattern keys (README); "
                    "also $CKPTCONV_DS_TP_RULES.")
 @click.pass_context
 def cli(ctx: click.Context, debug: bool, ds_tp_rules: str | None) -> None:

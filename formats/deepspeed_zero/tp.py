@@ -56,7 +56,7 @@ RULE_KEYS = frozenset({*PATTERN_KEYS, ORIGINAL_VOCAB, "padded_vocab_size", "univ
                        "pipeline_replicated_parameter_patterns", SUB_PARAMS, AFFINE, AUTOTP_UNSUPPORTED,
                        "sub_param_shard_widths"})
 HOW_TO = (f"give the rules in a JSON file with ds_to_universal's keys ({REPLICATED}, {ROW}, {VOCAB} and "
-          f"{ORIGINAL_VOCAB}, {TWO_SUB}): ckptconv --ds-tp-rules RULES.json <command> (docs/deepspeed.md), or "
+          f"{ORIGINAL_VOCAB}, {TWO_SUB}): ckptconv --ds-tp-rules RULES.json <command> (README, DeepSpeed tensor-parallel saves), or "
           f"save with client_state={{'{INFO_KEY}': ...}} as Megatron-DeepSpeed does")
 
 

@@ -142,3 +142,23 @@ def test_plain_mpu_save_refused_then_read_with_rules(tmp_path: Path) -> None:
     rules.write_text(json.dumps({"tp_replicated_parameter_patterns": "0"}))
     code, _, err = run_cli("--ds-tp-rules", str(rules), "inspect", str(src))
     assert code == 2 and "must be a list of regex strings" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_exported_loads_in_a_tp1_deepspeed_engine(tmp_path: Path) -> None:
+    """export-ds of the TP2 ZeRO-1 save: the same model at TP 1 under a plain DeepSpeed ZeRO-2
+    engine of 2 ranks loads it with ``load_universal``; every fp32 master and Adam state by
+    DeepSpeed's own accessors equals the global one, bit for bit."""
+    from ds_tp_support import TIMEOUT, live_global, saved
+    from ds_tp_worker import ds_load
+    from worlds import run_world
+
+    entry = saved("z1-fp32")
+    code, _, err = run_cli("export-ds", str(entry / "run"), str(tmp_path / "ds"))
+    assert code == 0, err
+    torch.save(live_global(entry), tmp_path / "expected.pt")
+    (tmp_path / "rep").mkdir()
+    run_world(ds_load, 2, (str(tmp_path / "ds"), 2, str(tmp_path / "expected.pt"), str(tmp_path / "rep")),
+              timeout=TIMEOUT)
+    for r in range(2):
+        rep = json.loads((tmp_path / "rep" / f"rank{r}.json").read_text())
+        assert not rep["errors"] and rep["checked"] == 33, rep

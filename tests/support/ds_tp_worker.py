@@ -244,3 +244,35 @@ def fsdp2_load(rank: int, world: int, ckpt_dir: str, expected_path: str, report_
     if not steps or any(float(s) != float(expected["step"]) for s in steps):
         errors.append(f"step: {steps[:1]} != {expected['step']}")
     (Path(report_dir) / f"rank{rank}.json").write_text(json.dumps({"checked": checked, "errors": errors[:20]}))
+
+
+def ds_load(rank: int, world: int, load_dir: str, stage: int, expected_path: str, report_dir: str) -> None:
+    """The TP 1 model under a plain DeepSpeed ZeRO-``stage`` engine of ``world`` ranks (no mpu)
+    loads the universal checkpoint ``load_dir`` (``load_universal``); every fp32 master and Adam
+    state by DeepSpeed's ``safe_get_full_*`` must equal ``expected_path`` bit for bit."""
+    import json
+
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from ds_layout_worker import _config
+    from ds_worker import _init_deepspeed
+
+    deepspeed = _init_deepspeed(rank, world)
+    model = global_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optim,
+                                      config=_config(world, stage, checkpoint={"load_universal": True}))
+    path, _ = engine.load_checkpoint(load_dir, load_optimizer_states=True, load_lr_scheduler_states=False)
+    expected = torch.load(expected_path, weights_only=False)
+    errors = [] if path is not None else ["load_checkpoint returned None"]
+    checked = 0
+    for name, p in engine.module.named_parameters():
+        got = {f"model.{name}": safe_get_full_fp32_param(p)}
+        for state in ("exp_avg", "exp_avg_sq"):
+            got[f"optim.state.{name}.{state}"] = safe_get_full_optimizer_state(p, state)
+        for key, value in got.items():
+            checked += 1
+            want = expected[key].float()
+            if value is None or value.shape != want.shape or not torch.equal(value.view(torch.int32), want.view(torch.int32)):
+                errors.append(f"{key}: differs")
+    (Path(report_dir) / f"rank{rank}.json").write_text(json.dumps({"checked": checked, "errors": errors[:20]}))
