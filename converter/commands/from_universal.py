@@ -27,7 +27,7 @@ from converter.plan.atoms import AtomRef, is_megatron
 from converter.plan.copy_tasks import WriteTask, plan_boxes, total_target_nbytes
 from converter.plan.dataloader_state import loading_ranks, plan_objects
 from converter.plan.megatron import plan_layout_bound
-from converter.plan.mesh import Mesh, parse_mesh
+from converter.plan.mesh import Mesh, parse_mesh, refuse_etp
 from converter.plan.placement_rules import HeadCounts
 from converter.plan.selection import Selection, select_entries
 from converter.plan.dcp_safetensors import (FORMATS, StorageLayout, consolidation_tasks, load_fqn_index, plan_storage,
@@ -210,6 +210,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                 if vpp != 1:
                     raise ConfigError(f"--vpp is for megatron-core's own plan, which is not used here ({why_not}); "
                                       "without it, add --format megatron-legacy")
+                refuse_etp(target_mesh, f"{plan} ({why_not})" if why_not else str(plan))
                 layout = target_layout(index, refs, target_mesh, plan, splits, replicated, dtype, keep=selected.tensors,
                                        heads=heads, dedup="torch" if format == ST_FORMAT else "least-loaded",
                                        source_mesh=source_mesh, local=local)
@@ -572,7 +573,8 @@ def _legacy_layout(mesh: Mesh, vpp: int, names: str | None, args: Any) -> Any:
         raise ConfigError(f"--megatron-names {names!r}: choose local or te")
     local = (names == "local") if names is not None else a.get("transformer_impl") == "local"
     bucket = a.get("ddp_bucket_size")
-    return LegacyLayout(tp=mesh.size("tp"), pp=mesh.size("pp"), vpp=vpp, ep=mesh.ep, dp=mesh.size("dp_shard"),
+    return LegacyLayout(tp=mesh.size("tp"), pp=mesh.size("pp"), vpp=vpp, ep=mesh.ep, etp=mesh.etp or None,
+                        dp=mesh.size("dp_shard"),
                         local_spec=local, grouped_experts=bool(a.get("moe_grouped_gemm")),
                         overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
                         bucket_size=bucket if isinstance(bucket, int) else None,

@@ -4,9 +4,10 @@ asks for them, read from megatron-core itself.
 The model is megatron-core's ``GPTModel`` built from the checkpoint's training arguments (``args`` of
 its common state: sizes, GQA, SwiGLU, norms, biases, MoE experts, tied embeddings; the local layer
 spec, whose sharded keys are Transformer Engine's) on the meta device, once per distinct rank of the
-target (tp, pp, ep; its virtual pipeline chunks with ``--vpp``), over a fake process group of the
-target world in one process (``FakeStore``, backend ``"fake"``: no data, no peers) and megatron's
-``initialize_model_parallel``. Every ShardedTensor of its ``sharded_state_dict()`` (the GLU
+target (tp, pp, and the experts' etp, ep: ``--mesh ...,ep<E>,etp<T>``, megatron's
+``expert_model_parallel_size`` / ``expert_tensor_parallel_size``, etp by default the tp; its virtual
+pipeline chunks with ``--vpp``), over a fake process group of the target world in one process
+(``FakeStore``, backend ``"fake"``: no data, no peers) and megatron's ``initialize_model_parallel``. Every ShardedTensor of its ``sharded_state_dict()`` (the GLU
 ``linear_fc1`` factory built into its two halves) gives a box in global coordinates and whether this
 rank holds the main replica (``replica_id`` all zero: the rank megatron's own save writes it from).
 
@@ -82,10 +83,16 @@ def _versions() -> list[str] | None:
 
 
 def layout_degrees(mesh: Mesh, vpp: int) -> dict[str, int]:
-    """megatron's degrees on ``mesh`` (tp, pp, dp, ep; its rank order tp-cp-ep-dp-pp is the mesh's)."""
+    """megatron's degrees on ``mesh`` (tp, pp, dp; the experts' ep and etp; its dense rank order
+    tp-cp-dp-pp is the mesh's, the experts' etp-ep-edp-pp numbers the same ranks)."""
     if mesh.size("cp") > 1 or mesh.size("dp_replicate") > 1:
-        raise ConfigError(f"--plan {PLAN_NAME}: mesh {mesh} has cp / dp_replicate; megatron's layout takes tp, pp, dp, ep")
-    return {"tp": mesh.size("tp"), "pp": mesh.size("pp"), "dp": mesh.size("dp_shard"), "ep": mesh.ep, "vpp": vpp,
+        raise ConfigError(f"--plan {PLAN_NAME}: mesh {mesh} has cp / dp_replicate; megatron's layout takes tp, pp, dp, "
+                          "ep, etp")
+    tp, dp, etp = mesh.size("tp"), mesh.size("dp_shard"), mesh.etp or mesh.size("tp")
+    if (tp * dp) % (etp * mesh.ep):
+        raise ConfigError(f"--plan {PLAN_NAME}: mesh {mesh}: etp{etp} x ep{mesh.ep} must divide tp x dp = {tp * dp} "
+                          "(megatron's initialize_model_parallel numbers the experts' ranks within a stage's)")
+    return {"tp": tp, "pp": mesh.size("pp"), "dp": dp, "ep": mesh.ep, "etp": etp, "vpp": vpp,
             "world": mesh.world_size}
 
 
@@ -97,7 +104,7 @@ def load_rank_boxes(args: Mapping[str, Any], mesh: Mesh, vpp: int = 1) -> RankBo
         raise ConfigError(f"--plan {PLAN_NAME}: the checkpoint's args lack {', '.join(missing)}; megatron's model "
                           "cannot be built from them (use --plan megatron)")
     layout = layout_degrees(mesh, vpp)
-    doc = _cached({"args": model_args, "layout": layout, "v": 2})
+    doc = _cached({"args": model_args, "layout": layout, "v": 3})
     like = _alike(layout)  # the model built for a representative rank: every rank that loads what it loads
     shapes = {k: tuple(v["shape"]) for k, v in doc["keys"].items()}
     boxes = {k: tuple((Box(tuple(o), tuple(s)), int(r), tuple(q for q in range(len(like)) if like[q] in set(reps)))
@@ -207,7 +214,8 @@ def _config(args: Mapping[str, Any], layout: Mapping[str, int]) -> Any:
     gqa = args.get("group_query_attention", args.get("num_query_groups") is not None)
     moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=args.get("moe_ffn_hidden_size"),
                moe_router_topk=args.get("moe_router_topk") or 2, moe_token_dispatcher_type="allgather",
-               expert_model_parallel_size=layout["ep"]) if experts else {}
+               expert_model_parallel_size=layout["ep"],
+               expert_tensor_parallel_size=layout.get("etp", layout["tp"])) if experts else {}
     return TransformerConfig(
         num_layers=args["num_layers"], hidden_size=args["hidden_size"], num_attention_heads=args["num_attention_heads"],
         num_query_groups=args.get("num_query_groups") if gqa else None, ffn_hidden_size=args.get("ffn_hidden_size"),
@@ -268,18 +276,25 @@ def _rank_rows(args: Mapping[str, Any], layout: Mapping[str, int]) -> list[tuple
     return rows
 
 
-def _ranks(layout: Mapping[str, int]) -> list[int]:
-    """The ranks whose chunks can differ: every (tp, pp) and the dp ranks that are distinct expert
-    ranks (megatron carves ep out of dp: ranks tp + TP * dp + TP * DP * pp, dp < EP)."""
-    tp, dp, pp, ep = layout["tp"], layout["dp"], layout["pp"], layout["ep"]
-    return [t + tp * d + tp * dp * p for p in range(pp) for d in range(min(ep, dp)) for t in range(tp)]
+def _signature(layout: Mapping[str, int], rank: int) -> tuple[int, int, int, int]:
+    """What decides the boxes ``rank``'s model asks for: its (tp, pp, etp, ep) coordinates, as
+    megatron's rank generators number them (dense tp-dp-pp; experts etp-ep-edp-pp over the same ranks)."""
+    tp, dp, ep = layout["tp"], layout["dp"], layout["ep"]
+    etp = layout.get("etp", tp)
+    return rank % tp, rank // (tp * dp), rank % etp, (rank // etp) % ep
 
 
 def _alike(layout: Mapping[str, int]) -> list[int]:
-    """Per rank of the world, the rank of :func:`_ranks` whose model asks for the same boxes (its tp
-    and pp coordinates; its dp coordinate modulo the expert ranks)."""
-    tp, dp, ep = layout["tp"], layout["dp"], layout["ep"]
-    return [r % tp + tp * ((r // tp) % dp % min(ep, dp)) + tp * dp * (r // (tp * dp)) for r in range(layout["world"])]
+    """Per rank of the world, the lowest rank with its :func:`_signature` (whose model asks for the
+    same boxes; the lowest one holds every main replica among them: dp rank 0 of its tp rank and
+    expert-dp rank 0 of its expert ranks)."""
+    first: dict[tuple[int, int, int, int], int] = {}
+    return [first.setdefault(_signature(layout, r), r) for r in range(layout["world"])]
+
+
+def _ranks(layout: Mapping[str, int]) -> list[int]:
+    """The ranks whose chunks can differ: one per distinct (tp, pp, etp, ep) (:func:`_alike`)."""
+    return sorted(set(_alike(layout)))
 
 
 def main(argv: list[str]) -> None:
@@ -303,7 +318,9 @@ def main(argv: list[str]) -> None:
         try:
             ps.initialize_model_parallel(tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
                                          virtual_pipeline_model_parallel_size=layout["vpp"] if layout["vpp"] > 1 else None,
-                                         expert_model_parallel_size=layout["ep"], create_gloo_process_groups=False)
+                                         expert_model_parallel_size=layout["ep"],
+                                         expert_tensor_parallel_size=layout.get("etp", layout["tp"]),
+                                         create_gloo_process_groups=False)
             for key, shape, offs, sizes, main_replica in _rank_rows(args, layout):
                 if shape is None:  # a ShardedObject
                     if main_replica or key not in objects:

@@ -72,8 +72,10 @@ class LegacyLayout:
             if getattr(self, name) < 1:
                 raise ConfigError(f"megatron-legacy target: {name} must be >= 1")
         if self.expert_tp != self.tp:
-            raise UnsupportedError("megatron-legacy target: expert TP other than TP is not written (Megatron's "
-                                   "legacy folders are named by the dense TP rank)")
+            raise UnsupportedError(f"megatron-legacy target: expert TP {self.expert_tp} other than TP {self.tp} is not "
+                                   "written (Megatron-LM's legacy folders mp_rank_<tp>[_<pp>][_<ep>] are named by the "
+                                   "dense TP and the EP rank, not the expert TP rank); write torch_dist with --plan "
+                                   "megatron-core")
         if self.dp % self.ep:
             raise ConfigError(f"megatron-legacy target: ep{self.ep} must divide the data-parallel size {self.dp} "
                               "(megatron carves the expert ranks out of DP)")

@@ -12,7 +12,10 @@ the sparse mesh ``(pp, dp_replicate, efsdp, ep)`` unflattened from the same worl
 fastest-varying part of the ``dp_shard, cp, tp`` block and ``efsdp = dp_shard * cp * tp / ep`` the
 rest (FSDP of the experts). ``ep`` and ``efsdp`` are therefore not dims of :attr:`Mesh.dims` but
 *derived* dims: :meth:`Mesh.size` and :func:`derived_coord` give their sizes and coordinates.
-torchtitan 0.3.0 has no expert tensor parallelism (its sparse mesh has no TP dim): ``etp`` is refused.
+torchtitan 0.3.0 has no expert tensor parallelism (its sparse mesh has no TP dim). ``etp`` is
+megatron-core's ``expert_tensor_parallel_size`` (:attr:`Mesh.etp`; it adds no ranks either: megatron
+numbers the experts' ranks etp-ep-dp-pp over the same world); only megatron-core's own plan
+(``--plan megatron-core``) takes it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class Mesh:
     dims: tuple[MeshDim, ...]
     #: expert-parallel degree (1: no EP), carved out of the ``dp_shard * cp * tp`` ranks
     ep: int = 1
+    #: megatron's expert tensor parallel size (0: not given, megatron's default: the dense tp)
+    etp: int = 0
 
     def __post_init__(self) -> None:
         names = [d.name for d in self.dims]
@@ -60,6 +65,8 @@ class Mesh:
             raise ConfigError(f"mesh {self}: dim {bad[0].name} has size {bad[0].size}; sizes must be >= 1")
         if self.ep < 1:
             raise ConfigError(f"mesh {self}: ep must be >= 1")
+        if self.etp < 0:
+            raise ConfigError(f"mesh {self}: etp must be >= 1")
         block = self.ep_block_size
         if block % self.ep:
             raise ConfigError(
@@ -136,7 +143,8 @@ class Mesh:
         return name in self.names or (name in DERIVED and self.ep > 1)
 
     def __str__(self) -> str:
-        return ",".join([f"{d.name}{d.size}" for d in self.dims] + ([f"ep{self.ep}"] if self.ep > 1 else []))
+        return ",".join([f"{d.name}{d.size}" for d in self.dims] + ([f"ep{self.ep}"] if self.ep > 1 else [])
+                        + ([f"etp{self.etp}"] if self.etp else []))
 
 
 def derived_coord(mesh: Mesh, coords: dict[str, int], name: str) -> int:
@@ -152,12 +160,11 @@ def derived_coord(mesh: Mesh, coords: dict[str, int], name: str) -> int:
 
 def _normalize_name(name: str, text: str) -> str:
     name = ALIASES.get(name, name)
-    if name in ("etp", "efsdp"):
-        why = ("torchtitan 0.3.0 has no expert tensor parallelism (its experts' sparse mesh is pp, dp_replicate, "
-               "efsdp, ep)" if name == "etp" else "efsdp is derived: dp_shard*cp*tp/ep")
-        raise UnsupportedError(f"--mesh {text!r}: {name} cannot be given ({why}); give ep and the dense dims")
-    if name not in CANONICAL_ORDER and name != "ep":
-        known = ", ".join(CANONICAL_ORDER + ("ep",) + tuple(ALIASES))
+    if name == "efsdp":
+        raise UnsupportedError(f"--mesh {text!r}: efsdp cannot be given (efsdp is derived: dp_shard*cp*tp/ep); give "
+                               "ep and the dense dims")
+    if name not in CANONICAL_ORDER and name not in ("ep", "etp"):
+        known = ", ".join(CANONICAL_ORDER + ("ep", "etp") + tuple(ALIASES))
         raise ConfigError(f"--mesh {text!r}: unknown dim name {name!r}; use one of {known}")
     return name
 
@@ -176,9 +183,9 @@ def _parse_token(token: str, text: str) -> MeshDim:
 
 def _parse_order(order: str, names: list[str], text: str) -> list[str]:
     wanted = [_normalize_name(n.strip().lower(), order) for n in order.split(",") if n.strip()]
-    if "ep" in wanted:
-        raise ConfigError(f"--mesh-order {order!r}: leave ep out; it has no place of its own (torchtitan carves it "
-                          "from the innermost dp_shard*cp*tp ranks)")
+    if "ep" in wanted or "etp" in wanted:
+        raise ConfigError(f"--mesh-order {order!r}: leave ep and etp out; they have no place of their own (they "
+                          "number the experts' ranks over the dense ones)")
     if sorted(wanted) != sorted(names) or len(set(wanted)) != len(wanted):
         raise ConfigError(
             f"--mesh-order {order!r} must list each dim of --mesh {text!r} exactly once ({','.join(names)})"
@@ -203,8 +210,17 @@ def parse_mesh(text: str, order: str | None = None) -> Mesh:
         raise ConfigError(f"--mesh {text!r}: dim {dup[0]} is given twice (dp and dp_shard are the same dim); give it once")
     by_name = {d.name: d for d in dims}
     ep = by_name.pop("ep").size if "ep" in by_name else 1
-    names = [n for n in names if n != "ep"]
+    etp = by_name.pop("etp").size if "etp" in by_name else 0
+    names = [n for n in names if n not in ("ep", "etp")]
     if not names:
         raise ConfigError(f"--mesh {text!r}: ep borrows its ranks from dp_shard, cp and tp; give those too, e.g. dp{ep},ep{ep}")
     ordered = _parse_order(order, names, text) if order else [n for n in CANONICAL_ORDER if n in by_name]
-    return Mesh(tuple(by_name[n] for n in ordered), ep)
+    return Mesh(tuple(by_name[n] for n in ordered), ep, etp)
+
+
+def refuse_etp(mesh: Mesh, plan: str) -> None:
+    """Refuse ``etp`` on a mesh planned by ``plan``, which is not megatron-core's own plan (UnsupportedError)."""
+    if mesh.etp:
+        raise UnsupportedError(f"--mesh {mesh}: etp (megatron's expert tensor parallel size) is planned only by "
+                               f"--plan megatron-core on a Megatron checkpoint with its training args; plan {plan} "
+                               "(torchtitan 0.3.0 has no expert tensor parallelism) cannot place it: drop etp")

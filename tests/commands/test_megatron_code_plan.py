@@ -57,6 +57,23 @@ def test_each_rank_loads_what_its_representative_loads():
     assert _ranks(layout) == [0, 1, 2, 3, 8, 9, 10, 11]
     assert _alike(layout) == [0, 1, 2, 3, 0, 1, 2, 3, 8, 9, 10, 11, 8, 9, 10, 11]
     assert _alike(dict(tp=1, dp=2, pp=1, ep=1, world=2)) == [0, 0]
+    # expert TP other than TP: the experts' ranks etp-ep-edp-pp over the same world (megatron's
+    # expert rank generator); one model per distinct (tp, pp, etp, ep), the lowest rank of each
+    etp = dict(tp=1, dp=4, pp=1, ep=2, etp=2, world=4)  # TP1 x DP4, experts ETP2 x EP2: every rank differs
+    assert _ranks(etp) == [0, 1, 2, 3] and _alike(etp) == [0, 1, 2, 3]
+    etp1 = dict(tp=2, dp=2, pp=1, ep=2, etp=1, world=4)  # TP2 x DP2, experts ETP1 x EP2: rank r's ep is r % 2 = its tp
+    assert _ranks(etp1) == [0, 1] and _alike(etp1) == [0, 1, 0, 1]
+    assert _alike(dict(etp1, etp=2)) == _alike(dict(tp=2, dp=2, pp=1, ep=2, world=4)) == [0, 1, 2, 3]
+
+
+def test_expert_tp_must_fit_megatrons_expert_ranks():
+    from converter.plan.megatron_code import layout_degrees
+    from formats.errors import ConfigError
+
+    assert layout_degrees(parse_mesh("dp4,ep2,etp2"), 1)["etp"] == 2
+    assert layout_degrees(parse_mesh("tp2,dp2,ep2"), 1)["etp"] == 2  # (megatron's default: the tp)
+    with pytest.raises(ConfigError, match="etp4 x ep2 must divide tp x dp = 4"):
+        layout_degrees(parse_mesh("dp4,ep2,etp4"), 1)
 
 
 @pytest.mark.slow
@@ -134,3 +151,11 @@ def test_a_state_shaped_unlike_its_parameter_is_whole_without_a_warning():
     assert [(k, b.sizes, r, q) for k, b, r, q in rows] == [(w, (2, 2), 0, (0,)), (w, (2, 2), 1, (1,)),
                                                            (f"optimizer.state.step.{w}", (), 0, None)]
     assert warnings == []
+
+
+def test_etp_is_refused_by_the_name_rules_in_one_line(tmp_path):
+    """etp is megatron-core's own plan's: the name rules (and torchtitan's plans) cannot place it."""
+    code, _, err = run_cli("from-universal", str(NO_ARGS), str(tmp_path / "out"), "--mesh", "dp2,ep2,etp2",
+                           "--plan", "megatron")
+    assert code != 0 and "etp (megatron's expert tensor parallel size) is planned only by --plan megatron-core" in err
+    assert not (tmp_path / "out").exists() and len(err.strip().splitlines()) == 1, err

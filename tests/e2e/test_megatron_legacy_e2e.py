@@ -56,6 +56,9 @@ class _Sources(dict):
         elif name == "moe,ep2,dp2":
             ms.save_checkpoint(base / "torch_dist", 1, 1, 2, MOE, work=base / "run", ep=2, legacy=base / "legacy")
             spec = MOE
+        elif name == "moe,tp2,dp2,ep2,etp1":  # expert TP 1 under TP 2: experts whole, over EP 2
+            ms.save_checkpoint(base / "torch_dist", 2, 1, 2, MOE, work=base / "run", ep=2, etp=1, legacy=base / "legacy")
+            spec = MOE
         else:
             raise KeyError(name)
         self[name] = (base / "legacy", base / "torch_dist", spec)
@@ -301,3 +304,39 @@ def test_megatron_code_plan_is_rank_local(sources, tmp_path, src, mesh, vpp, pla
 def _foreign_bytes(reports: list[dict]) -> int:
     """Bytes the ranks' loads read from other ranks' files, all ranks together."""
     return sum(n for rep in reports for _, _, name, n in rep["reads"] if name != f"__{rep['rank']}_0.distcp")
+
+
+def test_expert_tp_other_than_tp_converts_bit_exact_and_rank_local(sources, tmp_path):
+    """megatron's expert_tensor_parallel_size other than TP, both ways: a save at TP2 x DP2 with the
+    experts at ETP1 x EP2 (torch_dist, and the legacy save of the same state: folders
+    mp_rank_<tp>_<ep>, the experts whole) converted to TP1 x DP4 with the experts at ETP2 x EP2
+    (``--mesh dp4,ep2,etp2``: --plan megatron-core for the torch_dist save, no --plan for the legacy
+    one: auto, megatron-core's plan from its args); megatron loads both conversions on that layout
+    (``initialize_model_parallel(expert_tensor_parallel_size=2)``) equal bit for bit to its own load
+    of its torch_dist save there, and every chunk only one rank loads (its expert TP x EP shard) it
+    reads from its own file."""
+    legacy, dist, spec = sources["moe,tp2,dp2,ep2,etp1"]
+    t0 = time.time()
+    outs = []
+    for src, plan in ((dist, ("--plan", "megatron-core")), (legacy, ())):
+        out = tmp_path / f"out{len(outs)}"
+        code, _, err = run_cli("from-universal", str(src), str(out), "--mesh", "dp4,ep2,etp2", *plan)
+        assert code == 0, err
+        assert "on dp_shard4,ep2,etp2" in err, err
+        outs.append(out)
+    t1 = time.time()
+    reports = ms.load_and_compare(dist, outs[0], tp=1, pp=1, dp=4, ep=2, etp=2, work=tmp_path / "load", spec=spec,
+                                  count_reads=True, also=(outs[1],), common=("iteration", "checkpoint_version"))
+    for name, reps in (("torch_dist", reports), ("legacy", [dict(r["also"][0], rank=r["rank"]) for r in reports])):
+        for rep in reps:
+            assert rep["mismatch"] == [], (name, rep["rank"], rep["mismatch"][:5])
+            assert rep["compared"] >= 20 and rep["iteration"] == 2
+        for own, shared, rank, foreign in _read_classes(reps):
+            assert foreign == [], f"{name}: rank {rank} read chunks only it loads from other ranks' files: {foreign[:4]}"
+            assert own > 0, (name, rank)
+    expert_rows = {r["rank"]: sorted({tuple(o) for k, o, *_ in r["reads"] if k.endswith("experts.linear_fc1.weight")})
+                   for r in reports}
+    assert expert_rows[0] != expert_rows[1] and expert_rows[0] != expert_rows[2]  # etp and ep shards differ
+    print(f"\nETP1 x EP2 (TP2) -> ETP2 x EP2 (TP1): convert both {t1 - t0:.1f} s, megatron load+compare "
+          f"{time.time() - t1:.1f} s, {sum(r['compared'] + r['also'][0]['compared'] for r in reports)} values; "
+          + "; ".join(f"rank {r}: own {o} B, shared {s} B" for o, s, r, _ in _read_classes(reports)))

@@ -56,11 +56,21 @@ def test_errors_are_one_line_config_errors(text, match):
     assert "\n" not in str(info.value)
 
 
-def test_ep_borrows_ranks_and_etp_is_unsupported():
-    """ep is torchtitan's expert_parallel_degree (ranks borrowed from dp_shard*cp*tp; test_moe_layouts.py)."""
+def test_ep_borrows_ranks_and_etp_is_megatrons_only():
+    """ep is torchtitan's expert_parallel_degree (ranks borrowed from dp_shard*cp*tp; test_moe_layouts.py);
+    etp is megatron's expert_tensor_parallel_size: no ranks of its own, refused by every plan but
+    megatron-core's own."""
+    from converter.plan.mesh import refuse_etp
+
     assert parse_mesh("ep2,dp2").world_size == 2
-    with pytest.raises(UnsupportedError, match="etp"):
-        parse_mesh("etp2,dp2")
+    m = parse_mesh("dp4,ep2,etp2")
+    assert (m.world_size, m.ep, m.etp, str(m)) == (4, 2, 2, "dp_shard4,ep2,etp2")
+    assert parse_mesh(str(m)) == m and parse_mesh("dp4").etp == 0
+    refuse_etp(parse_mesh("dp4,ep2"), "megatron")
+    with pytest.raises(UnsupportedError, match="etp .*--plan megatron-core"):
+        refuse_etp(m, "megatron")
+    with pytest.raises(UnsupportedError, match="efsdp"):
+        parse_mesh("efsdp2,dp2")
 
 
 def test_mesh_validates_itself():

@@ -45,10 +45,9 @@ def test_mesh_ep_borrows_ranks():
 
 @pytest.mark.parametrize("text,order,err,match", [
     ("dp3,ep2", None, ConfigError, "ep2 does not divide dp_shard\\*cp\\*tp = 3"),
-    ("dp2,tp2,etp2", None, UnsupportedError, "no expert tensor parallelism"),
     ("dp4,efsdp2", None, UnsupportedError, "efsdp is derived"),
     ("ep2", None, ConfigError, "give those too"),
-    ("dp4,ep2", "ep,dp_shard", ConfigError, "leave ep out"),
+    ("dp4,ep2", "ep,dp_shard", ConfigError, "leave ep and etp out"),
 ])
 def test_mesh_ep_errors(text, order, err, match):
     with pytest.raises(err, match=match):

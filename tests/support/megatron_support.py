@@ -482,7 +482,7 @@ def load_and_compare(reference: "os.PathLike[str] | str", converted: "os.PathLik
                      dp: int, work: "os.PathLike[str] | str", spec: GPTSpec = GPTSpec(), rng: bool = False,
                      vpp: int = 1, ep: int = 1, etp: int | None = None,
                      common: tuple[str, ...] | None = None, converted_format: str = "torch_dist",
-                     count_reads: bool = False) -> list[dict]:
+                     count_reads: bool = False, also: "tuple[os.PathLike[str] | str, ...]" = ()) -> list[dict]:
     """megatron's own ``dist_checkpointing.load`` of ``reference`` and of ``converted`` into two GPTModels
     (with their DistributedOptimizers) on ``tp`` x ``pp`` x ``dp`` (``vpp`` model chunks per stage, ``ep``
     / ``etp`` expert parallel sizes); each rank reports what differs (model parameters, fp32 main
@@ -490,10 +490,11 @@ def load_and_compare(reference: "os.PathLike[str] | str", converted: "os.PathLik
     args, content_metadata and rng_state by default). ``converted_format`` "legacy": ``converted`` is a
     legacy checkpoint, loaded as Megatron-LM's ``load_checkpoint`` does with ``--ckpt-format torch``.
     ``count_reads``: each report's ``reads`` lists what the converted checkpoint's load read
-    (key, chunk offsets, file, bytes)."""
+    (key, chunk offsets, file, bytes). ``also``: more torch_dist conversions, each loaded after the first
+    and compared to the same reference load (each report's ``also``: their reports, in order)."""
     job = {"mode": "compare", "converted_format": converted_format, "count_reads": count_reads, "world": tp * pp * dp, "tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp,
            "spec": asdict(spec), "reference": str(Path(reference).resolve()),
-           "converted": str(Path(converted).resolve()), "rng": rng}
+           "converted": str(Path(converted).resolve()), "rng": rng, "also": [str(Path(p).resolve()) for p in also]}
     if common is not None:
         job["common"] = list(common)
     return run_job(job, work)

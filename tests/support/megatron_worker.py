@@ -133,14 +133,27 @@ def _model_state(models) -> dict:
 
 
 def _compare(job: dict, spec) -> dict:
+    """The reference loaded once, then the converted checkpoint and each of ``also`` (more converted
+    checkpoints, each compared to the same reference: ``also`` in the report)."""
     ref_models, ref_opt, ref = _load(spec, job["reference"], 11, job.get("rng", False))
     reads: list = []
     if job.get("count_reads"):
-        _count_reads(reads)  # (the converted checkpoint's load only)
-    if job.get("converted_format") == "legacy":
-        got_models, got_opt, got = _load_legacy(spec, job["converted"], 22)
+        _count_reads(reads)  # (the converted checkpoints' loads only)
+    out = _compare_one(job, spec, ref_models, ref_opt, ref, job["converted"], job.get("converted_format"), reads)
+    extra = []
+    for path in job.get("also", ()):
+        del reads[:]
+        extra.append(_compare_one(job, spec, ref_models, ref_opt, ref, path, "torch_dist", reads))
+    return dict(out, also=extra)
+
+
+def _compare_one(job: dict, spec, ref_models, ref_opt, ref, path: str, fmt: str | None, reads: list) -> dict:
+    """What differs between the loaded reference and ``path`` loaded the same way (``fmt`` "legacy":
+    Megatron-LM's legacy load), and what that load read."""
+    if fmt == "legacy":
+        got_models, got_opt, got = _load_legacy(spec, path, 22)
     else:
-        got_models, got_opt, got = _load(spec, job["converted"], 22, job.get("rng", False))
+        got_models, got_opt, got = _load(spec, path, 22, job.get("rng", False))
     bad, compared = [], 0
     ref_sd, got_sd = _model_state(ref_models), _model_state(got_models)
     for key in sorted(set(ref_sd) | set(got_sd)):
@@ -158,7 +171,7 @@ def _compare(job: dict, spec) -> dict:
             compared += 1
             if not _same(ref.get(key), got.get(key)):
                 bad.append(f"common {key}: {ref.get(key)!r} != {got.get(key)!r}"[:300])
-    return {"mismatch": bad, "compared": compared, "iteration": got.get("iteration"), "reads": reads,
+    return {"mismatch": bad, "compared": compared, "iteration": got.get("iteration"), "reads": list(reads),
             "params": sum(int(t.numel()) for t in got_sd.values() if hasattr(t, "numel"))}
 
 
