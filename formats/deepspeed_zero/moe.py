@@ -13,10 +13,11 @@ experts, ``ep_size`` and data-parallel size), read as one checkpoint under globa
                                                 (``moe: True``, ``name: ep_size_<N>``) holds that rank's LOCAL
                                                 experts, partitioned over its expert-data-parallel group
 
-Expert parallelism (``groups._create_expert_and_data_parallel``, the default expert-then-data
-order): dp rank ``d`` is expert-parallel rank ``d % N`` of group ``ep_size_N`` and rank ``d // N``
-of its expert-data-parallel group (the ranks ``ep, ep + N, ep + 2N, ...``), which is what
-``partition_count`` of the group records (``world // N``). A local expert ``k`` of a layer with
+Expert parallelism (``groups._create_expert_and_data_parallel``): in the default expert-then-data
+order dp rank ``d`` is expert-parallel rank ``d % N`` of group ``ep_size_N`` and rank ``d // N``
+of its expert-data-parallel group (the ranks ``ep, ep + N, ep + 2N, ...``); with
+``use_data_before_expert_parallelism`` rank ``d // (world // N)``, its group the consecutive
+ranks. ``partition_count`` of the group records the group's size (``world // N``). A local expert ``k`` of a layer with
 ``E`` experts on expert-parallel rank ``ep`` is global expert ``ep * (E // N) + k``
 (``_save_moe_checkpoint`` / ``load_moe_state_dict``).
 """
@@ -57,15 +58,26 @@ def split_expert(name: str) -> tuple[str, int, str] | None:
     return (m[1], int(m[2]), m[3]) if m else None
 
 
-def ep_rank_of(dp_rank: int, ep_size: int) -> int:
-    """The expert-parallel rank of a data-parallel rank in group ``ep_size_<ep_size>``."""
-    return dp_rank % ep_size
+def ep_rank_of(dp_rank: int, ep_size: int, world: int, data_first: bool = False) -> int:
+    """The expert-parallel rank of a data-parallel rank in group ``ep_size_<ep_size>``
+    (``data_first``: DeepSpeed's ``use_data_before_expert_parallelism`` order)."""
+    return dp_rank // (world // ep_size) if data_first else dp_rank % ep_size
 
 
-def expert_dp_ranks(ep_rank: int, ep_size: int, world: int) -> list[int]:
-    """The data-parallel ranks of ``ep_rank``'s expert-data-parallel group, by their rank in it
-    (DeepSpeed's ``get_ep_ranks``: ``range(ep_rank, world, ep_size)``)."""
+def expert_dp_ranks(ep_rank: int, ep_size: int, world: int, data_first: bool = False) -> list[int]:
+    """The data-parallel ranks of ``ep_rank``'s expert-data-parallel group, by their rank in it:
+    ``range(ep_rank, world, ep_size)`` (``data_first``: the ``world // ep_size`` consecutive ranks
+    from ``ep_rank * world // ep_size``)."""
+    if data_first:
+        stride = world // ep_size
+        return list(range(ep_rank * stride, (ep_rank + 1) * stride))
     return list(range(ep_rank, world, ep_size))
+
+
+def data_first_of(model: Parsed) -> bool:
+    """Whether the save's ds_config sets ``use_data_before_expert_parallelism``."""
+    config = model.value.get("ds_config") if isinstance(model.value, dict) else None
+    return isinstance(config, dict) and bool(config.get("use_data_before_expert_parallelism"))
 
 
 def global_expert(local: int, ep_rank: int, num_experts: int, ep_size: int) -> int:
@@ -135,10 +147,6 @@ def check_layout(root: Path, files: TagFiles, model: Parsed) -> None:
             or any(mp for mp, _ in files.optim)):
         raise UnsupportedError(f"{first}: a mixture-of-experts save with tensor parallelism (mp_rank_01 expert "
                                "files) is not supported yet")
-    config = model.value.get("ds_config") if isinstance(model.value, dict) else None
-    if isinstance(config, dict) and config.get("use_data_before_expert_parallelism"):
-        raise UnsupportedError(f"{first}: a mixture-of-experts save with use_data_before_expert_parallelism "
-                               "(data-then-expert rank order) is not supported yet")
     if isinstance(model.value, dict) and model.value.get("ds_autoep_layers"):
         raise UnsupportedError(f"{first}: an AutoEP mixture-of-experts save (ds_autoep_layers) is not supported yet")
 
@@ -220,7 +228,8 @@ def _check_no_experts(model: Parsed) -> None:
 # ZeRO-1/2: expert groups partitioned over the expert-data-parallel groups
 
 
-def build_moe_zero12(b: IndexBuilder, model: Parsed, optims: Sequence[Parsed], layers: dict[str, MoELayer]) -> list[Group]:
+def build_moe_zero12(b: IndexBuilder, model: Parsed, optims: Sequence[Parsed], layers: dict[str, MoELayer],
+                     data_first: bool = False) -> list[Group]:
     """Parameters, states and groups of ZeRO-1/2 partitions (``optims``: by dp rank) of a MoE
     save: non-expert groups over every rank, each expert group per expert-parallel rank over its
     expert-data-parallel group, its local experts under their global names."""
@@ -244,7 +253,7 @@ def build_moe_zero12(b: IndexBuilder, model: Parsed, optims: Sequence[Parsed], l
         count = record_int(counts[g])
         if is_moe_group(hp):
             ep = group_ep_size(hp, count, world, where[0])
-            sets = [expert_dp_ranks(e, ep, world) for e in range(ep)]
+            sets = [expert_dp_ranks(e, ep, world, data_first) for e in range(ep)]
         else:
             if count is not None and count > world:
                 raise CheckpointNotFoundError(f"{optims[0].root}: no *_optim_states.pt file of data-parallel rank {world} "
@@ -285,7 +294,7 @@ def _add_partitions(b: IndexBuilder, optims: Sequence[Parsed], fp32: Sequence[li
 
 
 def build_moe_zero0(b: IndexBuilder, model: Parsed, expps: Sequence[Parsed], layers: dict[str, MoELayer],
-                    experts: Sequence[Parsed]) -> list[Group]:
+                    experts: Sequence[Parsed], world: int, data_first: bool = False) -> list[Group]:
     """Weights, optimizer states and groups of a MoE save without ZeRO: the non-expert
     parameters' states from expert-parallel rank 0's optimizer, each expert group's from the
     ranks of its ``ep_size``; weights from the module and the expert files (fp16/bf16 wrappers:
@@ -321,17 +330,29 @@ def build_moe_zero0(b: IndexBuilder, model: Parsed, expps: Sequence[Parsed], lay
         raise CheckpointNotFoundError(f"{expps[0].root}: {what}; copy every rank's file of the save")
     moe = [g for g in range(len(hps)) if g not in dense]
     for g in moe:
-        ep = group_ep_size(hps[g], None, max_ep, str(expps[0].path))
+        ep = group_ep_size(hps[g], None, world, str(expps[0].path))
         names[g] = []
-        for e in range(ep):  # file e is ep rank e % ep of this group; files e + ep, ... hold copies
-            local = _local_expert_params(layers, experts, ep, e)
+        for k in range(ep):
+            e = _file_of(k, ep, max_ep, world, data_first, expps[0])
+            local = _local_expert_params(layers, experts, ep, k)
             shapes = {i: _shape(states[e].get(i)) for i in ids[e][g]}
             order = _match(local, ids[e][g], shapes, str(expps[e].path), g)
-            globals_ = [global_name(n, layers, e, ep, str(expps[e].path)) for n in order]
+            globals_ = [global_name(n, layers, k, ep, str(expps[e].path)) for n in order]
             _add_group(b, expps[e], opts[e], states[e], g, ids[e][g], globals_,
-                       {global_name(n, layers, e, ep, ""): s for n, s in local})
+                       {global_name(n, layers, k, ep, ""): s for n, s in local})
             names[g] += globals_
     return [Group(hps[g], tuple(names[g])) for g in range(len(hps))]
+
+
+def _file_of(ep_rank: int, ep: int, max_ep: int, world: int, data_first: bool, where: Parsed) -> int:
+    """The ``expp_rank_<e>`` file holding ``ep_rank``'s experts of a group of ``ep`` ranks: file
+    ``e`` is written by the first rank of expert-parallel rank ``e``'s group of the largest
+    expert group (``max_ep``), its experts those of that rank's own ep rank in each group."""
+    for e in range(max_ep):
+        if ep_rank_of(expert_dp_ranks(e, max_ep, world, data_first)[0], ep, world, data_first) == ep_rank:
+            return e
+    raise CorruptCheckpointError(f"{where.root}: no expp_rank_* file holds expert-parallel rank {ep_rank} of "
+                                 f"{ep} (the largest expert group has {max_ep} of {world} ranks)")
 
 
 def _shape(state: Any) -> Shape | None:
@@ -409,7 +430,7 @@ def build_moe(b: IndexBuilder, root: Path, files: TagFiles, parse: Callable[[str
         if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
             raise UnsupportedError(f"{optims[0].path}: a mixture-of-experts save whose optimizer is not ZeRO-1/2 "
                                    "partitions (single_partition_of_fp32_groups) is not supported")
-        groups = build_moe_zero12(b, model, optims, layers)
+        groups = build_moe_zero12(b, model, optims, layers, data_first_of(model))
         stage = record_int(osd.get("zero_stage")) or 1
     else:
         optims = []
@@ -421,7 +442,7 @@ def build_moe(b: IndexBuilder, root: Path, files: TagFiles, parse: Callable[[str
         if not expps:
             raise CheckpointNotFoundError(f"{root}: no expp_rank_0_mp_rank_00_optim_states.pt (the experts' optimizer "
                                           "states of a save without ZeRO); copy the whole tag folder")
-        groups = build_moe_zero0(b, model, expps, layers, experts)
+        groups = build_moe_zero0(b, model, expps, layers, experts, _dp_world(model), data_first_of(model))
         stage = 0
     if stage:
         add_frozen_from_module(b, model)

@@ -5,7 +5,9 @@ The saves (``ds_moe_support``, one cached save per layout shared by every test h
 layers of different ``ep_size`` (``z2-bf16-w2``: ep 2 with 2 experts per rank and ep 1 with
 both experts on both ranks, ZeRO-2 in bf16; ``z1-fp32-w4``: ep 2 x expert-data-parallel 2 and
 ep 4, ZeRO-1; ``z0-fp32-w2`` / ``z0-bf16-w2``: no ZeRO, ``expp_rank_*`` optimizer files, bf16:
-DeepSpeed's unfused bf16 optimizer with its fp32 masters). DeepSpeed's own
+DeepSpeed's unfused bf16 optimizer with its fp32 masters; ``z2-fp32-w4-de`` / ``z0-fp32-w4-de``:
+the world-4 shape in DeepSpeed's data-then-expert rank order, ``use_data_before_expert_parallelism``,
+whose expert-data-parallel groups are consecutive ranks). DeepSpeed's own
 ``ds_to_universal.py`` fails on MoE folders (DeepSpeed #5716) and ``zero_to_fp32`` knows no expert
 files, so the oracles are DeepSpeed's own gathering on every rank of the saving run
 (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``, the local experts under the
@@ -29,7 +31,8 @@ from ds_support import requires_deepspeed
 from oracle import bits_equal
 
 pytestmark = [requires_deepspeed, pytest.mark.slow]
-CASES = list(LAYOUTS)
+#: The layouts every test reads; the data-then-expert ones (``-de``) only the first test.
+CASES = [n for n in LAYOUTS if not n.endswith("-de")]
 
 
 def _reader(path: Path):
@@ -38,7 +41,7 @@ def _reader(path: Path):
     return DeepSpeedZeroReader(path, verify=True)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_master_and_adam_state_equals_deepspeeds_own_on_every_rank(name: str) -> None:
     """Every fp32 master, exp_avg, exp_avg_sq and step equals what DeepSpeed's accessors give on
     every rank (each rank's local experts by global id), bit for bit, and nothing else is read as

@@ -16,11 +16,19 @@ def test_ranks_follow_deepspeeds_expert_then_data_layout():
     [1,3,..,15], expert-parallel groups [0,1], [2,3], ..."""
     assert expert_dp_ranks(0, 2, 16) == list(range(0, 16, 2))
     assert expert_dp_ranks(1, 2, 16) == list(range(1, 16, 2))
-    assert [ep_rank_of(r, 2) for r in range(4)] == [0, 1, 0, 1]
-    for ep in (1, 2, 4, 8):  # every dp rank lies in exactly one expert-dp group, at its own ep rank
-        groups = [expert_dp_ranks(e, ep, 8) for e in range(ep)]
-        assert sorted(r for g in groups for r in g) == list(range(8))
-        assert all(ep_rank_of(r, ep) == e for e, g in enumerate(groups) for r in g)
+    assert [ep_rank_of(r, 2, 4) for r in range(4)] == [0, 1, 0, 1]
+    for first in (False, True):
+        for ep in (1, 2, 4, 8):  # every dp rank lies in exactly one expert-dp group, at its own ep rank
+            groups = [expert_dp_ranks(e, ep, 8, first) for e in range(ep)]
+            assert sorted(r for g in groups for r in g) == list(range(8))
+            assert all(ep_rank_of(r, ep, 8, first) == e for e, g in enumerate(groups) for r in g)
+
+
+def test_ranks_follow_deepspeeds_data_then_expert_layout():
+    """``use_data_before_expert_parallelism``: world 8, ep 2: expert-data-parallel groups
+    [0..3], [4..7]; expert-parallel groups range(i, 8, 4)."""
+    assert expert_dp_ranks(0, 2, 8, True) == [0, 1, 2, 3] and expert_dp_ranks(1, 2, 8, True) == [4, 5, 6, 7]
+    assert [ep_rank_of(r, 2, 8, True) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_global_expert_ids():

@@ -6,7 +6,8 @@ names) as the oracle.
 A layout is ``z<stage>-<dtype>-w<world>``; :data:`LAYOUTS` gives the MoE shape
 ``(ep_a, experts_a, ep_b, experts_b)``: at world 2 ``moe1`` has ep 2 (4 experts, 2 per rank, its
 expert-data-parallel group one rank) and ``moe2`` ep 1 (2 experts on every rank, partitioned over
-both); at world 4 ``moe1`` has ep 2 x expert-data-parallel 2 and ``moe2`` ep 4.
+both); at world 4 ``moe1`` has ep 2 x expert-data-parallel 2 and ``moe2`` ep 4 (``-de``: in
+DeepSpeed's data-then-expert rank order, ``use_data_before_expert_parallelism``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import torch
 SUPPORT = Path(__file__).resolve().parent
 TIMEOUT = 300.0
 TAG = "global_step2"
-#: name -> (ZeRO stage, dtype, world, MoE shape).
+#: name -> (ZeRO stage, dtype, world, MoE shape); ``-de``: ``use_data_before_expert_parallelism``.
 LAYOUTS: dict[str, tuple[int, str, int, tuple[int, int, int, int]]] = {
     "z2-bf16-w2": (2, "bf16", 2, (2, 4, 1, 2)),
     "z1-fp32-w4": (1, "fp32", 4, (2, 4, 4, 4)),
     "z0-fp32-w2": (0, "fp32", 2, (2, 4, 1, 2)),
     "z0-bf16-w2": (0, "bf16", 2, (2, 4, 1, 2)),
+    "z2-fp32-w4-de": (2, "fp32", 4, (2, 4, 4, 4)),
+    "z0-fp32-w4-de": (0, "fp32", 4, (2, 4, 4, 4)),
 }
 
 
@@ -34,7 +37,8 @@ def build(name: str, out: Path) -> None:
     from worlds import run_world
 
     stage, dtype, world, shape = LAYOUTS[name]
-    run_world(ds_moe_worker.save_moe, world, (str(out), stage, dtype, list(shape)), timeout=TIMEOUT)
+    run_world(ds_moe_worker.save_moe, world, (str(out), stage, dtype, list(shape), name.endswith("-de")),
+              timeout=TIMEOUT)
 
 
 def cache_dir() -> Path:

@@ -125,10 +125,13 @@ def _train_step(engine: Any, rank: int, step: int, dtype: str) -> float:
     return float(loss.detach())
 
 
-def save_moe(rank: int, world: int, out_dir: str, stage: int, dtype: str, shape: list[int]) -> None:
-    """Train ``STEPS`` steps, ``save_checkpoint(out_dir)``, write ``live-rank<r>.pt``."""
+def save_moe(rank: int, world: int, out_dir: str, stage: int, dtype: str, shape: list[int],
+             data_first: bool = False) -> None:
+    """Train ``STEPS`` steps, ``save_checkpoint(out_dir)``, write ``live-rank<r>.pt``
+    (``data_first``: ``use_data_before_expert_parallelism``, DeepSpeed's data-then-expert ranks)."""
     deepspeed = _init_deepspeed(rank, world)
-    engine = engine_of(deepspeed, world, stage, dtype, tuple(shape), seed=0)
+    extra = {"use_data_before_expert_parallelism": True} if data_first else {}
+    engine = engine_of(deepspeed, world, stage, dtype, tuple(shape), seed=0, **extra)
     for step in range(STEPS):
         _train_step(engine, rank, step, dtype)
     engine.save_checkpoint(out_dir)
