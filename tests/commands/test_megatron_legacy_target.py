@@ -116,6 +116,8 @@ def test_dry_run_lists_the_files(store, tmp_path):
     (["--mesh", "pp3", "--format", "megatron-legacy"], "4 layers do not split evenly"),
     (["--mesh", "tp2,cp2", "--format", "megatron-legacy"], "takes tp, pp, dp and ep"),
     (["--mesh", "tp2", "--vpp", "2"], "add --format megatron-legacy"),
+    # Megatron-LM's legacy folders mp_rank_<tp>[_<pp>][_<ep>] have no expert TP rank
+    (["--mesh", "tp2,etp1", "--format", "megatron-legacy"], "named by the dense TP and the EP rank"),
 ])
 def test_refused_before_any_io(store, tmp_path, args, message):
     code, _, err = run_cli("from-universal", str(store), str(tmp_path / "out"), *args)
