@@ -651,7 +651,11 @@ def _verify_deepspeed_zero(root: Path, found: _Findings, quick: bool, trust_pick
     if quick:
         return []
     found.checks += ["every tensor storage read and checked against its zip CRC-32"]
-    return [_guard(lambda n=n: reader.check_storage(n), "crc", file=file) for n, file in enumerate(reader.storages)]
+    tasks = [_guard(lambda n=n: reader.check_storage(n), "crc", file=file) for n, file in enumerate(reader.storages)]
+    if reader.replicated_keys:
+        found.checks += ["every TP-replicated tensor: each tensor-parallel rank's copy equal to rank 0's, bit for bit"]
+        tasks += [_guard(lambda key=key: reader.check_replicas(key), "replica", key) for key in reader.replicated_keys]
+    return tasks
 
 
 def _verify_megatron_legacy(root: Path, found: _Findings, quick: bool, trust_pickle: bool) -> list[_Task]:

@@ -8,6 +8,7 @@ no tensor data read before it is asked for, memory independent of the checkpoint
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from pathlib import Path
@@ -70,6 +71,7 @@ class DeepSpeedZeroReader:
         self.root = find_tag_dir(path)
         self._tp_rules = tp_rules
         self._tp = 1
+        self._replicas: dict[str, tuple[tuple[ChunkRef, ...], ...]] = {}
         self._verify = verify
         self._verified: set[int] = set()
         self._lock = threading.Lock()
@@ -130,6 +132,8 @@ class DeepSpeedZeroReader:
             name = param_name(entry)
             join = rules.join_of(name) if name is not None and entry.shape else Join("replicated")
             b.tensors[key] = join_entries(key, [sub.tensors[key] for sub, *_ in built], join, ranks, where)
+            if join.kind == "replicated" and entry.shape and join.rows is None:
+                self._replicas[key] = tuple(sub.tensors[key].chunks for sub, *_ in built[1:])
         b.objects.update(sub0.objects)
         b.object_values.update(sub0.object_values)
         self._tp = len(mps)
@@ -276,6 +280,46 @@ class DeepSpeedZeroReader:
         with self._verify_lock:
             self._verified.add(number)
         return slot.nbytes
+
+    @property
+    def replicated_keys(self) -> list[str]:
+        """The keys of a TP save taken from TP rank 0 as replicated (the other ranks' copies
+        checked by :meth:`check_replicas`)."""
+        return list(self._replicas)
+
+    def check_replicas(self, key: str, block_bytes: int = 64 << 20) -> int:
+        """Compare the other TP ranks' copies of replicated ``key`` with rank 0's, bit for bit, in
+        blocks of rows (ds_to_universal asserts they are equal); a CorruptCheckpointError naming
+        the rank when one differs. The bytes read."""
+        entry = self._index.tensors[key]
+        shape = entry.shape
+        row = math.prod(shape[1:]) * by_name(entry.dtype).itemsize
+        step = max(1, block_bytes // max(1, row))
+        total = 0
+        for lo in range(0, shape[0], step):
+            region = Box((lo, *(0,) * (len(shape) - 1)), (min(step, shape[0] - lo), *shape[1:]))
+            want = self._gather(key, entry.chunks, region)
+            for t, chunks in enumerate(self._replicas[key], 1):
+                if not np.array_equal(self._gather(key, chunks, region), want):
+                    raise CorruptCheckpointError(
+                        f"{self.root}: key {key!r}: tensor-parallel rank {t}'s copy differs from rank 0's (rows from "
+                        f"{lo}) though the rules call it replicated (tp_replicated_parameter_patterns); "
+                        "ds_to_universal.py refuses it too: check the rules")
+                total += want.nbytes
+            total += want.nbytes
+        return total
+
+    def _gather(self, key: str, chunks: tuple[ChunkRef, ...], region: Box) -> np.ndarray:
+        out = None
+        for c in chunks:
+            part = c.box.intersect(region)
+            if part is None:
+                continue
+            data = self.read_region_array(key, c, part)
+            if out is None:
+                out = np.empty(region.sizes, dtype=data.dtype)
+            out[part.relative_to(region).slices()] = data
+        return out if out is not None else np.empty(0)
 
     def _value(self, key: str, chunk: ChunkRef, region: Box) -> np.ndarray:
         entry = self._index.tensors[key]

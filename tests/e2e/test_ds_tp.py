@@ -2,8 +2,8 @@
 directly, joined as their ``universal_checkpoint_info`` says (:mod:`formats.deepspeed_zero.tp`).
 
 The saves are DeepSpeed 0.19.8's own (``ds_tp_support``: a Megatron-like model of vocabulary-,
-column-, row-parallel, replicated and 2-sub-parameter tensors, ZeRO-1/2/3, fp32 and bf16, with
-Megatron-DeepSpeed's ``universal_checkpoint_info``). Oracles: DeepSpeed's own ``ds_to_universal.py``
+column-, row-parallel, replicated and 2-sub-parameter tensors; ZeRO-1 fp32 and ZeRO-3 bf16, and
+ZeRO-2 bf16 passed the same checks once but is left out for CI time; with Megatron-DeepSpeed's ``universal_checkpoint_info``). Oracles: DeepSpeed's own ``ds_to_universal.py``
 on the same folder (every fp32 master, exp_avg, exp_avg_sq and step bit for bit) and each TP
 rank's live state by DeepSpeed's ``safe_get_full_*`` joined by the test's own knowledge of the cut;
 then ``from-universal`` to FSDP2 ``dp2`` and a real 2-process ``dcp.load``. The plain-``mpu`` save
@@ -26,7 +26,7 @@ from cli_runner import run_cli
 from ds_support import requires_deepspeed
 
 pytestmark = [requires_deepspeed, pytest.mark.slow]
-CASES = ["z1-fp32", "z2-bf16", "z3-bf16"]
+CASES = ["z1-fp32", "z3-bf16"]  # ZeRO-2 takes the ZeRO-1 path (both in DeepSpeed and here); kept out for CI time
 
 
 def _read(src: Path, rules=None) -> dict[str, torch.Tensor]:
@@ -69,7 +69,8 @@ def test_every_state_equals_ds_to_universal_and_the_global_weights(name: str) ->
 
 
 def test_every_command_reads_it_and_fsdp2_loads_it_bit_exact(tmp_path: Path) -> None:
-    """inspect, verify, diff, to-universal and export-hf exit 0 on the TP save; from-universal to
+    """inspect, verify (every replicated copy compared too), diff, to-universal and export-hf exit 0
+    on the TP save; from-universal to
     FSDP2 dp2, and a 2-process ``dcp.load`` through get/set_state_dict: torch's own full state
     equals the global weights and Adam states, and the step."""
     from ds_tp_support import TIMEOUT, live_global, saved
@@ -110,7 +111,8 @@ def test_plain_mpu_save_refused_then_read_with_rules(tmp_path: Path) -> None:
     """A plain-mpu save (no universal_checkpoint_info): one line naming the model-states file,
     what is missing and --ds-tp-rules (not ds_to_universal, which joins it wrongly); with a rules
     file every state equals ds_to_universal.py --inject_missing_state's atoms (both join on dim 0
-    where no pattern matches), and a rules file saying row-parallel joins that weight on dim 1."""
+    where no pattern matches), a rules file saying row-parallel joins that weight on dim 1, and
+    one calling a bias replicated that is not makes ``verify`` name it (its copies differ)."""
     from ds_layout_support import TAG, saved_layout
     from ds_zero_support import deepspeed_env, universal_atoms
     from formats.deepspeed_zero.tp import TpRules
@@ -139,6 +141,10 @@ def test_plain_mpu_save_refused_then_read_with_rules(tmp_path: Path) -> None:
     code, out, err = run_cli("--ds-tp-rules", str(rules), "inspect", "--json", str(src))
     assert code == 0, err
     assert {t["key"]: t["shape"] for t in json.loads(out)["tensors"]}["model.2.weight"] == [8, 16]
+    rules.write_text(json.dumps({"tp_replicated_parameter_patterns": [r"0\.bias$"]}))  # each rank's differs
+    code, out, err = run_cli("--ds-tp-rules", str(rules), "verify", str(src))
+    assert code != 0 and out.count("problem [replica]") == 3 and "'model.0.bias': tensor-parallel rank 1's copy differs" \
+        in out, out + err
     rules.write_text(json.dumps({"tp_replicated_parameter_patterns": "0"}))
     code, _, err = run_cli("--ds-tp-rules", str(rules), "inspect", str(src))
     assert code == 2 and "must be a list of regex strings" in err and len(err.strip().splitlines()) == 1, err
