@@ -2,8 +2,8 @@
 directly, joined as their ``universal_checkpoint_info`` says (:mod:`formats.deepspeed_zero.tp`).
 
 The saves are DeepSpeed 0.19.8's own (``ds_tp_support``: a Megatron-like model of vocabulary-,
-column-, row-parallel, replicated and 2-sub-parameter tensors; ZeRO-1 fp32 and ZeRO-3 bf16, and
-ZeRO-2 bf16 passed the same checks once but is left out for CI time; with Megatron-DeepSpeed's ``universal_checkpoint_info``). Oracles: DeepSpeed's own ``ds_to_universal.py``
+column-, row-parallel, replicated and 2-sub-parameter tensors; TP2 ZeRO-1 fp32, TP2 ZeRO-3 bf16 and
+TP2 x DP2 ZeRO-1 bf16 on 4 ranks; ZeRO-2 bf16 passed the same checks once, left out for CI time; with Megatron-DeepSpeed's ``universal_checkpoint_info``). Oracles: DeepSpeed's own ``ds_to_universal.py``
 on the same folder (every fp32 master, exp_avg, exp_avg_sq and step bit for bit) and each TP
 rank's live state by DeepSpeed's ``safe_get_full_*`` joined by the test's own knowledge of the cut;
 then ``from-universal`` to FSDP2 ``dp2`` and a real 2-process ``dcp.load``. The plain-``mpu`` save
@@ -26,7 +26,7 @@ from cli_runner import run_cli
 from ds_support import requires_deepspeed
 
 pytestmark = [requires_deepspeed, pytest.mark.slow]
-CASES = ["z1-fp32", "z3-bf16"]  # ZeRO-2 takes the ZeRO-1 path (both in DeepSpeed and here); kept out for CI time
+CASES = ["z1-fp32", "z3-bf16", "z1-bf16-dp2"]  # ZeRO-2 takes the ZeRO-1 path (both in DeepSpeed and here); kept out for CI time
 
 
 def _read(src: Path, rules=None) -> dict[str, torch.Tensor]:

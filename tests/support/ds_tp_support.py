@@ -1,8 +1,8 @@
 """Tensor-parallel DeepSpeed saves of a Megatron-like model (:mod:`ds_tp_worker`), by DeepSpeed
-0.19.8's own engine in 2-rank gloo runs (TP 2, data parallelism 1), cached with DeepSpeed's own
+0.19.8's own engine in gloo runs (TP 2 x data parallelism 1 or N), cached with DeepSpeed's own
 ``ds_to_universal.py`` output beside them.
 
-A case is named ``z<stage>-<fp32|bf16>``; its entry holds ``run/latest``, ``run/global_step2/``
+A case is named ``z<stage>-<fp32|bf16>[-dp<N>]`` (``dp<N>``: N data-parallel ranks, 2 x N in all); its entry holds ``run/latest``, ``run/global_step2/``
 (what ``save_checkpoint`` wrote, with ``universal_checkpoint_info``), ``run/live-rank<r>.pt``
 (each TP rank's full state by DeepSpeed's accessors) and ``universal/`` (ds_to_universal.py of
 the tag folder) or ``universal.err``.
@@ -21,7 +21,7 @@ SUPPORT = Path(__file__).resolve().parent
 TIMEOUT = 300.0
 TAG = "global_step2"
 TP = 2
-_NAME = re.compile(r"z(?P<stage>[0-3])-(?P<dtype>fp32|bf16)")
+_NAME = re.compile(r"z(?P<stage>[0-3])-(?P<dtype>fp32|bf16)(?:-dp(?P<dp>[1-9]))?")
 
 
 def build(name: str, out: Path) -> None:
@@ -32,7 +32,8 @@ def build(name: str, out: Path) -> None:
     m = _NAME.fullmatch(name)
     assert m is not None, name
     stage = int(m["stage"])
-    run_world(ds_tp_worker.save_tp_megatron, TP, (str(out / "run"), stage, m["dtype"] == "bf16"), timeout=TIMEOUT)
+    world = TP * int(m["dp"] or 1)
+    run_world(ds_tp_worker.save_tp_megatron, world, (str(out / "run"), stage, m["dtype"] == "bf16", TP), timeout=TIMEOUT)
     _ds_to_universal(out / "run" / TAG, out, stage)
 
 

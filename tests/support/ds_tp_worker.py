@@ -155,22 +155,61 @@ class TpModel(torch.nn.Module):
         return self.h4row(F.silu(gate) * up)
 
 
-def save_tp_megatron(rank: int, world: int, out_dir: str, stage: int, bf16: bool) -> None:
-    """ZeRO-``stage`` over a ``world``-way TP mpu (data parallelism 1), ``STEPS`` AdamW steps, saved
-    with Megatron-DeepSpeed's ``universal_checkpoint_info``; then ``live-rank<r>.pt``."""
+class Mpu:
+    """Megatron's ``parallel_state`` as DeepSpeed asks it: ``tp`` tensor-parallel ranks fastest
+    (global rank = dp rank * tp + tp rank), data-parallel groups across them."""
+
+    def __init__(self, tp: int) -> None:
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.tp, self.dp = tp, world // tp
+        self.tp_rank, self.dp_rank = rank % tp, rank // tp
+        for d in range(self.dp):  # new_group is collective: every rank makes every group
+            group = dist.new_group([d * tp + t for t in range(tp)])
+            if d == self.dp_rank:
+                self.mp_group = group
+        for t in range(tp):
+            group = dist.new_group([d * tp + t for d in range(self.dp)])
+            if t == self.tp_rank:
+                self.dp_group = group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp
+
+    def get_model_parallel_group(self) -> Any:
+        return self.mp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_group
+
+
+def save_tp_megatron(rank: int, world: int, out_dir: str, stage: int, bf16: bool, tp: int = 2) -> None:
+    """ZeRO-``stage`` over a ``tp``-way TP mpu x ``world // tp`` data-parallel ranks, ``STEPS``
+    AdamW steps, saved with Megatron-DeepSpeed's ``universal_checkpoint_info``; then
+    ``live-rank<r>.pt`` (ranks ``0 .. tp-1`` hold data-parallel rank 0's TP ranks)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from ds_layout_worker import ModelParallel, _config
+    from ds_layout_worker import _config
     from ds_worker import _init_deepspeed
 
     deepspeed = _init_deepspeed(rank, world)
-    mpu = ModelParallel()
-    model = TpModel(rank, world, mpu.mp_group)
+    mpu = Mpu(tp)
+    model = TpModel(mpu.tp_rank, tp, mpu.mp_group)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    config = _config(1, stage, **({"bf16": {"enabled": True}} if bf16 else {}))
+    config = _config(mpu.dp, stage, **({"bf16": {"enabled": True}} if bf16 else {}))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optim, mpu=mpu, config=config)
     for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)  # the same batch on every TP rank
+        g = torch.Generator().manual_seed(100 * mpu.dp_rank + step)  # the same batch on every TP rank
         tokens = torch.randint(0, VOCAB, (2, 5), generator=g)
         out = engine(tokens)
         engine.backward(out.float().square().mean())
