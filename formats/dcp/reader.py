@@ -15,7 +15,7 @@ import os
 import re
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -262,6 +262,21 @@ def _check_files(st: Storage, refs: Iterable[tuple[str, StorageInfo]]) -> dict[s
     return _check_sizes(st, need)
 
 
+def _in_save_order(entries: Mapping[str, Any], planner_data: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``entries`` in the saving job's state-dict order: ``planner_data``'s order (``dcp.save``'s
+    flattening of the whole state dict, which ``dcp.load`` walks in the same order to request the
+    items), then any entries it does not name, in their own order. ``state_dict_metadata``'s
+    order differs: it follows the gathered save plans, where a replicated item (an optimizer
+    ``step``) comes with the rank that wrote it, so torchtitan's 0-d steps trail every other key;
+    a converted file laid out in that order makes the loader seek to the file's end and back for
+    each parameter's state."""
+    ordered = [(k, entries[k]) for k in planner_data if k in entries]
+    if len(ordered) == len(entries):
+        return ordered
+    named = set(planner_data)
+    return ordered + [(k, v) for k, v in entries.items() if k not in named]
+
+
 def _need(need: dict[str, tuple[int, str]], key: str, info: StorageInfo) -> None:
     """Record that ``info``'s file must hold ``info``'s item (for :func:`_check_sizes`)."""
     end = info.offset + info.length
@@ -426,7 +441,7 @@ class DCPReader:
         set_locator, set_rank = ChunkRef.locator.__set__, ChunkRef.rank.__set__
         chunk_rels: list[str] = []  # every chunk's file and item end (for need, at the end)
         chunk_ends: list[int] = []
-        for key, meta in md.entries.items():
+        for key, meta in _in_save_order(md.entries, md.planner_data):  # the order dcp.load asks in
             path = md.planner_data.get(key) or guess_path(key)
             if isinstance(meta, BytesMeta):
                 info = _storage_of(md, key, None, where)

@@ -260,6 +260,28 @@ def test_concurrent_reads(single):
     reader.close()
 
 
+def test_index_lists_keys_in_the_saving_jobs_order(single, tmp_path):
+    """The index follows ``planner_data``'s order (dcp.save's flattening of the job's state dict,
+    the order a resumed job's ``dcp.load`` walks), not ``state_dict_metadata``'s, which trails
+    the replicated items (a multi-rank save's AdamW steps) after the rest: from-universal lays
+    its files out in the index's order (issue 29)."""
+    plain, _, oracle, _ = single
+    moved = copy_ckpt(plain, tmp_path / "moved")
+    first = next(iter(pickle.loads((plain / ".metadata").read_bytes()).state_dict_metadata))
+
+    def trail_the_first(md):
+        md.state_dict_metadata[first] = md.state_dict_metadata.pop(first)
+
+    rewrite_metadata(moved, trail_the_first)
+    md = pickle.loads((moved / ".metadata").read_bytes())
+    assert list(md.state_dict_metadata)[-1] == first and list(md.planner_data)[0] == first
+    index = DCPReader(moved).index()
+    saved = [k for k in md.planner_data if k in {*index.tensors, *index.objects}]
+    assert [k for k in saved if k in index.tensors] == list(index.tensors)
+    assert [k for k in saved if k in index.objects] == list(index.objects)
+    check_against_oracle(DCPReader(moved), oracle, seed=3)
+
+
 def test_old_metadata_without_version_and_storage_meta(single, tmp_path):
     plain, _, oracle, _ = single
     old = copy_ckpt(plain, tmp_path / "old")

@@ -348,6 +348,70 @@ def test_checkpoint_loads_with_dcp_and_dcp_to_torch_save(tmp_path):
     _assert_nested_equal(torch.load(out, weights_only=False), expected)
 
 
+def _read_order(root: Path, state: dict) -> dict[str, list[tuple[int, int]]]:
+    """The (offset, length) of every item torch's ``FileSystemReader`` reads while ``dcp.load``
+    fills ``state``, per file, in the order it reads them (grouped by file, then plan order, as
+    torch 2.13's ``read_data`` serves a plan)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    order: dict[str, list[tuple[int, int]]] = {}
+
+    class Recording(FileSystemReader):
+        def read_data(self, plan, planner):
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                order.setdefault(info.relative_path, []).append((info.offset, info.length))
+            return super().read_data(plan, planner)
+
+    dcp.load(state, storage_reader=Recording(root))
+    return order
+
+
+@pytest.mark.parametrize("item_order", ["load", "save"])
+def test_each_file_is_read_front_to_back(tmp_path, item_order):
+    """dcp.load walks the state dict with its top-level keys sorted and each subtree in the
+    saving job's order (an AdamW ``step`` before its ``exp_avg``): the default layout puts every
+    file's items in that order, so the loader reads each file front to back, never seeking back
+    (issue 29: a layout in ``.metadata`` key order, every 0-d ``step`` after all the moments, made
+    the loader jump to the file's end and back twice per parameter). ``item_order="save"``
+    (dcp.save's own layout, objects first) is read with seeks back: the planted regression."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    sd = {
+        "model": {"w": _random((4, 3), torch.float32, 1), "v": _random((5,), torch.bfloat16, 2)},
+        "optim": {"state": {name: {"step": torch.tensor(7.0), "exp_avg": _random(shape, torch.float32, 3),
+                                   "exp_avg_sq": _random(shape, torch.float32, 4)}
+                            for name, shape in (("w", (4, 3)), ("v", (5,)))},
+                  "param_groups": [{"lr": 0.1, "params": ["w", "v"]}]},
+        "extra": {"step": 3},
+    }
+    flat, planner = flatten_state_dict(sd)
+    # the chunks in .metadata's order of a dcp.save whose replicated steps trail the moments (the
+    # layout's order); planner_data in the job's flattening order, as dcp.save records it
+    keys = sorted(flat, key=lambda k: k.endswith(".step") and k.startswith("optim"))
+    chunks = [ChunkSpec(k, _name(flat[k].dtype), tuple(flat[k].shape), full_box(tuple(flat[k].shape)), 0)
+              for k in keys if isinstance(flat[k], torch.Tensor)]
+    objs = [ObjectSpec(k, _torch_save_bytes(flat[k]), 0) for k in keys if not isinstance(flat[k], torch.Tensor)]
+    root = tmp_path / "ckpt"
+    writer = DCPWriter(root, chunks, objs, planner, world_size=1, item_order=item_order)
+    _write_threaded(writer, chunks, flat)
+    writer.commit()
+
+    target = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
+              "optim": {"state": {n: {k: torch.zeros_like(v) for k, v in st.items()}
+                                  for n, st in sd["optim"]["state"].items()},
+                        "param_groups": [{"lr": 0.0, "params": []}]},
+              "extra": {"step": 0}}
+    reads = _read_order(root, target)
+    _assert_nested_equal(target, sd)  # the layout changes where items lie, never what loads
+    backward = sum(b[0] < a[0] + a[1] for items in reads.values() for a, b in zip(items, items[1:]))
+    gaps = sum(b[0] != a[0] + a[1] for items in reads.values() for a, b in zip(items, items[1:]))
+    if item_order == "load":
+        assert (backward, gaps) == (0, 0) and reads["__0_0.distcp"][0][0] == 0
+    else:
+        assert backward >= 3  # extra (an object, first in the file) read first; each step behind its moments
+
+
 def test_matches_a_real_dcp_save(tmp_path):
     """Same state dict through dcp.save and DCPWriter: identical .distcp bytes and metadata."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -369,7 +433,7 @@ def test_matches_a_real_dcp_save(tmp_path):
             chunks.append(ChunkSpec(k, _name(v.dtype), tuple(v.shape), full_box(tuple(v.shape)), 0))
         else:
             objs.append(ObjectSpec(k, _torch_save_bytes(v), 0))
-    writer = DCPWriter(tmp_path / "ours", chunks, objs, planner, world_size=1)
+    writer = DCPWriter(tmp_path / "ours", chunks, objs, planner, world_size=1, item_order="save")
     _write_threaded(writer, chunks, flat)
     writer.commit()
 
