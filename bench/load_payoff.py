@@ -18,7 +18,13 @@ its shards and AdamW state, and ``dcp.load``\\ s each of the three checkpoints w
   resolution), ``create_global_plan`` and ``finish_plan``;
 - ``read_s``: ``read_data``; ``bytes``: storage bytes of the items it read; ``files``: files they
   lie in; ``foreign_bytes``: bytes read from files other than ``__<rank>_0.distcp`` (what a rank
-  with only its own file on local disk could not read).
+  with only its own file on local disk could not read);
+- ``read_data`` split up (``PHASES``): ``io_s`` (in the file view's reads), ``load_s``
+  (``torch.load`` of each item, ``io_s`` included), ``copy_s`` (narrow + ``copy_`` into the
+  target), ``requests``, ``read_calls``, ``backward`` (items read after a later part of the same
+  file: a seek back) and ``skipped_bytes``; ``cpu_s``: the rank's user + system CPU seconds in
+  ``dcp.load``; ``cached_before`` (rank 0): the fraction of the checkpoint's pages in the page
+  cache after the eviction (``mincore``).
 
     python bench/load_payoff.py --size 400MB --worlds 4,8 --repeats 2
 
@@ -48,6 +54,12 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 from make_checkpoint import _free_port, make_checkpoint, parse_size  # noqa: E402
 
 VARIANTS = ("original", "dedup", "rank")
+#: What ``read_data`` is split into, per rank: seconds in the file view's reads (``io_s``, inside
+#: ``load_s``), in ``torch.load`` of each item (``load_s``), in the narrow + ``copy_`` into the
+#: target (``copy_s``); counts of read items, of the view's read calls, of items that start before
+#: the end of an item read earlier from the same file (``backward``: the reader seeks back) and
+#: bytes jumped over forward (``skipped_bytes``).
+PHASES = ("io_s", "load_s", "copy_s", "requests", "read_calls", "backward", "skipped_bytes")
 
 
 def target_meshes(world: int) -> list[str]:
@@ -75,6 +87,48 @@ def evict(path: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def resident_fraction(path: Path) -> float:
+    """The fraction of ``path``'s ``.distcp`` pages in the page cache (``mincore`` of a mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    resident = total = 0
+    for f in sorted(path.glob("*.distcp")):
+        size = f.stat().st_size
+        if not size:
+            continue
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap {f}")
+            try:
+                if libc.mincore(addr, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore {f}")
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+        resident += sum(v & 1 for v in bytes(vec))
+        total += pages
+    return resident / total if total else 0.0
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (all its threads)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 # ----------------------------------------------------------------------------- the load job
@@ -111,6 +165,41 @@ def _local_nbytes(state) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
+class _TimedView:
+    """A file view whose reads are timed and counted into ``phases`` (``io_s``, ``read_calls``)."""
+
+    def __init__(self, view, phases):
+        self._view, self._phases = view, phases
+
+    def read(self, *a):
+        t = time.perf_counter()
+        try:
+            return self._view.read(*a)
+        finally:
+            self._phases["io_s"] += time.perf_counter() - t
+            self._phases["read_calls"] += 1
+
+    def readinto(self, b):
+        t = time.perf_counter()
+        try:
+            return self._view.readinto(b)
+        finally:
+            self._phases["io_s"] += time.perf_counter() - t
+            self._phases["read_calls"] += 1
+
+    def __getattr__(self, name):
+        return getattr(self._view, name)
+
+
+def _served_order(plan, storage_data):
+    """``plan``'s items in the order torch's ``FileSystemReader.read_data`` reads them: grouped by
+    file (files in first-request order), each file's requests in plan order."""
+    per_file: dict[str, list] = {}
+    for item in plan.items:
+        per_file.setdefault(storage_data[item.storage_index].relative_path, []).append(item)
+    return [item for items in per_file.values() for item in items]
+
+
 def _measured(rank: int):
     """Torch's FileSystemReader and DefaultLoadPlanner, timed and counted."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -142,6 +231,7 @@ def _measured(rank: int):
         def __init__(self, path):
             super().__init__(path)
             self.md_s, self.read_s, self.by_file = 0.0, 0.0, Counter()
+            self.phases = Counter()  # io_s, load_s, copy_s, requests, read_calls, backward, skipped_bytes
 
         def read_metadata(self, *args, **kwargs):  # "kwargs": dcp.load passes rank= only to that name
             t0 = time.perf_counter()
@@ -150,13 +240,55 @@ def _measured(rank: int):
             finally:
                 self.md_s += time.perf_counter() - t0
 
+        def _slice_file(self, file, sinfo):
+            return _TimedView(super()._slice_file(file, sinfo), self.phases)
+
         def read_data(self, plan, planner):
-            for item in plan.items:
+            import torch
+
+            ends: dict[str, int] = {}
+            for item in plan.items:  # in the order read_data serves them: grouped by file, then plan order
                 info = self.storage_data[item.storage_index]
                 self.by_file[info.relative_path] += info.length
+            for item in _served_order(plan, self.storage_data):
+                info = self.storage_data[item.storage_index]
+                end = ends.get(info.relative_path)  # where the previous read in this file ended
+                if end is not None and info.offset < end:
+                    self.phases["backward"] += 1
+                elif end is not None:
+                    self.phases["skipped_bytes"] += info.offset - end
+                ends[info.relative_path] = info.offset + info.length
+            self.phases["requests"] += len(plan.items)
+            load, phases = torch.load, self.phases
+
+            def timed_load(*a, **kw):
+                t = time.perf_counter()
+                try:
+                    return load(*a, **kw)
+                finally:
+                    phases["load_s"] += time.perf_counter() - t
+
+            resolve, commit = planner.resolve_tensor, planner.commit_tensor
+            resolved = [0.0]
+
+            def timed_resolve(req):
+                out = resolve(req)
+                resolved[0] = time.perf_counter()
+                return out
+
+            def timed_commit(req, tensor):
+                phases["copy_s"] += time.perf_counter() - resolved[0]
+                return commit(req, tensor)
+
+            planner.resolve_tensor, planner.commit_tensor = timed_resolve, timed_commit
+            torch.load = timed_load
             t0 = time.perf_counter()
-            fut = super().read_data(plan, planner)
-            fut.wait()
+            try:
+                fut = super().read_data(plan, planner)
+                fut.wait()
+            finally:
+                torch.load = load
+                del planner.resolve_tensor, planner.commit_tensor
             self.read_s += time.perf_counter() - t0
             return fut
 
@@ -189,18 +321,21 @@ def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tu
                     evict(Path(path))
                 Reader, Planner = _measured(rank)
                 Planner.seconds = 0.0
+                cached = resident_fraction(Path(path)) if rank == 0 else None
                 reader = Reader(path)
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = _cpu_seconds(), time.perf_counter()
                 dcp.load(state, storage_reader=reader, planner=Planner())
-                wall = time.perf_counter() - t0
+                wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
                 own = f"__{rank}_0.distcp"
                 needed = _local_nbytes(state)
                 reports.append({"mesh": mesh_text, "variant": variant, "round": round_, "rank": rank,
                                 "wall_s": wall, "plan_s": reader.md_s + Planner.seconds, "read_s": reader.read_s,
                                 "bytes": sum(reader.by_file.values()), "files": len(reader.by_file),
                                 "foreign_bytes": sum(n for f, n in reader.by_file.items() if f != own),
-                                "needed_bytes": needed, "short": sum(reader.by_file.values()) < needed})
+                                "needed_bytes": needed, "short": sum(reader.by_file.values()) < needed,
+                                "cpu_s": cpu, "cached_before": cached,
+                                **{k: reader.phases[k] for k in PHASES}})
                 dist.barrier()
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(reports))
@@ -256,13 +391,17 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "plan_s": round(med("plan_s"), 3), "read_s": round(med("read_s"), 3),
                     "max_rank_MB": round(med("bytes") / 1e6, 1), "total_MB": round(med("bytes", sum) / 1e6, 1),
                     "max_files": int(med("files")), "foreign_MB": round(med("foreign_bytes", sum) / 1e6, 1),
-                    "short_ranks": sum(r["short"] for r in mine)})
+                    "short_ranks": sum(r["short"] for r in mine),
+                    **({"io_s": round(med("io_s"), 3), "copy_s": round(med("copy_s"), 3),
+                        "cpu_s_all": round(med("cpu_s", sum), 2), "backward": int(med("backward"))}
+                       if all("io_s" in r for r in mine) else {})})
     return out
 
 
 def table(summary: list[dict]) -> str:
-    cols = ["world", "mesh", "variant", "wall_s", "plan_s", "read_s", "max_rank_MB", "total_MB", "max_files",
-            "foreign_MB", "short_ranks"]
+    cols = ["world", "mesh", "variant", "wall_s", "plan_s", "read_s", "io_s", "copy_s", "cpu_s_all", "backward",
+            "max_rank_MB", "total_MB", "max_files", "foreign_MB", "short_ranks"]
+    cols = [c for c in cols if all(c in s for s in summary)]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     lines += ["| " + " | ".join(str(s[c]) for c in cols) + " |" for s in summary]
     return "\n".join(lines)
