@@ -43,6 +43,12 @@ FAULT_SLOW_PIECE_SECONDS = float(os.environ.get("CKPTCONV_FAULT_SLOW_PIECE_SECON
 FAULT_HOLD_FILE = os.environ.get("CKPTCONV_FAULT_HOLD_FILE", "")
 #: Seconds between journal batches (data fsync + journal append) of a conversion.
 JOURNAL_FLUSH_SECONDS = float(os.environ.get("CKPTCONV_JOURNAL_FLUSH_SECONDS", "2.0") or 2.0)
+#: Seconds a file that many tasks write (a DCP rank file) may go unsynced while some of its tasks
+#: are still running: a batch makes such a file durable (so that --resume keeps its finished tasks)
+#: only once all of this run's tasks into it are done, or once it was last synced this long ago.
+#: A shorter run syncs each file once. None (unset): 30x JOURNAL_FLUSH_SECONDS (60 s; 0 with it).
+_OPEN = os.environ.get("CKPTCONV_JOURNAL_OPEN_FILE_SECONDS")
+JOURNAL_OPEN_FILE_SECONDS: float | None = float(_OPEN) if _OPEN else None
 #: Where a conversion to a URL destination spools its output before uploading (a fresh
 #: ``ckptconv-spool-*`` directory is made under it; None = the system temp dir). Universal outputs
 #: stream through it (chunks uploaded and deleted as they are written: about twice the memory

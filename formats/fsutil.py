@@ -269,13 +269,20 @@ class DirectWrites:
     owner clears it when it syncs). Thread-safe: concurrent writes go to disjoint ranges.
     """
 
-    def __init__(self, fd: int, path: str | os.PathLike | None = None) -> None:
+    def __init__(self, fd: int, path: str | os.PathLike | None = None, *, combiner: BlockCombiner | None = None,
+                 size: int | None = None, dirty: bool = True) -> None:
+        """``combiner``: gather writes smaller than its block into whole aligned blocks first
+        (:class:`BlockCombiner`; ``size``, the file's final size, lets it know the last block
+        full); ``dirty``: whether the file needs a sync before anything is written (created or
+        resized: its size and entry)."""
         self.fd = fd
         self._path = path
         self._direct: int | None = None
         self._refused = path is None or not _O_DIRECT
         self._lock = threading.Lock()
-        self.dirty = True  # created: its size and entry need a sync too
+        self._combiner = combiner
+        self.size = size
+        self.dirty = dirty
 
     def _direct_fd(self) -> int | None:
         if self._refused:
@@ -289,10 +296,32 @@ class DirectWrites:
 
     def pwrite(self, data: object, offset: int) -> int:
         """Write all of ``data`` at ``offset``; the number of bytes that went through the page
-        cache (all of them unless the aligned middle went direct)."""
-        view = memoryview(data).cast("B")
+        cache now (all of them unless the aligned middle went direct; with a combiner, the parts
+        outside whole blocks are gathered instead and count 0: see :class:`BlockCombiner`)."""
+        try:
+            return self._pwrite(memoryview(data).cast("B"), offset)
+        finally:
+            # set once the bytes are written or gathered: a sync that ran meanwhile may have
+            # missed them (gathered bytes are lost with the process, unlike the page cache's)
+            self.dirty = True
+
+    def _pwrite(self, view: memoryview, offset: int) -> int:
+        comb = self._combiner
+        if comb is None:
+            return self.write_through(view, offset)
+        n, block = len(view), comb.block
+        lo = min(n, -offset % block)  # bytes before the first block boundary
+        hi = max(lo, (offset + n) // block * block - offset)  # end of the whole blocks
+        if hi == lo:  # inside one or two blocks: gathered
+            comb.gather(self, view, offset)
+            return 0
+        comb.gather(self, view[:lo], offset)
+        comb.gather(self, view[hi:], offset + hi)
+        return self.write_through(view[lo:hi], offset + lo)
+
+    def write_through(self, view: memoryview, offset: int) -> int:
+        """:meth:`pwrite` without the combiner; the bytes that went through the page cache."""
         n = len(view)
-        self.dirty = True
         lo = -offset % DIRECT_ALIGN  # bytes before the first aligned file offset
         hi = (offset + n) // DIRECT_ALIGN * DIRECT_ALIGN - offset  # end of the aligned middle
         if self._refused or hi - lo < DIRECT_MIN_BYTES or (buffer_address(view) - offset) % DIRECT_ALIGN:
@@ -322,19 +351,169 @@ class DirectWrites:
         if not self.dirty:
             return
         self.dirty = False  # before the sync: a write racing with it sets it again
+        if self._combiner is not None:
+            try:
+                self._combiner.flush(self)  # gathered bytes and blocks being written: on disk first
+            except BaseException:
+                self.dirty = True
+                raise
         try:
             (os.fdatasync if data_only and hasattr(os, "fdatasync") else os.fsync)(self.fd)
         except BaseException:
             self.dirty = True
             raise
 
-    def close(self) -> None:
-        """Close the direct descriptor and ``fd``; no write may be running."""
+    def close(self, flush: bool = True) -> None:
+        """Write what the combiner still holds of this file (unless ``flush`` is false: the file
+        is about to be removed), then close the direct descriptor and ``fd``; no write may be
+        running."""
+        try:
+            if self._combiner is not None:
+                if flush:
+                    self._combiner.flush(self)
+                else:
+                    self._combiner.drop(self)
+        finally:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
         direct, self._direct = self._direct, None
         self._refused = True
         for fd in (direct, self.fd):
             if fd is not None:
                 os.close(fd)
+
+
+#: Block of :class:`BlockCombiner`: the size of the writes it makes.
+COMBINE_BLOCK = 1 << 20
+#: Most bytes a :class:`BlockCombiner` holds in partly filled blocks before it writes the oldest.
+COMBINE_CAP = 32 << 20
+
+
+class _Block:
+    __slots__ = ("buf", "length", "filled", "runs")
+
+    def __init__(self, buf: np.ndarray, length: int) -> None:
+        self.buf, self.length, self.filled, self.runs = buf, length, 0, []
+
+
+class BlockCombiner:
+    """Gathers the small writes of one or more files (:class:`DirectWrites` with this combiner)
+    into whole ``block``-sized blocks at block-aligned offsets, each written with one aligned
+    write (``O_DIRECT`` where the file takes it) as soon as it is full, so that a file made of
+    many small records (a DCP rank file: a zip archive per chunk, each a few hundred bytes of
+    headers around the tensor bytes) is written in large aligned writes, whatever the size of
+    the pieces. Writes must go to disjoint ranges (each byte written once).
+
+    A block that is never filled (the bytes of an adopted chunk left unwritten on ``--resume``,
+    a file's last block without its size known) stays until :meth:`flush` (each file's sync and
+    close) writes its filled runs; past ``cap`` held bytes the oldest partly filled block is
+    written so (:attr:`evicted` counts them). Thread-safe.
+    """
+
+    def __init__(self, block: int = COMBINE_BLOCK, cap: int = COMBINE_CAP) -> None:
+        if block % DIRECT_ALIGN:
+            raise ValueError(f"block must be a multiple of {DIRECT_ALIGN}")
+        self.block, self.cap = block, cap
+        self._blocks: dict[tuple[int, int], tuple[DirectWrites, int, _Block]] = {}  # insertion order: oldest first
+        self._free: list[np.ndarray] = []
+        self._held = 0
+        self._writing: dict[int, int] = {}  # id(file) -> full blocks being written now
+        self._cond = threading.Condition()
+        self.evicted = 0
+        self.full_blocks = 0
+
+    def _buffer(self) -> np.ndarray:
+        if self._free:
+            return self._free.pop()
+        raw = np.empty(self.block + DIRECT_ALIGN, dtype=np.uint8)
+        start = -raw.ctypes.data % DIRECT_ALIGN
+        return raw[start: start + self.block]
+
+    def gather(self, owner: DirectWrites, view: memoryview, offset: int) -> None:
+        """Copy ``view`` (to be written at ``offset`` of ``owner``) into its blocks; write the
+        blocks it fills (and the oldest partly filled ones past the cap)."""
+        if not len(view):
+            return
+        done, ready, evict = 0, [], []
+        with self._cond:
+            while done < len(view):
+                at = offset + done
+                k, lo = divmod(at, self.block)
+                n = min(len(view) - done, self.block - lo)
+                key = (id(owner), k)
+                entry = self._blocks.get(key)
+                if entry is None:
+                    length = self.block if owner.size is None else min(self.block, owner.size - k * self.block)
+                    entry = self._blocks[key] = (owner, k, _Block(self._buffer(), max(length, lo + n)))
+                    self._held += self.block
+                blk = entry[2]
+                np.frombuffer(blk.buf, dtype=np.uint8)[lo: lo + n] = np.frombuffer(view[done: done + n], dtype=np.uint8)
+                blk.filled += n
+                blk.runs.append((lo, lo + n))
+                if blk.filled == blk.length:
+                    ready.append(self._take(key))
+                done += n
+            while self._held > self.cap and self._blocks:
+                evict.append(self._take(next(iter(self._blocks))))
+                self.evicted += 1
+            for f, _, _ in ready + evict:  # a flush of f waits for these writes
+                self._writing[id(f)] = self._writing.get(id(f), 0) + 1
+            self.full_blocks += len(ready)
+        try:
+            for f, k, blk in ready:
+                f.write_through(memoryview(blk.buf)[: blk.length], k * self.block)
+            self._write_runs(evict)
+        finally:
+            with self._cond:
+                for f, _, blk in ready + evict:
+                    self._writing[id(f)] -= 1
+                    self._free_block(blk)
+                self._cond.notify_all()
+
+    def _take(self, key: tuple[int, int]) -> tuple[DirectWrites, int, _Block]:
+        entry = self._blocks.pop(key)
+        self._held -= self.block
+        return entry
+
+    def _free_block(self, blk: _Block) -> None:
+        if len(self._free) * self.block < self.cap:
+            self._free.append(blk.buf)
+
+    def _write_runs(self, entries: list[tuple[DirectWrites, int, _Block]]) -> None:
+        """Write the filled runs of partly filled blocks (merged where they touch)."""
+        for f, k, blk in entries:
+            runs = sorted(blk.runs)
+            start, end = runs[0]
+            for lo, hi in [*runs[1:], (None, None)]:
+                if lo == end:
+                    end = hi
+                    continue
+                f.write_through(memoryview(blk.buf)[start:end], k * self.block + start)
+                if lo is not None:
+                    start, end = lo, hi
+
+    def flush(self, owner: DirectWrites) -> None:
+        """Write every block of ``owner`` this combiner holds and wait for the full blocks other
+        threads are writing to it: on return, every byte :meth:`gather` took for it is written."""
+        with self._cond:
+            mine = [key for key in self._blocks if key[0] == id(owner)]
+            entries = [self._take(key) for key in mine]
+        try:
+            self._write_runs(entries)
+        finally:
+            with self._cond:
+                for _, _, blk in entries:
+                    self._free_block(blk)
+        with self._cond:
+            while self._writing.get(id(owner)):
+                self._cond.wait()
+
+    def drop(self, owner: DirectWrites) -> None:
+        """Forget what this combiner holds of ``owner`` (a file being removed)."""
+        with self._cond:
+            for key in [key for key in self._blocks if key[0] == id(owner)]:
+                self._free_block(self._take(key)[2])
 
 
 def run_parallel(fn: Callable[[Any], None], items: list, workers: int = 8) -> None:

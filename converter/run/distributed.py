@@ -284,6 +284,11 @@ class _RecordingSink:
     def sync(self) -> None:
         self.sink.sync()
 
+    def __getattr__(self, name: str) -> Any:  # the sink's shared_files / sync_files, where it has them
+        if name in ("shared_files", "sync_files"):
+            return getattr(self.sink, name)
+        raise AttributeError(name)
+
 
 class _RecordingWriter:
     def __init__(self, owner: _RecordingSink, task: WriteTask, inner: PieceWriter) -> None:

@@ -29,6 +29,7 @@ from converter.plan.copy_tasks import Piece, WriteTask
 from formats.base import Box, CheckpointReader
 from formats.dtypes import by_name, to_storage_array
 from formats.errors import CkptConvError, StorageError
+from converter.run.journal import SharedFiles
 from formats.fsutil import pooled_buffer
 
 if TYPE_CHECKING:
@@ -76,7 +77,11 @@ class PieceWriter(Protocol):
 
 
 class TaskSink(Protocol):
-    """Opens a :class:`PieceWriter` for each write task; ``sync`` makes closed tasks durable."""
+    """Opens a :class:`PieceWriter` for each write task; ``sync`` makes closed tasks durable.
+
+    A sink whose files many tasks write may also have ``shared_files(task)`` (the ids of the files the
+    task writes) and ``sync_files(ids)`` (sync only those): the journal then syncs each such file
+    once, when its tasks are done (:class:`converter.run.journal.SharedFiles`)."""
 
     def open(self, task: WriteTask) -> PieceWriter: ...
 
@@ -429,6 +434,9 @@ def execute(
     gc.disable()  # the copy loop makes no cycles worth a collection pass
 
     checked = _CheckedJournal(journal, reader)
+    shared = SharedFiles(todo, sink) if journal is not None and hasattr(sink, "shared_files") else None
+    make_durable = sink.sync if shared is None else shared.make_durable
+    ready = None if shared is None else shared.ready
 
     def run(task: WriteTask) -> None:
         if failed.is_set():
@@ -466,6 +474,8 @@ def execute(
             raise
         finally:
             budget.release(held)
+        if shared is not None:
+            shared.finished(task)
         checked.record(task, info, list(sources.values()))
         with lock:
             stats.tasks += 1
@@ -484,12 +494,12 @@ def execute(
                 raise error
             if journal is not None:
                 checked.release()
-                journal.flush(sink.sync)
+                journal.flush(make_durable, ready=ready)
         pool.shutdown(wait=True)
         finish_checks(reader, workers)
         if journal is not None:
             checked.release(everything=True)
-            journal.flush(sink.sync, force=True)
+            journal.flush(make_durable, force=True, ready=ready)
     except BaseException:  # an interrupt: stop the workers now; what the journal holds is kept
         _stop(pool, failed)
         raise
@@ -511,7 +521,8 @@ def _stop(pool: ThreadPoolExecutor, failed: threading.Event) -> None:
 
 
 def _flush_after_failure(journal: Journal | None, sink: TaskSink) -> None:
-    """Keep what finished before a failure (a full disk, say) for ``--resume``; best effort."""
+    """Keep what finished before a failure (a full disk, say) for ``--resume``: every file synced,
+    every finished task journaled; best effort."""
     if journal is None:
         return
     try:

@@ -5,6 +5,11 @@ fingerprint of its inputs and plan, then one line per finished task. Entries are
 batches: the sink's data is fsynced first, then the lines are appended and the journal fsynced,
 so every journaled task is on disk. Tasks finished after the last batch are simply redone.
 The journal is removed once the output is committed.
+
+A file that many tasks write (a DCP rank file) is synced once, when this run's last task into it
+is done, and its tasks are journaled then (:class:`SharedFiles`); only a file open for longer than
+``knobs.JOURNAL_OPEN_FILE_SECONDS`` is synced in between. A file that one task writes (a store
+chunk) is synced at the first batch after it is written, once.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,20 +88,29 @@ class Journal:
         return self.done.get(task_id(task))
 
     def record(self, task: WriteTask, info: Any = None) -> None:
-        """Note a finished task; it becomes durable at the next :meth:`flush`."""
+        """Note a finished task; it becomes durable at the next :meth:`flush` that may take it."""
         with self._lock:
-            self._pending.append((task_id(task), info))
+            self._pending.append((task_id(task), info, task))
 
-    def flush(self, make_durable: Callable[[], None], force: bool = False) -> None:
-        """fsync the data (``make_durable``), then append the pending entries durably."""
+    def flush(self, make_durable: Callable[[], None], force: bool = False,
+              ready: Callable[[WriteTask], bool] | None = None) -> None:
+        """fsync the data (``make_durable``), then append the pending entries durably; only the
+        entries of tasks ``ready`` says ``make_durable`` makes durable now (default: all), the
+        others stay pending."""
         with self._lock:
             if not self._pending or (not force and time.monotonic() - self._last_flush < knobs.JOURNAL_FLUSH_SECONDS):
                 return
-            pending, self._pending = self._pending, []
+            if ready is None:
+                pending, self._pending = self._pending, []
+            else:
+                pending = [p for p in self._pending if ready(p[2])]
+                self._pending = [p for p in self._pending if not ready(p[2])] if pending else self._pending
+            if not pending:
+                return
         make_durable()
-        self._append([{"t": t, "i": i} for t, i in pending])
+        self._append([{"t": t, "i": i} for t, i, _ in pending])
         with self._lock:
-            self.done.update(pending)
+            self.done.update((t, i) for t, i, _ in pending)
             self._last_flush = time.monotonic()
 
     def _append(self, entries: list[dict[str, Any]], truncate: bool = False) -> None:
@@ -114,6 +128,54 @@ class Journal:
             self.path.unlink()
         except FileNotFoundError:
             pass
+
+
+class SharedFiles:
+    """When the files that many tasks write (a sink's ``shared_files(task)``: a DCP rank file) are made
+    durable: each once, when this run's last task into it is done, unless it stays open for
+    longer than ``knobs.JOURNAL_OPEN_FILE_SECONDS`` (then also at a batch that long after its last
+    sync, so that ``--resume`` keeps the finished tasks of a long run). A task is journaled once
+    every file it wrote is durable (:meth:`ready`); :meth:`make_durable` syncs the files that are
+    due (``sink.sync_files``)."""
+
+    def __init__(self, tasks: Sequence[WriteTask], sink: Any) -> None:
+        from collections import Counter
+
+        self._files_of = sink.shared_files
+        self._sync = sink.sync_files
+        self._left: Counter = Counter(f for t in tasks for f in self._files_of(t))
+        self._synced_at = dict.fromkeys(self._left, time.monotonic())
+        self._clean: set = set()  # done and synced: never synced again
+        self._lock = threading.Lock()
+        open_s = knobs.JOURNAL_OPEN_FILE_SECONDS
+        self._open_s = 30 * knobs.JOURNAL_FLUSH_SECONDS if open_s is None else open_s
+
+    def finished(self, task: WriteTask) -> None:
+        """``task`` is written and closed."""
+        with self._lock:
+            for f in self._files_of(task):
+                self._left[f] -= 1
+
+    def _due(self, f: Any, now: float) -> bool:
+        return f in self._clean or self._left[f] <= 0 or now - self._synced_at[f] >= self._open_s
+
+    def ready(self, task: WriteTask) -> bool:
+        """Whether the next :meth:`make_durable` makes all of ``task``'s files durable."""
+        now = time.monotonic()
+        with self._lock:
+            return all(self._due(f, now) for f in self._files_of(task))
+
+    def make_durable(self) -> None:
+        """Sync the files that are done (once) or open past the interval."""
+        now = time.monotonic()
+        with self._lock:
+            due = [f for f in self._left if f not in self._clean and self._due(f, now)]
+            for f in due:
+                self._synced_at[f] = now
+                if self._left[f] <= 0:
+                    self._clean.add(f)
+        if due:
+            self._sync(due)
 
 
 def index_fingerprint(index: Any) -> str:

@@ -73,6 +73,13 @@ class RankChunkSink:
     def sync(self) -> None:
         self.writer.sync()
 
+    def shared_files(self, task: WriteTask) -> tuple[int, ...]:
+        """The rank file ``task`` writes (synced once its tasks are done: the executor's journal)."""
+        return (task.target.rank,)
+
+    def sync_files(self, ranks: Sequence[int]) -> None:
+        self.writer.sync(ranks)
+
     class _One:
         def __init__(self, owner: RankChunkSink, sink: Any, task: WriteTask) -> None:
             self.owner, self.sink, self.task = owner, sink, task

@@ -14,7 +14,9 @@ bytes is written at construction, the bytes stream in through :meth:`TensorArchi
 and :meth:`TensorArchiveWriter.close` writes the tail. All writes are ``os.pwrite`` at absolute
 offsets, so many archives of one file can be written concurrently from different threads; the
 large aligned part of each piece may go straight to the device (``O_DIRECT``,
-:class:`formats.fsutil.DirectWrites`), the rest through the page cache.
+:class:`formats.fsutil.DirectWrites`), the rest through the page cache, or gathered with the
+neighbouring archives' bytes into whole aligned blocks first (the writer's
+:class:`formats.fsutil.BlockCombiner`, as :class:`formats.dcp.writer.DCPWriter` sets it up).
 
 The output is byte-identical to ``torch.save`` (tests compare), serialization id included, and is
 produced without importing torch: ``data.pkl`` is pickled from stand-ins
@@ -371,7 +373,7 @@ class TensorArchiveWriter:
         for rec, body in zip(recs, self._small_records()):
             parts += [rec.local_header(), body, rec.descriptor(zlib.crc32(body))]
         parts.append(recs[_DATA].local_header())
-        pwrite_all(self._fd, b"".join(parts), self._base)
+        self._out.pwrite(b"".join(parts), self._base)
 
     def write(self, piece: np.ndarray | torch.Tensor) -> None:
         """Append the bytes of ``piece``, in C order: a C-contiguous numpy bit array of the
@@ -425,7 +427,7 @@ class TensorArchiveWriter:
                 f"{self._what} chunk got {self._written} of {self.nbytes} bytes; "
                 "write every piece before close()"
             )
-        pwrite_all(self._fd, self._tail(), self._base + self._layout.data_offset + self.nbytes)
+        self._out.pwrite(self._tail(), self._base + self._layout.data_offset + self.nbytes)
         self._closed = True
 
     def _small_records(self) -> tuple[bytes, ...]:

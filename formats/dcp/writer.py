@@ -11,8 +11,13 @@ shape). Then:
 - :meth:`DCPWriter.open_chunk` returns a sink taking the chunk's bytes in C order (thread-safe
   across chunks: each sink ``pwrite``\\ s at its own offsets);
 - :meth:`DCPWriter.write_objects` writes the objects verbatim;
-- :meth:`DCPWriter.commit` checks every chunk was closed, fsyncs the data and publishes ``.metadata``
-  atomically. Nothing is named ``.metadata`` before that; :meth:`DCPWriter.abort` removes the data.
+- :meth:`DCPWriter.commit` checks every chunk was closed, fsyncs the data (each file not yet synced
+  since its last write, once) and publishes ``.metadata`` atomically.
+
+Every write to a rank file goes through one :class:`formats.fsutil.BlockCombiner`: whole 1 MiB
+blocks at aligned offsets are written at once (``O_DIRECT`` where the file system takes it), the
+pieces' bytes in between and the archives' small records gathered into blocks first, so the files
+are written in large aligned writes whatever the chunk sizes. Nothing is named ``.metadata`` before that; :meth:`DCPWriter.abort` removes the data.
 
 The ``.metadata`` matches what ``dcp.save`` (torch 2.13, ``FileSystemWriter``) writes: the same
 ``TensorProperties`` defaults, ``MetadataIndex(fqn, offsets, index)`` keys, ``_StorageInfo`` values,
@@ -47,7 +52,8 @@ from formats.base import Box, first_overlap
 from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
 from formats.dtypes import by_name
 from formats.errors import ConfigError, DestinationError, IncompleteCheckpointError
-from formats.fsutil import DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, fsync_dir, run_parallel, safe_join, short
+from formats.fsutil import (DIRECT_MIN_BYTES, BlockCombiner, DirectWrites, atomic_write_bytes, fsync_dir, run_parallel,
+                            safe_join, short)
 from formats.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -341,6 +347,9 @@ class DCPWriter:
         self._chunk_loc, self._object_loc, self._sizes = self._compute_layout()
         self._lock = threading.Lock()
         self._direct_io = direct_io
+        #: the small writes of every rank file (archive headers and tails, the unaligned ends of
+        #: pieces, small chunks) gathered into whole aligned blocks: large writes whatever the pieces
+        self._combiner = BlockCombiner()
         self._fds: dict[int, DirectWrites] = {}
         self._sinks: dict[tuple, TensorArchiveWriter] = {}
         self._objects_written = False
@@ -436,8 +445,13 @@ class DCPWriter:
                     path = safe_join(self.root, name)
                     fd = os.open(path, flags, 0o644)
                     direct = self._direct_io and self._sizes[rank] >= DIRECT_MIN_BYTES
-                    self._fds[rank] = DirectWrites(fd, path if direct else None)
-                    os.ftruncate(fd, self._sizes[rank])
+                    # a file reopened at its size (--resume, another torchrun rank) needs no sync
+                    # before it is written to; a created or resized one does (its size, its entry)
+                    resized = not resume or os.fstat(fd).st_size != self._sizes[rank]
+                    self._fds[rank] = DirectWrites(fd, path if direct else None, combiner=self._combiner,
+                                                   size=self._sizes[rank], dirty=resized)
+                    if resized:
+                        os.ftruncate(fd, self._sizes[rank])
             except BaseException:
                 self._close_fds()
                 raise
@@ -480,11 +494,11 @@ class DCPWriter:
         with self._lock:
             self._close_fds()
 
-    def sync(self) -> None:
-        """fdatasync every rank file written since its last sync, several at once (the journal
-        calls this before recording finished chunks)."""
+    def sync(self, ranks: Collection[int] | None = None) -> None:
+        """fdatasync every rank file (of ``ranks``; None: all) written since its last sync,
+        several at once (the journal calls this before recording finished chunks)."""
         with self._lock:
-            files = list(self._fds.values())
+            files = [f for r, f in self._fds.items() if ranks is None or r in ranks]
         run_parallel(lambda f: f.sync(), [f for f in files if f.dirty])
 
     def write_objects(self) -> None:
@@ -530,7 +544,7 @@ class DCPWriter:
         with self._lock:
             if self._state in ("committed", "aborted"):
                 return
-            self._close_fds()
+            self._close_fds(flush=self._state != "prepared")  # its files are removed: nothing to write
             if self._state == "prepared":
                 for name in self.data_files():
                     try:
@@ -550,10 +564,10 @@ class DCPWriter:
         if self._state in ("committed", "aborted"):
             raise ConfigError(f"{action}() on a DCPWriter for {self.root} that is already {self._state}")
 
-    def _close_fds(self) -> None:
+    def _close_fds(self, flush: bool = True) -> None:
         fds, self._fds = self._fds, {}
         for f in fds.values():
-            f.close()
+            f.close(flush=flush)
 
     # -- metadata ------------------------------------------------------------------------------
 

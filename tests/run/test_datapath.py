@@ -15,7 +15,10 @@ speed and memory against a user-space copy of the same bytes.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -67,15 +70,15 @@ def _steps(ckpt: Path, out: Path, opts: RunOptions) -> dict[str, Path]:
 
 
 def test_direct_and_buffered_writes_give_the_same_files(ckpt, tmp_path, monkeypatch):
-    direct_bytes = []
-    write = fsutil.DirectWrites.pwrite
+    direct_bytes = []  # bytes written through an O_DIRECT descriptor
+    write = fsutil.pwrite_all
 
-    def counting(self, data, offset):
-        buffered = write(self, data, offset)
-        direct_bytes.append(len(memoryview(data).cast("B")) - buffered)
-        return buffered
+    def counting(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            direct_bytes.append(len(memoryview(data).cast("B")))
+        return write(fd, data, offset)
 
-    monkeypatch.setattr(fsutil.DirectWrites, "pwrite", counting)
+    monkeypatch.setattr(fsutil, "pwrite_all", counting)
     opts = RunOptions(piece_bytes=4 * MIB)
     monkeypatch.setattr(knobs, "DIRECT_WRITES", True)
     direct = _steps(ckpt, tmp_path / "direct", opts)
@@ -130,8 +133,7 @@ def test_each_file_is_made_durable_once_then_the_marker(ckpt, tmp_path, monkeypa
     uni = tmp_path / "uni"
     if step == "from-universal":
         api.to_universal(ckpt, uni, opts, chunk_bytes=2 * MIB)
-    monkeypatch.setattr(knobs, "JOURNAL_FLUSH_SECONDS", 1e9)  # no journal batch before the end
-    syncs = _Syncs(monkeypatch)
+    syncs = _Syncs(monkeypatch)  # the default journal batches: a DCP rank file is still synced once
     out = tmp_path / "out"
     if step == "to-universal":
         api.to_universal(ckpt, out, opts, chunk_bytes=2 * MIB)
@@ -165,7 +167,109 @@ def test_journal_batches_sync_only_what_they_wrote(ckpt, tmp_path, monkeypatch):
     syncs.calls.clear()
     api.from_universal(tmp_path / "uni", tmp_path / "dp3", "dp3", options=opts)
     for f in _data_files(tmp_path / "dp3"):
-        assert 1 <= syncs.count(f) <= 8, (f, syncs.count(f))  # one per batch that wrote to it
+        assert 1 <= syncs.count(f) <= 20, (f, syncs.count(f))  # open files too: one per batch that wrote to it
+    monkeypatch.setattr(knobs, "JOURNAL_OPEN_FILE_SECONDS", 1e9)  # a rank file synced only once its tasks are done
+    syncs.calls.clear()
+    api.from_universal(tmp_path / "uni", tmp_path / "dp3b", "dp3", options=opts)
+    for f in _data_files(tmp_path / "dp3b"):
+        assert syncs.count(f) == 1, (f, syncs.count(f))
+
+
+# ------------------------------------------------------------------------------- at the OS-call level
+
+_CALL = re.compile(r"^(\w+)\((\d+)<([^>]*)>.*\)\s+=\s+(-?\d+)")
+_TEMP = re.compile(r"^\.(.+?)\.tmp(-\d+)?$")  # a temp file renamed into place: .<name>.tmp[-pid]
+
+#: Runs the CLI with every data file's sync done twice (the planted fault the count must catch).
+_TWICE = """import runpy, sys
+from formats import fsutil
+sync = fsutil.DirectWrites.sync
+def twice(self, data_only=True):
+    was = self.dirty
+    sync(self, data_only)
+    if was:
+        self.dirty = True
+        sync(self, data_only)
+fsutil.DirectWrites.sync = twice
+sys.argv = ["ckptconv", *sys.argv[1:]]
+runpy.run_module("converter", run_name="__main__")
+"""
+
+
+def _os_calls(args: list[str], out: Path, tmp: Path, planted: bool = False) -> tuple[dict[str, int], list[int]]:
+    """Run ``ckptconv ARGS`` under ``strace -ff -y`` (every thread): (fsync + fdatasync calls
+    by the path they made durable, relative to ``out``: a temp file counts as the file it is
+    renamed to, a directory ends with ``/``; the byte counts of the writes into ``out``)."""
+    prefix = tmp / "strace"
+    run = [sys.executable, "-c", _TWICE] if planted else [sys.executable, "-m", "converter"]
+    calls = "fsync,fdatasync,write,pwrite64,pwritev,writev"
+    proc = subprocess.run(["strace", "-ff", "-y", "-qq", "-e", f"trace={calls}", "-o", str(prefix), *run, *args,
+                           "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    syncs: dict[str, int] = {}
+    writes: list[int] = []
+    for log in tmp.glob("strace.*"):
+        for line in log.read_text(errors="replace").splitlines():
+            m = _CALL.match(line)
+            if not m or not (m.group(3) + "/").startswith(f"{out}/"):
+                continue
+            name, path, ret = m.group(1), m.group(3), int(m.group(4))
+            rel = os.path.relpath(path, out)
+            head, _, base = rel.rpartition("/")
+            temp = _TEMP.match(base)
+            rel = (f"{head}/" if head else "") + (temp.group(1) if temp else base)
+            if name in ("fsync", "fdatasync"):
+                key = "/" if rel == "." else rel + ("/" if Path(path).is_dir() else "")
+                syncs[key] = syncs.get(key, 0) + 1
+            elif ret > 0:
+                writes.append(ret)
+        log.unlink()
+    return syncs, writes
+
+
+def _check_commits(syncs: dict[str, int], out: Path, marker: str, data: list[str]) -> tuple[int, dict[str, int]]:
+    """One durable commit per data file, and the bookkeeping's, each for the reason given."""
+    extra = {p: n for p, n in syncs.items() if p in data and n != 1}
+    assert not extra and all(p in syncs for p in data), (extra, sorted(set(data) - set(syncs))[:5])
+    assert syncs.pop(marker) == 1  # the completion marker's temp file, before its rename
+    # the output record: just before the marker (and a store's early one, before its first chunk)
+    assert syncs.pop(".written-by-ckptconv.json") <= (2 if marker == "ckptconv.json" else 1)
+    assert syncs.pop("/") <= 3  # the output's folder: after the record's rename, before and after the marker's
+    journal = syncs.pop(".ckptconv-journal.jsonl")  # its header, then one per batch of durable tasks
+    assert syncs.pop(".ckptconv-lock", 0) <= 1  # the lock's holder line (who is writing here)
+    rest = {p: n for p, n in syncs.items() if p not in data}
+    return journal, rest
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_every_file_of_each_step_is_made_durable_once_at_the_os_level(tmp_path):
+    """strace of the CLI (every thread), default journal batches: each data file written by the
+    three copy steps gets one fsync/fdatasync (a DCP rank file too, however many tasks write it),
+    the bookkeeping only its own commits; the DCP rank files are written in large aligned writes.
+    A planted second sync of every data file is caught."""
+    src = make_checkpoint(tmp_path / "ckpt", 8, 6)
+    uni, dp3, dcp3 = tmp_path / "uni", tmp_path / "dp3", tmp_path / "dcp3"
+    syncs, writes = _os_calls(["to-universal", str(src), str(uni), "--chunk-size", "2MiB"], uni, tmp_path)
+    chunks = [str(p.relative_to(uni)) for p in uni.rglob("*") if p.is_file()
+              and p.name not in ("ckptconv.json", ".written-by-ckptconv.json")]
+    journal, rest = _check_commits(syncs, uni, "ckptconv.json", chunks)
+    assert journal >= 2  # the header and the end, at least
+    dirs = {p: n for p, n in rest.items() if p.endswith("/")}
+    assert rest.keys() == dirs.keys() and all(n <= 2 for n in dirs.values()), rest  # each folder: its new entries
+    for args, out in ((["from-universal", str(uni), str(dp3), "--mesh", "dp3"], dp3),
+                      (["from-universal", str(src), str(dcp3), "--mesh", "dp3"], dcp3)):
+        syncs, writes = _os_calls(args, out, tmp_path)
+        ranks = sorted(p.name for p in out.glob("__*_0.distcp"))
+        assert len(ranks) == 3
+        journal, rest = _check_commits(syncs, out, ".metadata", ranks)
+        assert journal <= 2 + len(ranks)  # header, a batch as each rank file is done, the end
+        assert rest == {".ckptconv-loads.json": 1}, rest  # what each rank loads: before the marker
+        big = sum(n for n in writes if n >= 1 << 20)
+        assert big >= 0.9 * sum(writes), (big, sum(writes), len(writes))
+    syncs, _ = _os_calls(["from-universal", str(src), str(tmp_path / "planted"), "--mesh", "dp3"],
+                         tmp_path / "planted", tmp_path, planted=True)
+    with pytest.raises(AssertionError):
+        _check_commits(syncs, tmp_path / "planted", ".metadata", ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"])
 
 
 # ---------------------------------------------------------------------------------------------- bounds
