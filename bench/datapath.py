@@ -4,6 +4,7 @@ three copy steps and torch's own manual path, side by side in one run (issue 26)
     python bench/datapath.py                              # 1GB and 8GB, 3 rounds, profile: ~35 min
     python bench/datapath.py --sizes 1GB --repeats 1      # a quick look (~4 min)
     python bench/datapath.py --no-profile --no-torchrun   # the timed table only
+    python bench/datapath.py --sizes 1GB --workdir /dev/shm/ckptconv-bench   # a memory-speed "disk"
 
 Checkpoints are real 4-rank FSDP2 ``dcp.save`` outputs (``make_checkpoint.py``, cached under
 ``bench/out/``). Each round runs, per size and in this order, every step as a subprocess, timed from
@@ -176,11 +177,30 @@ def summarize(step: Step, cp_s: float | None, user_s: float | None) -> dict:
     return row
 
 
-def bench_size(size: int, args: argparse.Namespace) -> dict:
+def _source(size: int, args: argparse.Namespace) -> tuple[dict, Path, Path]:
+    """(checkpoint info, source folder, work root): the cached checkpoint under ``bench/out``, or
+    with ``--workdir`` a copy of it there (made once), outputs there too."""
     info = ensure_checkpoint(size)
     src = Path(info["path"])
+    if args.workdir is None:
+        return info, src, OUT
+    root = Path(args.workdir)
+    need = 4.5 * info["bytes"]  # the copy, the store, one output, torch's output
+    if root.resolve().is_relative_to("/dev/shm") and psutil.virtual_memory().available < need + (2 << 30):
+        raise SystemExit(f"--workdir {root}: tmpfs needs ~{need / 1e9:.1f} GB of free memory, "
+                         f"{psutil.virtual_memory().available / 1e9:.1f} GB available")
+    copy = root / f"ckpt-{size_label(size)}"
+    if not copy.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, copy.with_name(copy.name + ".part"), dirs_exist_ok=True)
+        os.replace(copy.with_name(copy.name + ".part"), copy)
+    return info | {"path": str(copy)}, copy, root
+
+
+def bench_size(size: int, args: argparse.Namespace) -> dict:
+    info, src, root = _source(size, args)
     print(f"# {size_label(size)}: {src} ({info['bytes'] / 1e9:.2f} GB)", file=sys.stderr, flush=True)
-    work = OUT / f"datapath-{size_label(size)}"
+    work = root / f"datapath-{size_label(size)}"
     _remove(work)
     work.mkdir(parents=True)
     with_torch = args.torch and psutil.virtual_memory().available > 1.5 * info["bytes"]
@@ -339,9 +359,8 @@ def strace_counts(cmd: list[str], reads: Path, tmp: Path, out: Path) -> dict | N
 
 def profile(size: int, args: argparse.Namespace) -> dict:
     """One profiled cold run of each ckptconv step (perf, py-spy, strace each its own run)."""
-    info = ensure_checkpoint(size)
-    src = Path(info["path"])
-    work = OUT / f"datapath-profile-{size_label(size)}"
+    info, src, root = _source(size, args)
+    work = root / f"datapath-profile-{size_label(size)}"
     _remove(work)
     work.mkdir(parents=True)
     out: dict = {"size": size_label(size)}
@@ -470,6 +489,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-torch", dest="torch", action="store_false", help="skip torch's manual path")
     p.add_argument("--no-torchrun", dest="torchrun", action="store_false", help="skip the torchrun 2-process rows")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled runs")
+    p.add_argument("--workdir", default=None,
+                   help="put a copy of the source and every output under this folder (e.g. /dev/shm/ckptconv-bench: "
+                        "a memory-speed disk; free memory is checked first)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>T<time>-datapath-<sizes>.json)")
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -477,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     load0 = os.getloadavg()
     doc: dict = {"started": t0.isoformat(timespec="seconds"),
                  "command": " ".join(["python", "bench/datapath.py", *argv]), "machine": machine(),
+                 "workdir": args.workdir,
                  "page_cache": "whole page cache dropped before every step" if can_drop_caches()
                  else "each step's input evicted (posix_fadvise DONTNEED) before it", "loadavg_start": load0}
     doc["results"] = [bench_size(s, args) for s in sizes]
