@@ -38,8 +38,8 @@ from formats.deepspeed_zero.flat import zero12_pieces, zero12_shortfall
 from formats.deepspeed_zero.index import IndexBuilder
 from formats.deepspeed_zero.model import (_names_of_ids, _zero0_states, add_frozen_from_module, buffer_names,
                                           module_params)
-from formats.deepspeed_zero.zero import (OSD, Group, _zero12_group_state, add_flat_group, hparams_of, need,
-                                         optimizer_dicts, param_shapes)
+from formats.deepspeed_zero.zero import (OSD, Group, _zero12_group_state, add_flat_group, fp32_partitions,
+                                         hparams_of, need, optimizer_dicts, param_shapes)
 from formats.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidCheckpointError, UnsupportedError
 
 Shape = tuple[int, ...]
@@ -240,10 +240,10 @@ def build_moe_zero12(b: IndexBuilder, model: Parsed, optims: Sequence[Parsed], l
     world = len(optims)
     counts = osds[0].get("partition_count")
     counts = counts if isinstance(counts, list) else [counts] * len(shapes)
-    fp32 = [need(osd, "single_partition_of_fp32_groups", w, list) for osd, w in zip(osds, where)]
-    if any(len(f) != len(shapes) for f in fp32) or len(counts) != len(shapes):
-        raise CorruptCheckpointError(f"{where[0]}: {len(fp32[0])} fp32 partitions, {model.path} lists "
-                                     f"{len(shapes)} param groups in param_shapes; they are from different saves")
+    fp32 = fp32_partitions(osds, where, model, len(shapes))
+    if len(counts) != len(shapes):
+        raise CorruptCheckpointError(f"{where[0]}: partition_count lists {len(counts)} param groups, {model.path} "
+                                     f"lists {len(shapes)} in param_shapes; they are from different saves")
     paddings = osds[0].get("param_alignment_paddings")
     bases = [osd.get("base_optimizer_state") for osd in osds]
     groups = []

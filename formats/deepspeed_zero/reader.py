@@ -181,14 +181,20 @@ class DeepSpeedZeroReader:
             else:
                 raise UnsupportedError(f"{optims[0].path}: neither ZeRO-1/2 partitions (single_partition_of_fp32_groups) "
                                        "nor ZeRO-3 ones (fp32_flat_groups); an optimizer this reader does not know")
+        self._finish(b, model, optims, groups, stage, left_out)
+        self._first_model, self._model_name = model, model.name
+        return stage, world
+
+    def _finish(self, b: IndexBuilder, model: Parsed, optims: list[Parsed], groups: list,
+                stage: int, left_out: list[str]) -> None:
+        """What every non-pipeline layout adds last: buffers, shared (tied) params under ZeRO, the param
+        groups, the non-tensor entries, and the saving DeepSpeed's version."""
         add_buffers(b, model)
         if stage:
             add_shared(b, model)
         add_groups(b, groups, optims[0].name if optims else model.name)
         add_objects(b, model, optims[0] if optims else None, left_out)
         self._ds_version = model.value.get("ds_version") if isinstance(model.value.get("ds_version"), str) else None
-        self._first_model, self._model_name = model, model.name
-        return stage, world
 
     def _build_pipeline(self, b: IndexBuilder, files: TagFiles, left_out: list[str]) -> tuple[int, int]:
         """A ``PipelineModule`` save under ZeRO-1 (:mod:`.pipeline`)."""
@@ -204,12 +210,7 @@ class DeepSpeedZeroReader:
         """A ``deepspeed.moe`` save (:mod:`.moe`): experts under their global names."""
         groups, model, optims, stage, world = build_moe(b, self.root, files, self._parse,
                                                         lambda names, what: _by_rank(self.root, names, what))
-        add_buffers(b, model)
-        if stage:
-            add_shared(b, model)
-        add_groups(b, groups, optims[0].name if optims else model.name)
-        add_objects(b, model, optims[0] if optims else None, left_out)
-        self._ds_version = model.value.get("ds_version") if isinstance(model.value.get("ds_version"), str) else None
+        self._finish(b, model, optims, groups, stage, left_out)
         return stage, world
 
     # -- CheckpointReader ----------------------------------------------------------------------

@@ -180,16 +180,23 @@ def hparams_of(group: Any) -> dict:
 # ZeRO-1/2 (and DeepSpeed's BF16 optimizer): one flat buffer per param group, cut in partitions
 
 
+def fp32_partitions(osds: Sequence[dict], where: Sequence[str], model: Parsed, groups: int) -> list[list]:
+    """Each rank's ``single_partition_of_fp32_groups``, checked to list one partition per param group
+    of ``model``'s ``param_shapes`` (``groups``)."""
+    fp32 = [need(osd, "single_partition_of_fp32_groups", w, list) for osd, w in zip(osds, where)]
+    if any(len(f) != groups for f in fp32):
+        raise CorruptCheckpointError(f"{where[0]}: {len(fp32[0])} fp32 partitions, {model.path} lists "
+                                     f"{groups} param groups in param_shapes; they are from different saves")
+    return fp32
+
+
 def build_zero12(b: IndexBuilder, model: Parsed, optims: Sequence[Parsed]) -> list[Group]:
     """Parameters, states and groups of ZeRO-1/2 partitions (``optims``: by dp rank)."""
     shapes = param_shapes(model)
     osds = optimizer_dicts(optims)
     where = [str(o.path) for o in optims]
     check_world(optims, partition_count(osds[0], where[0]))
-    fp32 = [need(osd, "single_partition_of_fp32_groups", w, list) for osd, w in zip(osds, where)]
-    if any(len(f) != len(shapes) for f in fp32):
-        raise CorruptCheckpointError(f"{where[0]}: {len(fp32[0])} fp32 partitions, {model.path} lists "
-                                     f"{len(shapes)} param groups in param_shapes; they are from different saves")
+    fp32 = fp32_partitions(osds, where, model, len(shapes))
     paddings = osds[0].get("param_alignment_paddings")
     bases = [osd.get("base_optimizer_state") for osd in osds]
     groups = []
