@@ -103,9 +103,14 @@ class Journal:
             if ready is None:
                 pending, self._pending = self._pending, []
             else:
-                pending = [p for p in self._pending if ready(p[2])]
-                self._pending = [p for p in self._pending if not ready(p[2])] if pending else self._pending
+                pending, waiting = [], []
+                for p in self._pending:
+                    (pending if ready(p[2]) else waiting).append(p)
+                self._pending = waiting
             if not pending:
+                # nothing this batch can make durable: look again a batch interval from now (every
+                # loop turn would rescan the pending tasks: quadratic in a run's tasks)
+                self._last_flush = time.monotonic()
                 return
         make_durable()
         self._append([{"t": t, "i": i} for t, i, _ in pending])
