@@ -438,6 +438,7 @@ def execute(
     shared = SharedFiles(todo, sink) if journal is not None and hasattr(sink, "shared_files") else None
     make_durable = sink.sync if shared is None else shared.make_durable
     ready = None if shared is None else shared.ready
+    ready_epoch = None if shared is None else shared.epoch
 
     def run(task: WriteTask) -> None:
         if failed.is_set():
@@ -499,12 +500,12 @@ def execute(
                 raise error
             if journal is not None:
                 checked.release()
-                journal.flush(make_durable, ready=ready)
+                journal.flush(make_durable, ready=ready, ready_epoch=ready_epoch)
         pool.shutdown(wait=True)
         finish_checks(reader, workers)
         if journal is not None:
             checked.release(everything=True)
-            journal.flush(make_durable, force=True, ready=ready)
+            journal.flush(make_durable, force=True, ready=ready, ready_epoch=ready_epoch)
     except BaseException:  # an interrupt: stop the workers now; what the journal holds is kept
         _stop(pool, failed)
         raise

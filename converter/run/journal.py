@@ -48,7 +48,9 @@ class Journal:
         self.path = Path(dst) / JOURNAL_NAME
         self.header = header
         self.done: dict[str, Any] = dict(done or {})
-        self._pending: list[tuple[str, Any]] = []
+        self._pending: list[tuple[str, Any, WriteTask]] = []  # recorded since the last flush
+        self._waiting: list[tuple[str, Any, WriteTask]] = []  # recorded earlier, not yet ready
+        self._epoch: Any = None  # ``ready_epoch()`` when ``_waiting`` was last judged
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         if done is None:
@@ -93,23 +95,31 @@ class Journal:
             self._pending.append((task_id(task), info, task))
 
     def flush(self, make_durable: Callable[[], None], force: bool = False,
-              ready: Callable[[WriteTask], bool] | None = None) -> None:
+              ready: Callable[[WriteTask], bool] | None = None,
+              ready_epoch: Callable[[], Any] | None = None) -> None:
         """fsync the data (``make_durable``), then append the pending entries durably; only the
         entries of tasks ``ready`` says ``make_durable`` makes durable now (default: all), the
-        others stay pending."""
+        others stay pending.
+
+        ``ready_epoch()``: a value that changes whenever a task ``ready`` refused may have become
+        ready (:meth:`SharedFiles.epoch`); while it stays the same only newly recorded tasks are
+        judged, so a run's flushes cost O(tasks) in all, not O(tasks) each."""
         with self._lock:
-            if not self._pending or (not force and time.monotonic() - self._last_flush < knobs.JOURNAL_FLUSH_SECONDS):
+            if not (self._pending or self._waiting) or (
+                    not force and time.monotonic() - self._last_flush < knobs.JOURNAL_FLUSH_SECONDS):
                 return
             if ready is None:
-                pending, self._pending = self._pending, []
+                pending, self._pending, self._waiting = self._waiting + self._pending, [], []
             else:
-                pending, waiting = [], []
-                for p in self._pending:
-                    (pending if ready(p[2]) else waiting).append(p)
-                self._pending = waiting
+                epoch = ready_epoch() if ready_epoch is not None else object()
+                judged = self._pending if epoch == self._epoch else self._waiting + self._pending
+                kept = self._waiting if epoch == self._epoch else []
+                pending = []
+                for p in judged:
+                    (pending if ready(p[2]) else kept).append(p)
+                self._pending, self._waiting, self._epoch = [], kept, epoch
             if not pending:
-                # nothing this batch can make durable: look again a batch interval from now (every
-                # loop turn would rescan the pending tasks: quadratic in a run's tasks)
+                # nothing this batch can make durable: look again a batch interval from now
                 self._last_flush = time.monotonic()
                 return
         make_durable()
@@ -154,12 +164,16 @@ class SharedFiles:
         self._lock = threading.Lock()
         open_s = knobs.JOURNAL_OPEN_FILE_SECONDS
         self._open_s = 30 * knobs.JOURNAL_FLUSH_SECONDS if open_s is None else open_s
+        self._changes = 0  # files that became due by finishing, or were synced
+        self._next_due = min(self._synced_at.values(), default=0.0) + self._open_s  # the first open file due by time
 
     def finished(self, task: WriteTask) -> None:
         """``task`` is written and closed."""
         with self._lock:
             for f in self._files_of(task):
                 self._left[f] -= 1
+                if self._left[f] == 0:
+                    self._changes += 1
 
     def _due(self, f: Any, now: float) -> bool:
         return f in self._clean or self._left[f] <= 0 or now - self._synced_at[f] >= self._open_s
@@ -170,6 +184,12 @@ class SharedFiles:
         with self._lock:
             return all(self._due(f, now) for f in self._files_of(task))
 
+    def epoch(self) -> tuple[int, bool]:
+        """Changes whenever a task :meth:`ready` refused may have become ready: a file finished, a
+        sync, or an open file's interval passed (the journal's cue to judge its waiting tasks again)."""
+        with self._lock:
+            return self._changes, time.monotonic() >= self._next_due
+
     def make_durable(self) -> None:
         """Sync the files that are done (once) or open past the interval."""
         now = time.monotonic()
@@ -179,6 +199,10 @@ class SharedFiles:
                 self._synced_at[f] = now
                 if self._left[f] <= 0:
                     self._clean.add(f)
+            if due:
+                self._changes += 1
+                open_files = [t for f, t in self._synced_at.items() if f not in self._clean]
+                self._next_due = min(open_files, default=now) + self._open_s
         if due:
             self._sync(due)
 
