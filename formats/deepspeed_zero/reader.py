@@ -65,7 +65,7 @@ class DeepSpeedZeroReader:
         names, else the save's own ``universal_checkpoint_info``)."""
         self.root = find_tag_dir(path)
         self._tp_rules = tp_rules
-        self._tp = 1
+        self._tp = self._pp = 1
         self._replicas: dict[str, list[Copy]] = {}
         self._verify = verify
         self._verified: set[int] = set()
@@ -81,7 +81,7 @@ class DeepSpeedZeroReader:
         stage, world = self._build(b, files, left_out)
         self._slots, self._values, self._objects = b.slots, b.values, b.object_values
         info = {"partitioning": "zero_flat", "zero_stage": stage, "world_size": world, "tp_degree": self._tp,
-                "dtype_prefix": next(iter(files.optim_prefixes), None), "version": self._ds_version,
+                "pp_degree": self._pp, "dtype_prefix": next(iter(files.optim_prefixes), None), "version": self._ds_version,
                 "left_out": left_out, "files": sorted(self._read_files)}
         self._index = CheckpointIndex(FORMAT, str(self.root), b.tensors, b.objects, info)
 
@@ -186,14 +186,15 @@ class DeepSpeedZeroReader:
         self._ds_version = model.value.get("ds_version") if isinstance(model.value.get("ds_version"), str) else None
 
     def _build_pipeline(self, b: IndexBuilder, files: TagFiles, left_out: list[str]) -> tuple[int, int]:
-        """A ``PipelineModule`` save under ZeRO-1 (:mod:`.pipeline`)."""
-        groups, model, optims, world = build_pipeline(b, self.root, files, self._parse,
-                                                      lambda names, what: _by_rank(self.root, names, what))
-        stage = record_int(optims[0].value[OSD].get("zero_stage")) or 1
-        add_groups(b, groups, optims[0].name)
-        add_objects(b, model, optims[0], left_out)
-        self._ds_version = model.value.get("ds_version") if isinstance(model.value.get("ds_version"), str) else None
-        return stage, world
+        """A ``PipelineModule`` save under ZeRO-1, TP inside the stages joined (:mod:`.pipeline`)."""
+        pipe = build_pipeline(b, self.root, files, self._parse, lambda names, what: _by_rank(self.root, names, what),
+                              self._rules_of, left_out)
+        stage = record_int(pipe.optims[0].value[OSD].get("zero_stage")) or 1
+        add_groups(b, pipe.groups, pipe.optims[0].name)
+        add_objects(b, pipe.model, pipe.optims[0], left_out)
+        self._ds_version = pipe.model.value.get("ds_version") if isinstance(pipe.model.value.get("ds_version"), str) else None
+        self._tp, self._pp, self._replicas = pipe.tp, pipe.pp, pipe.copies
+        return stage, pipe.world
 
     def _build_moe(self, b: IndexBuilder, files: TagFiles, left_out: list[str]) -> tuple[int, int]:
         """A ``deepspeed.moe`` save (:mod:`.moe`): experts under their global names."""
@@ -273,8 +274,9 @@ class DeepSpeedZeroReader:
 
     @property
     def replicated_keys(self) -> list[str]:
-        """The keys read from one of several stored copies (a TP-replicated tensor: TP rank 0's);
-        :meth:`check_replicas` compares the other copies with it."""
+        """The keys read from one of several stored copies (a TP-replicated tensor: TP rank 0's; a
+        tied parameter of several pipeline stages: the first stage's); :meth:`check_replicas`
+        compares the other copies with it."""
         return list(self._replicas)
 
     def check_replicas(self, key: str, block_bytes: int = 64 << 20) -> int:
@@ -286,7 +288,7 @@ class DeepSpeedZeroReader:
         row = math.prod(shape[1:]) * by_name(entry.dtype).itemsize
         step = max(1, block_bytes // max(1, row))
         total = 0
-        for lo in range(0, shape[0], step) if shape else [0]:  # a scalar: whole
+        for lo in range(0, shape[0], step) if shape else [0]:  # a scalar (a tied parameter's step): whole
             region = (Box((lo, *(0,) * (len(shape) - 1)), (min(step, shape[0] - lo), *shape[1:])) if shape
                       else Box((), ()))
             want = self._gather(key, entry.chunks, region)
