@@ -523,6 +523,9 @@ def _zero_layout(index: CheckpointIndex, owners: bool) -> LayoutReport:
     summary = (f"ZeRO-{stage}: flat partitions over {ws} data-parallel ranks" if stage and ws and ws > 1 else
                f"ZeRO-{stage}: one data-parallel rank, every tensor whole" if stage else
                "ZeRO-0: every tensor whole")
+    pp = index.info.get("pp_degree")
+    if isinstance(pp, int) and pp > 1:  # a PipelineModule save read as one (formats.deepspeed_zero.pipeline)
+        summary += f" per stage; {pp} pipeline stages merged"
     tp = index.info.get("tp_degree")
     if isinstance(tp, int) and tp > 1:  # a TP save read as its tp1 whole (formats.deepspeed_zero.tp)
         summary += f"; {tp} tensor-parallel ranks' slices joined (read as tp1)"

@@ -653,7 +653,8 @@ def _verify_deepspeed_zero(root: Path, found: _Findings, quick: bool, trust_pick
     found.checks += ["every tensor storage read and checked against its zip CRC-32"]
     tasks = [_guard(lambda n=n: reader.check_storage(n), "crc", file=file) for n, file in enumerate(reader.storages)]
     if reader.replicated_keys:
-        found.checks += ["every TP-replicated tensor: each tensor-parallel rank's copy equal to rank 0's, bit for bit"]
+        found.checks += ["every tensor stored more than once (TP-replicated on each TP rank, a TiedLayerSpec parameter on "
+                         "each pipeline stage holding it): each copy equal to the one read, bit for bit"]
         tasks += [_guard(lambda key=key: reader.check_replicas(key), "replica", key) for key in reader.replicated_keys]
     return tasks
 

@@ -55,6 +55,18 @@ def is_dense(at: ArchiveTensor) -> bool:
     return all(st == c or s == 1 for s, st, c in zip(at.size, at.stride, c_strides(at.size)))
 
 
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Another stored copy of a tensor the index takes once (a TP-replicated tensor's other TP
+    ranks, a tied parameter's later pipeline stages): ``verify`` compares it with the one taken.
+    ``who`` / ``of`` name the copy and the one taken, ``why`` says what a difference means."""
+
+    who: str
+    of: str
+    chunks: tuple[ChunkRef, ...]
+    why: str
+
+
 #: A piece of a parameter and the boxes (with their first flat element) it covers.
 Cut = tuple[Piece, tuple[tuple[Box, int], ...]]
 

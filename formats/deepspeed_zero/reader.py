@@ -21,12 +21,12 @@ from formats.dcp.archive import (ArchiveTensor, Entry, SliceReader, local_data_s
                                  verify_crc)
 from formats.deepspeed_pickle import record_int, torch_save_bytes
 from formats.deepspeed_zero.files import Parsed, TagFiles, find_tag_dir, list_tag_files, parse_file
-from formats.deepspeed_zero.index import VALUE_SLOT, IndexBuilder, c_strides
+from formats.deepspeed_zero.index import VALUE_SLOT, Copy, IndexBuilder, c_strides
 from formats.deepspeed_zero.moe import build_moe
 from formats.deepspeed_zero.pipeline import build_pipeline
 from formats.deepspeed_zero.model import (add_buffers, add_frozen_from_module, add_objects, add_shared, as_data,
                                           build_zero0)
-from formats.deepspeed_zero.tp import HOW_TO, INFO_KEY, Join, TpRules, join_entries, param_name, rules_from_env
+from formats.deepspeed_zero.tp import HOW_TO, INFO_KEY, TpRules, check_same_keys, join_all, rules_from_env
 from formats.deepspeed_zero.zero import OSD, add_groups, build_zero3, build_zero12, frozen_zero3
 from formats.dtypes import by_name
 from formats.errors import CheckpointNotFoundError, CorruptCheckpointError, PlanError, UnsupportedError
@@ -44,11 +44,6 @@ def _check_supported(root: Path, files: TagFiles) -> None:
     if len(files.optim_prefixes) > 1:
         raise CorruptCheckpointError(f"{root}: optimizer files of two kinds ({', '.join(sorted(p or 'zero_' for p in files.optim_prefixes))}"
                                      "...): the folder mixes two saves; keep the files of one")
-
-
-def _first_diff(a: dict, b: dict) -> str:
-    only = sorted(set(a) ^ set(b))
-    return f"key {only[0]!r} only on one" if only else "the same keys in another order"
 
 
 def _by_rank(root: Path, names: dict[int, str], what: str) -> list[str]:
@@ -70,8 +65,8 @@ class DeepSpeedZeroReader:
         names, else the save's own ``universal_checkpoint_info``)."""
         self.root = find_tag_dir(path)
         self._tp_rules = tp_rules
-        self._tp = 1
-        self._replicas: dict[str, tuple[tuple[ChunkRef, ...], ...]] = {}
+        self._tp = self._pp = 1
+        self._replicas: dict[str, list[Copy]] = {}
         self._verify = verify
         self._verified: set[int] = set()
         self._lock = threading.Lock()
@@ -86,7 +81,7 @@ class DeepSpeedZeroReader:
         stage, world = self._build(b, files, left_out)
         self._slots, self._values, self._objects = b.slots, b.values, b.object_values
         info = {"partitioning": "zero_flat", "zero_stage": stage, "world_size": world, "tp_degree": self._tp,
-                "dtype_prefix": next(iter(files.optim_prefixes), None), "version": self._ds_version,
+                "pp_degree": self._pp, "dtype_prefix": next(iter(files.optim_prefixes), None), "version": self._ds_version,
                 "left_out": left_out, "files": sorted(self._read_files)}
         self._index = CheckpointIndex(FORMAT, str(self.root), b.tensors, b.objects, info)
 
@@ -116,40 +111,34 @@ class DeepSpeedZeroReader:
         for mp in mps:
             sub = b.fork()
             stage, world = self._build_rank(sub, files, mp, left_out if mp == 0 else [])
-            built.append((sub, stage, world, self._model_name))
+            built.append((sub, stage, world, self.root / self._model_name))
             if mp == 0:
-                rules = self._rules_of(self._first_model, len(mps))
+                rules = self._rules_of(self._first_model, f"a tensor-parallel save ({len(mps)} ranks mp_rank_*)")
         sub0, stage, world, _ = built[0]
-        for t, (sub, st, w, name) in enumerate(built[1:], 1):
-            if (st, w) != (stage, world) or list(sub.tensors) != list(sub0.tensors):
-                what = (f"ZeRO-{st} over {w} data-parallel ranks, rank 0 ZeRO-{stage} over {world}" if (st, w) != (stage, world)
-                        else f"other tensors than rank 0 ({_first_diff(sub.tensors, sub0.tensors)})")
-                raise CorruptCheckpointError(f"{self.root / name}: tensor-parallel rank {t} "
-                                             f"holds {what}; the files are from different saves")
+        for t, (sub, st, w, path) in enumerate(built[1:], 1):
+            if (st, w) != (stage, world):
+                raise CorruptCheckpointError(f"{path}: tensor-parallel rank {t} holds ZeRO-{st} over {w} data-parallel "
+                                             f"ranks, rank 0 ZeRO-{stage} over {world}; the files are from different saves")
+        check_same_keys([sub.tensors for sub, *_ in built], [path for *_, path in built])
         ranks = [[t + len(mps) * d for d in range(world)] for t in range(len(mps))]
-        where = str(self.root)
-        for key, entry in sub0.tensors.items():
-            name = param_name(entry)
-            join = rules.join_of(name) if name is not None and entry.shape else Join("replicated")
-            b.tensors[key] = join_entries(key, [sub.tensors[key] for sub, *_ in built], join, ranks, where)
-            if join.kind == "replicated" and entry.shape and join.rows is None:
-                self._replicas[key] = tuple(sub.tensors[key].chunks for sub, *_ in built[1:])
+        joined, self._replicas = join_all([sub.tensors for sub, *_ in built], rules, ranks, str(self.root))
+        b.tensors.update(joined)
         b.objects.update(sub0.objects)
         b.object_values.update(sub0.object_values)
         self._tp = len(mps)
         return stage, world
 
-    def _rules_of(self, model: Parsed, tp: int) -> TpRules:
+    def _rules_of(self, model: Parsed, what: str) -> TpRules:
         """The join rules: given (``tp_rules``, else the file ``$CKPTCONV_DS_TP_RULES`` names: they
-        win), else the save's ``universal_checkpoint_info``; none: the one-line refusal saying how
-        to give them."""
+        win), else the save's ``universal_checkpoint_info``; none: the one-line refusal (``what``:
+        the layout) saying how to give them."""
         rules = self._tp_rules or rules_from_env()
         if rules is not None:
             return rules
         info = model.value.get(INFO_KEY) if isinstance(model.value, dict) else None
         if info:
             return TpRules.parse(as_data(info), f"{model.path}: {INFO_KEY}")
-        raise UnsupportedError(f"{model.path}: a tensor-parallel save ({tp} ranks mp_rank_*) without {INFO_KEY} "
+        raise UnsupportedError(f"{model.path}: {what} without {INFO_KEY} "
                                "(which parameters are replicated, row- or column-parallel: how the slices join) is not "
                                f"supported yet; {HOW_TO}")
 
@@ -197,14 +186,15 @@ class DeepSpeedZeroReader:
         self._ds_version = model.value.get("ds_version") if isinstance(model.value.get("ds_version"), str) else None
 
     def _build_pipeline(self, b: IndexBuilder, files: TagFiles, left_out: list[str]) -> tuple[int, int]:
-        """A ``PipelineModule`` save under ZeRO-1 (:mod:`.pipeline`)."""
-        groups, model, optims, world = build_pipeline(b, self.root, files, self._parse,
-                                                      lambda names, what: _by_rank(self.root, names, what))
-        stage = record_int(optims[0].value[OSD].get("zero_stage")) or 1
-        add_groups(b, groups, optims[0].name)
-        add_objects(b, model, optims[0], left_out)
-        self._ds_version = model.value.get("ds_version") if isinstance(model.value.get("ds_version"), str) else None
-        return stage, world
+        """A ``PipelineModule`` save under ZeRO-1, TP inside the stages joined (:mod:`.pipeline`)."""
+        pipe = build_pipeline(b, self.root, files, self._parse, lambda names, what: _by_rank(self.root, names, what),
+                              self._rules_of, left_out)
+        stage = record_int(pipe.optims[0].value[OSD].get("zero_stage")) or 1
+        add_groups(b, pipe.groups, pipe.optims[0].name)
+        add_objects(b, pipe.model, pipe.optims[0], left_out)
+        self._ds_version = pipe.model.value.get("ds_version") if isinstance(pipe.model.value.get("ds_version"), str) else None
+        self._tp, self._pp, self._replicas = pipe.tp, pipe.pp, pipe.copies
+        return stage, pipe.world
 
     def _build_moe(self, b: IndexBuilder, files: TagFiles, left_out: list[str]) -> tuple[int, int]:
         """A ``deepspeed.moe`` save (:mod:`.moe`): experts under their global names."""
@@ -284,28 +274,28 @@ class DeepSpeedZeroReader:
 
     @property
     def replicated_keys(self) -> list[str]:
-        """The keys of a TP save taken from TP rank 0 as replicated (the other ranks' copies
-        checked by :meth:`check_replicas`)."""
+        """The keys read from one of several stored copies (a TP-replicated tensor: TP rank 0's; a
+        tied parameter of several pipeline stages: the first stage's); :meth:`check_replicas`
+        compares the other copies with it."""
         return list(self._replicas)
 
     def check_replicas(self, key: str, block_bytes: int = 64 << 20) -> int:
-        """Compare the other TP ranks' copies of replicated ``key`` with rank 0's, bit for bit, in
-        blocks of rows (ds_to_universal asserts they are equal); a CorruptCheckpointError naming
-        the rank when one differs. The bytes read."""
+        """Compare every other copy of ``key`` with the one read, bit for bit, in blocks of rows
+        (ds_to_universal asserts TP-replicated copies are equal); a CorruptCheckpointError naming
+        the copy when one differs. The bytes read."""
         entry = self._index.tensors[key]
         shape = entry.shape
         row = math.prod(shape[1:]) * by_name(entry.dtype).itemsize
         step = max(1, block_bytes // max(1, row))
         total = 0
-        for lo in range(0, shape[0], step):
-            region = Box((lo, *(0,) * (len(shape) - 1)), (min(step, shape[0] - lo), *shape[1:]))
+        for lo in range(0, shape[0], step) if shape else [0]:  # a scalar (a tied parameter's step): whole
+            region = (Box((lo, *(0,) * (len(shape) - 1)), (min(step, shape[0] - lo), *shape[1:])) if shape
+                      else Box((), ()))
             want = self._gather(key, entry.chunks, region)
-            for t, chunks in enumerate(self._replicas[key], 1):
-                if not np.array_equal(self._gather(key, chunks, region), want):
-                    raise CorruptCheckpointError(
-                        f"{self.root}: key {key!r}: tensor-parallel rank {t}'s copy differs from rank 0's (rows from "
-                        f"{lo}) though the rules call it replicated (tp_replicated_parameter_patterns); "
-                        "ds_to_universal.py refuses it too: check the rules")
+            for copy in self._replicas[key]:
+                if not np.array_equal(self._gather(key, copy.chunks, region), want):
+                    raise CorruptCheckpointError(f"{self.root}: key {key!r}: {copy.who}'s copy differs from {copy.of}'s "
+                                                 f"(rows from {lo}) {copy.why}")
                 total += want.nbytes
             total += want.nbytes
         return total

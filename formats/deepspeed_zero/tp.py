@@ -36,6 +36,7 @@ from typing import Any
 
 from formats.base import Box, ChunkRef, TensorEntry
 from formats.dcp.archive_writer import contiguous_strides
+from formats.deepspeed_zero.index import Copy
 from formats.errors import CorruptCheckpointError, InvalidCheckpointError, UnsupportedError
 
 #: The environment variable naming a rules file (``ckptconv --ds-tp-rules FILE`` sets it).
@@ -259,6 +260,44 @@ def _cut_rows(entry: TensorEntry, rows: int, where: str) -> TensorEntry:
             chunks.append(kept)
     shape = (rows, *entry.shape[1:])
     return TensorEntry(entry.key, entry.dtype, shape, tuple(chunks), entry.path)
+
+
+#: What a TP-replicated tensor's copy that differs from rank 0's means.
+REPLICA_WHY = ("though the rules call it replicated (tp_replicated_parameter_patterns); ds_to_universal.py refuses it "
+               "too: check the rules")
+
+
+def join_of(rules: TpRules, entry: TensorEntry) -> Join:
+    """How ``entry``'s TP slices join: by its parameter's rules; a scalar, or a key of no
+    parameter (an object's tensor), is replicated."""
+    name = param_name(entry)
+    return rules.join_of(name) if name is not None and entry.shape else Join("replicated")
+
+
+def check_same_keys(tensors: Sequence[Mapping[str, TensorEntry]], files: Sequence[object]) -> None:
+    """Every TP rank holds rank 0's keys in rank 0's order; else one line naming the rank's file."""
+    for t, other in enumerate(tensors[1:], 1):
+        if list(other) != list(tensors[0]):
+            only = sorted(set(other) ^ set(tensors[0]))
+            diff = f"key {only[0]!r} only on one" if only else "the same keys in another order"
+            raise CorruptCheckpointError(f"{files[t]}: tensor-parallel rank {t} holds other tensors than rank 0 "
+                                         f"({diff}); the files are from different saves")
+
+
+def join_all(tensors: Sequence[Mapping[str, TensorEntry]], rules: TpRules, ranks: Sequence[Sequence[int]],
+             where: str) -> tuple[dict[str, TensorEntry], dict[str, list[Copy]]]:
+    """Every key of TP rank 0's ``tensors`` joined from the ranks' entries (:func:`join_entries`),
+    and the other ranks' copies of each replicated tensor (uncut ones: a vocabulary cut takes a
+    part), for ``verify``."""
+    joined: dict[str, TensorEntry] = {}
+    copies: dict[str, list[Copy]] = {}
+    for key, entry in tensors[0].items():
+        join = join_of(rules, entry)
+        joined[key] = join_entries(key, [t[key] for t in tensors], join, ranks, where)
+        if join.kind == "replicated" and entry.shape and join.rows is None:
+            copies[key] = [Copy(f"tensor-parallel rank {t}", "rank 0", tuple(other[key].chunks), REPLICA_WHY)
+                           for t, other in enumerate(tensors[1:], 1)]
+    return joined, copies
 
 
 def param_name(entry: TensorEntry) -> str | None:

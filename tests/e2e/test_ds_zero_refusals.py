@@ -4,9 +4,10 @@ The folders are saved by DeepSpeed 0.19.8's own engine in 2-rank gloo runs on CP
 (``ds_layout_support``): a model-parallel engine (``mpu``, as Megatron-DeepSpeed passes its
 tensor-parallel groups: ``mp_rank_01_*``, ZeRO-1 and ZeRO-3) that records no
 ``universal_checkpoint_info`` (with it, or with ``--ds-tp-rules``, it is read: ``test_ds_tp.py``), a 2-stage ``PipelineModule`` without
-ZeRO (``layer_XX-model_states.pt``; under ZeRO-1 it is read: ``test_ds_pipeline.py``) or with 2
-tensor-parallel ranks per stage (4 ranks, ``layer_XX-model_01-model_states.pt``); MoE saves,
-refused here before, are read (``test_ds_moe.py``). Each command exits 2 with one line naming a
+ZeRO (``layer_XX-model_states.pt``; under ZeRO-1 it is read: ``test_ds_pipeline.py``), and one with 2
+tensor-parallel ranks per stage (4 ranks, ``layer_XX-model_01-model_states.pt``) that records no
+``universal_checkpoint_info`` either (with it, or with ``--ds-tp-rules``, it is read:
+``test_ds_pipeline.py``); MoE saves, refused here before, are read (``test_ds_moe.py``). Each command exits 2 with one line naming a
 file of the layout, what it is, that it is not supported and what to do; no traceback (one with ``--debug``); nothing written at the output.
 
 The default suite's cases (:func:`test_refused_when_added_to_a_real_zero_folder`) copy a real ZeRO-2
@@ -43,8 +44,8 @@ LAYOUTS = {
                 "layer_00-model_states.pt", "a pipeline-parallel save (PipelineModule layer files, 3 of them)",
                 "ds_to_universal.py"),
     "pipetp-z1": (["layer_00-model_01-model_states.pt", "mp_rank_03_model_states.pt"],
-                  "layer_00-model_00-model_states.pt", "a pipeline-parallel save (PipelineModule layer files, 6 of them) "
-                  "with tensor parallelism inside the stages", "ds_to_universal.py"),
+                  "mp_rank_00_model_states.pt", "a pipeline-parallel save with tensor parallelism inside the stages "
+                  "(2 stages x 2 tensor-parallel ranks, mp_rank_*) without universal_checkpoint_info", "--ds-tp-rules"),
 }
 #: Every command that takes a checkpoint to read, with its arguments (OUT: the output path).
 COMMANDS = {

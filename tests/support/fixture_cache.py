@@ -11,11 +11,12 @@ bytes, so changing them starts a new cache.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import xxhash
@@ -26,6 +27,17 @@ COMPLETE = "_complete.json"
 def base_dir() -> Path:
     """``$CKPTCONV_TEST_CACHE``, default ``~/.cache/ckptconv-tests``."""
     return Path(os.environ.get("CKPTCONV_TEST_CACHE") or Path.home() / ".cache" / "ckptconv-tests")
+
+
+def hashed_dir(kind: str, folder: Path, sources: Iterable[str]) -> Path:
+    """``base_dir()/<kind>-<torch version>-<hash of the sources' bytes>``: the cache directory of
+    entries whose bytes those files decide."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sources:
+        h.update((folder / name).read_bytes())
+    return base_dir() / f"{kind}-{torch.__version__}-{h.hexdigest()[:16]}"
 
 
 def manifest(root: Path) -> dict[str, list]:
