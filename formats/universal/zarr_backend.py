@@ -72,7 +72,7 @@ def prepare(root: Path, records: Mapping[str, TensorRecord]) -> list[Path]:
     for key, record in records.items():
         array_dir = root / record.array
         array_dir.mkdir(parents=True, exist_ok=True)
-        (array_dir / "zarr.json").write_text(json.dumps(array_json(record, key), indent=1))
+        (array_dir / "zarr.json").write_text(json.dumps(array_json(record, key)))  # C encoder: no indent
         written.append(array_dir / "zarr.json")
     return written
 
