@@ -74,13 +74,54 @@ def _join_problem(root: str | os.PathLike, relative: str, noun: str) -> tuple[Pa
     if any(p in ("..", "") for p in parts):
         return None, f"'..' leads outside {noun}"
     try:
-        root_resolved = Path(root).resolve()
-        target = (root_resolved / relative).resolve()
+        root_resolved = _resolved(os.fspath(root))
+        target = _resolve_under(root_resolved, parts)
     except (RuntimeError, OSError) as e:  # 3.11 raises RuntimeError("Symlink loop ...")
         return None, f"cannot resolve it ({os_reason(e)})"
     if target != root_resolved and root_resolved not in target.parents:
         return None, f"it resolves outside {noun} (a symlink out of it)"
     return target, ""
+
+
+#: Resolved paths of roots and of directories under them (a checkpoint's thousands of files share a
+#: few directories: each file then costs one ``lstat``, not one per component of its whole path).
+_RESOLVED: dict[str, Any] = {}
+_RESOLVED_LIMIT = 1 << 16
+
+
+def _resolved(path: str) -> Path:
+    hit = _RESOLVED.get(path)
+    if hit is None:
+        hit = Path(path).resolve()
+        if len(_RESOLVED) >= _RESOLVED_LIMIT:
+            _RESOLVED.clear()
+        _RESOLVED[path] = hit
+    return hit
+
+
+def _resolve_under(root: Path, parts: tuple[str, ...]) -> Path:
+    """``(root / *parts).resolve()`` for a resolved ``root``, with the directories on the way
+    resolved once each (cached): what is not a symlink needs no further resolution."""
+    if not parts:
+        return root
+    parent = _resolved_dir(root, parts[:-1])
+    candidate = os.path.join(parent, parts[-1])
+    return Path(candidate).resolve() if os.path.islink(candidate) else Path(candidate)
+
+
+def _resolved_dir(root: Path, parts: tuple[str, ...]) -> str:
+    if not parts:
+        return str(root)
+    key = f"{root}\0{'/'.join(parts)}"
+    hit = _RESOLVED.get(key)
+    if hit is None:
+        parent = _resolved_dir(root, parts[:-1])
+        candidate = os.path.join(parent, parts[-1])
+        hit = str(Path(candidate).resolve()) if os.path.islink(candidate) else candidate
+        if len(_RESOLVED) >= _RESOLVED_LIMIT:
+            _RESOLVED.clear()
+        _RESOLVED[key] = hit
+    return hit
 
 
 def safe_join(root: str | os.PathLike, relative: str) -> Path:
