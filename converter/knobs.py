@@ -64,3 +64,7 @@ QUANT_SLAB_BYTES = 4 * MIB
 #: FP8 scales an export keeps from its weight reads for the ``weight_scale_inv`` tensors (bytes);
 #: past it a scale tensor quantizes its weight again (same bits, one more read).
 QUANT_SCALE_MEMO_BYTES = 64 * MIB
+#: Print where a conversion's wall time went (process start, imports, planning, destination,
+#: copy, commit) as one ``ckptconv: timings:`` line on stderr (``bench/`` profiles the data path
+#: with it). Env ``CKPTCONV_TIMINGS=1``.
+TIMINGS = (os.environ.get("CKPTCONV_TIMINGS", "") or "0") not in ("0", "false", "no", "off")

@@ -326,6 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv is not None:
         _run(argv)
         return
+    from converter.run import timings
+
+    timings.mark("imports")
     _stop_on_sigterm()
     _raise_open_file_limit()
     try:
@@ -370,6 +373,9 @@ def _stop_on_sigterm() -> None:
 def _exit_now(code: int) -> None:
     import os
 
+    from converter.run import timings
+
+    timings.report()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

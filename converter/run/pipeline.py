@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from converter.plan.copy_tasks import WriteTask
-from converter.run import distributed
+from converter.run import distributed, timings
 from converter.run.destination import (
     COMPLETE,
     KIND_OF_OP,
@@ -173,18 +173,21 @@ def run_conversion(conv: Conversion, options: Any) -> ConversionResult:
     if conv.expected is None:
         raise InternalError(f"internal error: {conv.op}: the conversion plans no output to check its output against")
     dist = distributed.current()
+    timings.mark("planned")
     header = conversion_header(conv.op, conv.src, conv.index, conv.header_options)
     if conv.check is not None:
         conv.check()
     _fault("planned")
     out, journal, what = open_destination(conv.src, conv.dst, header, options)
     _fault("prepared")
+    timings.mark("destination")
     if what == COMPLETE:  # --resume of a conversion that already finished: nothing to do
         return dataclasses.replace(conv.planned, dst=str(out), bytes=0, seconds=0.0, already_complete=True)
     output = conv.open_output(out)
     try:
         # rank 0 creates and sizes every file; the other ranks then open them without truncating
         dist.leader_first(lambda: output.prepare(what == RESUME), lambda: output.prepare(True))
+        timings.mark("prepare")
         for task in conv.tasks:
             if journal.is_done(task):
                 output.adopt(task, journal.info(task))
@@ -195,6 +198,7 @@ def run_conversion(conv: Conversion, options: Any) -> ConversionResult:
                                    memory_budget=options.memory_budget, progress=options.progress,
                                    label=conv.op, journal=journal, gather_info=gather)
         written = output.bytes_written(stats) if output.bytes_written is not None else stats.bytes_written
+        timings.mark("copy")
 
         def publish() -> None:
             if dist.active:  # every rank wrote its share: count the others' as written
@@ -207,6 +211,7 @@ def run_conversion(conv: Conversion, options: Any) -> ConversionResult:
             dist.remove_journals(journal, out)
 
         dist.on_leader(publish)
+        timings.mark("commit")
         if not dist.leader:
             output.close()
     except BaseException:

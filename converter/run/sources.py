@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 
+from converter.run import timings
 from formats.base import CheckpointReader
 from formats.errors import CheckpointNotFoundError, IncompleteCheckpointError, InvalidCheckpointError
 
@@ -97,6 +98,7 @@ def open_checkpoint(path: str | os.PathLike, trust_pickle: bool = False, verify:
     """
     reader = _open(path, trust_pickle, verify)
     gc.freeze()
+    timings.mark("source")
     return reader
 
 
