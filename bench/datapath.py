@@ -162,6 +162,17 @@ def run_rounds(steps: list[Step], repeats: int) -> None:
             _remove(step.writes)
 
 
+_TIMINGS = re.compile(r"ckptconv: timings: (.*) \| total")
+
+
+def phases(tail: str) -> dict[str, float] | None:
+    """The ``CKPTCONV_TIMINGS`` line a ckptconv step printed (seconds per phase), or None."""
+    m = _TIMINGS.search(tail)
+    if not m:
+        return None
+    return {name: float(sec) for name, sec in (f.rsplit(" ", 1) for f in m.group(1).split(" | "))}
+
+
 def summarize(step: Step, cp_s: float | None, user_s: float | None) -> dict:
     ok = [r for r in step.runs if r.rc == 0]
     row = {"name": step.name, "group": step.group, "cmd": " ".join(step.cmd), "input_bytes": step.input_bytes,
@@ -174,6 +185,9 @@ def summarize(step: Step, cp_s: float | None, user_s: float | None) -> dict:
             "gb_per_s": step.input_bytes / wall / 1e9, "x_cp": wall / cp_s if cp_s else None,
             "x_user_copy": wall / user_s if user_s else None,
             "tree_peak_rss": max(r.tree_peak_rss for r in ok), "main_max_rss": max(r.main_max_rss for r in ok)}
+    parsed = [p for p in (phases(r.tail) for r in ok) if p]
+    if parsed:  # the median of each phase over the runs (CKPTCONV_TIMINGS)
+        row["phases_s"] = {k: round(statistics.median(p.get(k, 0.0) for p in parsed), 3) for k in parsed[0]}
     return row
 
 
@@ -407,6 +421,18 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(results: list[dict]) -> str:
+    """Where each ckptconv step's wall time went (``CKPTCONV_TIMINGS``, medians), as markdown."""
+    names = ["imports", "source", "planned", "destination", "prepare", "copy", "commit", "exit"]
+    lines = ["| size | step | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
+    for res in results:
+        for r in res["rows"]:
+            ph = r.get("phases_s")
+            if ph:
+                lines.append(f"| {res['size']} | {r['name']} | " + " | ".join(f"{ph.get(n, 0):.2f}" for n in names) + " |")
+    return "\n".join(lines)
+
+
 def profile_table(prof: dict) -> str:
     """CPU by cause and wall by activity per step, as markdown."""
     steps = [k for k in prof if k != "size"]
@@ -495,6 +521,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>T<time>-datapath-<sizes>.json)")
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    # the program's bytecode compiled first, as a pip-installed wheel has it: where
+    # PYTHONDONTWRITEBYTECODE is set (this workplace sets it) every step would compile its sources
+    subprocess.run([PY, "-m", "compileall", "-q", "converter", "formats", "schemas"], cwd=str(BENCH.parent),
+                   check=True, capture_output=True)
+    os.environ["CKPTCONV_TIMINGS"] = "1"  # each ckptconv step prints where its time went (phases_s)
     t0 = dt.datetime.now().astimezone()
     load0 = os.getloadavg()
     doc: dict = {"started": t0.isoformat(timespec="seconds"),
@@ -505,7 +536,8 @@ def main(argv: list[str] | None = None) -> None:
     doc["results"] = [bench_size(s, args) for s in sizes]
     doc["profile"] = profile(sizes[0], args) if args.profile else None
     doc |= {"finished": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "loadavg_end": os.getloadavg(), "targets": targets(doc["results"]), "table": table(doc["results"])}
+            "loadavg_end": os.getloadavg(), "targets": targets(doc["results"]), "table": table(doc["results"]),
+            "phase_table": phase_table(doc["results"])}
     if doc["profile"]:
         doc["profile_table"] = profile_table(doc["profile"])
     RESULTS.mkdir(exist_ok=True)
@@ -513,6 +545,7 @@ def main(argv: list[str] | None = None) -> None:
         RESULTS / f"{t0.strftime('%Y-%m-%dT%H%M')}-datapath-{'_'.join(size_label(s) for s in sizes)}.json"
     name.write_text(json.dumps(doc, indent=1) + "\n")
     print(doc["table"])
+    print("\nWhere each step's wall time went (s, CKPTCONV_TIMINGS, medians):\n\n" + doc["phase_table"])
     if doc["profile"]:
         print("\n" + doc["profile_table"])
     print()
