@@ -134,8 +134,9 @@ def _cpu_seconds() -> float:
 # ----------------------------------------------------------------------------- the load job
 
 
-def _target_state(args, layout: dict[str, int], mesh):
-    """The target model's and AdamW state dict (DTensors over ``mesh``), values arbitrary."""
+def _target_state(args, layout: dict[str, int], mesh, device: str = "cpu"):
+    """The target model's and AdamW state dict (DTensors over ``mesh``, local shards on
+    ``device``), values arbitrary."""
     import torch
     from models import Transformer, apply_fsdp, apply_tp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -145,7 +146,7 @@ def _target_state(args, layout: dict[str, int], mesh):
     if layout.get("tp", 1) > 1:
         apply_tp(model, mesh["tp"])
     apply_fsdp(model, mesh["dp_shard"])
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
     for p in model.parameters():  # the state a step would create, without the step
         optim.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
@@ -296,7 +297,7 @@ def _measured(rank: int):
 
 
 def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tuple[str, str, str]],
-               repeats: int, out: str) -> None:
+               repeats: int, out: str, device: str = "cpu") -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -308,14 +309,16 @@ def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tu
     torch.set_num_threads(1)
     if port is not None:  # spawned; under torchrun its env:// (MASTER_ADDR/PORT, RANK, WORLD_SIZE) is set
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # dcp.load's collectives are on CPU objects
+    if device == "cuda":  # the ranks share the machine's GPUs round-robin (one GPU: all on cuda:0)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     args = ModelArgs.from_json(args_json)
     reports = []
     try:
         for mesh_text, variant, path in cases:
             layout = {d.name: d.size for d in parse_mesh(mesh_text).dims}  # ckptconv's order: dp_shard outer, tp inner
-            mesh = init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))
-            state = _target_state(args, layout, mesh)
+            mesh = init_device_mesh(device, tuple(layout.values()), mesh_dim_names=tuple(layout))
+            state = _target_state(args, layout, mesh, device)
             for round_ in range(repeats):
                 if rank == 0:
                     evict(Path(path))
@@ -326,10 +329,12 @@ def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tu
                 dist.barrier()
                 c0, t0 = _cpu_seconds(), time.perf_counter()
                 dcp.load(state, storage_reader=reader, planner=Planner())
+                if device == "cuda":
+                    torch.cuda.synchronize()  # the copies into the GPU shards are done
                 wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
                 own = f"__{rank}_0.distcp"
                 needed = _local_nbytes(state)
-                reports.append({"mesh": mesh_text, "variant": variant, "round": round_, "rank": rank,
+                reports.append({"mesh": mesh_text, "variant": variant, "round": round_, "rank": rank, "device": device,
                                 "wall_s": wall, "plan_s": reader.md_s + Planner.seconds, "read_s": reader.read_s,
                                 "bytes": sum(reader.by_file.values()), "files": len(reader.by_file),
                                 "foreign_bytes": sum(n for f, n in reader.by_file.items() if f != own),
@@ -344,7 +349,7 @@ def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tu
 
 
 def load_world(world: int, args_json: dict, cases: list[tuple[str, str, str]], repeats: int,
-               launcher: str = "torchrun") -> list[dict]:
+               launcher: str = "torchrun", device: str = "cpu") -> list[dict]:
     """Every rank's reports of a ``world``-rank load job: ``torchrun --standalone --nproc-per-node
     world`` running this file's ``--rank-worker`` (the default, as a job starts), or
     ``torch.multiprocessing`` spawn."""
@@ -353,7 +358,8 @@ def load_world(world: int, args_json: dict, cases: list[tuple[str, str, str]], r
     with tempfile.TemporaryDirectory() as tmp:
         if launcher == "torchrun":
             spec = Path(tmp, "spec.json")
-            spec.write_text(json.dumps({"args_json": args_json, "cases": cases, "repeats": repeats, "out": tmp}))
+            spec.write_text(json.dumps({"args_json": args_json, "cases": cases, "repeats": repeats, "out": tmp,
+                                        "device": device}))
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    str(Path(__file__).resolve()), "--rank-worker", str(spec)]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -361,7 +367,8 @@ def load_world(world: int, args_json: dict, cases: list[tuple[str, str, str]], r
         else:
             import torch.multiprocessing as mp
 
-            mp.spawn(_load_rank, args=(world, _free_port(), args_json, cases, repeats, tmp), nprocs=world, join=True)
+            mp.spawn(_load_rank, args=(world, _free_port(), args_json, cases, repeats, tmp, device), nprocs=world,
+                     join=True)
         return [r for k in range(world) for r in json.loads(Path(tmp, f"rank{k}.json").read_text())]
 
 
@@ -369,7 +376,7 @@ def rank_worker(spec_path: str) -> None:
     """One rank of the torchrun load job (RANK / WORLD_SIZE from torchrun)."""
     spec = json.loads(Path(spec_path).read_text())
     _load_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, spec["args_json"],
-               [tuple(c) for c in spec["cases"]], spec["repeats"], spec["out"])
+               [tuple(c) for c in spec["cases"]], spec["repeats"], spec["out"], spec.get("device", "cpu"))
 
 
 # ----------------------------------------------------------------------------- report
@@ -416,6 +423,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--launcher", choices=("torchrun", "spawn"), default="torchrun",
                    help="how the load job starts its ranks (torchrun --standalone, or torch.multiprocessing spawn)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the load job's DTensor shards live (cuda: the ranks share the GPUs round-robin; the "
+                        "process group stays gloo, dcp.load copies each read into the GPU shard)")
     p.add_argument("--rank-worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.rank_worker:
@@ -431,13 +441,14 @@ def main(argv: list[str] | None = None) -> None:
                 out = work / f"{mesh.replace(',', '_')}-{variant}"
                 conversions.append({"mesh": mesh, "variant": variant, "seconds": round(convert(src, out, mesh, variant), 2)})
                 cases.append((mesh, variant, str(out)))
-        rows += [{**r, "world": world} for r in load_world(world, info["model_args"], cases, a.repeats, a.launcher)]
+        rows += [{**r, "world": world} for r in load_world(world, info["model_args"], cases, a.repeats, a.launcher,
+                                                            a.device)]
         for mesh in target_meshes(world):
             for variant in ("dedup", "rank"):
                 shutil.rmtree(work / f"{mesh.replace(',', '_')}-{variant}", ignore_errors=True)
     summary = summarize(rows)
     doc = {"source": {k: info[k] for k in ("path", "bytes", "params", "world")}, "worlds": a.worlds,
-           "repeats": a.repeats, "launcher": a.launcher, "loadavg": os.getloadavg(), "cpu_count": os.cpu_count(),
+           "repeats": a.repeats, "launcher": a.launcher, "device": a.device, "loadavg": os.getloadavg(), "cpu_count": os.cpu_count(),
            "conversions": conversions, "summary": summary, "rows": rows}
     out = Path(a.out) if a.out else BENCH / "results" / f"load_payoff-{time.strftime('%Y%m%dT%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
