@@ -104,9 +104,7 @@ def _resolve_under(root: Path, parts: tuple[str, ...]) -> Path:
     resolved once each (cached): what is not a symlink needs no further resolution."""
     if not parts:
         return root
-    parent = _resolved_dir(root, parts[:-1])
-    candidate = os.path.join(parent, parts[-1])
-    return Path(candidate).resolve() if os.path.islink(candidate) else Path(candidate)
+    return Path(_step(_resolved_dir(root, parts[:-1]), parts[-1]))
 
 
 def _resolved_dir(root: Path, parts: tuple[str, ...]) -> str:
@@ -115,13 +113,17 @@ def _resolved_dir(root: Path, parts: tuple[str, ...]) -> str:
     key = f"{root}\0{'/'.join(parts)}"
     hit = _RESOLVED.get(key)
     if hit is None:
-        parent = _resolved_dir(root, parts[:-1])
-        candidate = os.path.join(parent, parts[-1])
-        hit = str(Path(candidate).resolve()) if os.path.islink(candidate) else candidate
+        hit = _step(_resolved_dir(root, parts[:-1]), parts[-1])
         if len(_RESOLVED) >= _RESOLVED_LIMIT:
             _RESOLVED.clear()
         _RESOLVED[key] = hit
     return hit
+
+
+def _step(parent: str, name: str) -> str:
+    """``name`` under the resolved directory ``parent``, resolved: itself unless it is a symlink."""
+    candidate = os.path.join(parent, name)
+    return str(Path(candidate).resolve()) if os.path.islink(candidate) else candidate
 
 
 def safe_join(root: str | os.PathLike, relative: str) -> Path:

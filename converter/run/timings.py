@@ -1,10 +1,10 @@
 """Where a conversion's wall time goes: named marks from the process's start, printed as one
 stderr line when ``knobs.TIMINGS`` is on (``CKPTCONV_TIMINGS=1``; ``bench/datapath.py`` reads it).
 
-    ckptconv: timings: start 0.04 | imports 0.21 | planned 0.05 | destination 0.01 | ... | total 1.42 s
+    ckptconv: timings: imports 0.10 | source 0.26 | planned 0.01 | ... | copy 1.42 | commit 0.17 | exit 0.02 | total 2.08 s
 
-Each field is the seconds since the previous mark; ``start`` is the time from the process's
-creation (exec) to the first mark, i.e. the interpreter's own start-up.
+Each field is the seconds since the previous mark; the first, ``imports``, counts from the
+process's creation (exec): the interpreter's start-up and the CLI's imports.
 """
 
 from __future__ import annotations
