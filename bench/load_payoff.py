@@ -77,16 +77,31 @@ def convert(src: str, out: Path, mesh: str, variant: str) -> float:
     return time.perf_counter() - t0
 
 
-def evict(path: Path) -> None:
-    """Drop ``path``'s files from the page cache (after writeback)."""
+def evict(path: Path, prime: bool = True) -> None:
+    """Drop ``path``'s files from the page cache (after writeback); with ``prime``, read each file
+    once first (see :func:`_read_through`)."""
     os.sync()
     for f in path.iterdir():
         if f.is_file():
             fd = os.open(f, os.O_RDONLY)
             try:
+                if prime:
+                    _read_through(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def _read_through(fd: int, block: int = 16 << 20) -> None:
+    """Read a file once, start to end: on a VM whose disk is a file on the host, this puts it in
+    the host's page cache, which no guest can drop. This VM's host keeps recently read data
+    (a 2 GB checkpoint then reads at ~3.5 GB/s cold in the guest) and not data just written or
+    pushed out by other I/O (0.65-1 GB/s): without it, which checkpoint the host happens to hold
+    decides the race (bench/README, "The host's cache"). On a machine with its own disk the
+    eviction that follows makes it a no-op."""
+    buf = bytearray(block)
+    while os.readv(fd, [buf]) == block:
+        pass
 
 
 def resident_fraction(path: Path) -> float:
@@ -296,8 +311,15 @@ def _measured(rank: int):
     return Reader, Planner
 
 
+def round_robin(cases: list, round_: int) -> list:
+    """``cases`` in round ``round_``'s order: rotated by one case per round, so that no case is
+    always loaded first (after the job's start) or always right after the same other case."""
+    k = round_ % len(cases)
+    return cases[k:] + cases[:k]
+
+
 def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tuple[str, str, str]],
-               repeats: int, out: str, device: str = "cpu") -> None:
+               repeats: int, out: str, device: str = "cpu", warmup: int = 1) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -315,11 +337,15 @@ def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tu
     args = ModelArgs.from_json(args_json)
     reports = []
     try:
-        for mesh_text, variant, path in cases:
-            layout = {d.name: d.size for d in parse_mesh(mesh_text).dims}  # ckptconv's order: dp_shard outer, tp inner
-            mesh = init_device_mesh(device, tuple(layout.values()), mesh_dim_names=tuple(layout))
-            state = _target_state(args, layout, mesh, device)
-            for round_ in range(repeats):
+        states = {}  # one target state per mesh, shared by its cases: the rounds interleave the cases
+        for mesh_text, _, _ in cases:
+            if mesh_text not in states:
+                layout = {d.name: d.size for d in parse_mesh(mesh_text).dims}  # ckptconv's order: dp_shard outer, tp inner
+                mesh = init_device_mesh(device, tuple(layout.values()), mesh_dim_names=tuple(layout))
+                states[mesh_text] = _target_state(args, layout, mesh, device)
+        for round_ in range(-warmup, repeats):
+            for mesh_text, variant, path in round_robin(cases, round_):
+                state = states[mesh_text]
                 if rank == 0:
                     evict(Path(path))
                 Reader, Planner = _measured(rank)
@@ -334,7 +360,8 @@ def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tu
                 wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
                 own = f"__{rank}_0.distcp"
                 needed = _local_nbytes(state)
-                reports.append({"mesh": mesh_text, "variant": variant, "round": round_, "rank": rank, "device": device,
+                reports.append({"mesh": mesh_text, "variant": variant, "round": round_, "warmup": round_ < 0,
+                                "rank": rank, "device": device,
                                 "wall_s": wall, "plan_s": reader.md_s + Planner.seconds, "read_s": reader.read_s,
                                 "bytes": sum(reader.by_file.values()), "files": len(reader.by_file),
                                 "foreign_bytes": sum(n for f, n in reader.by_file.items() if f != own),
@@ -349,7 +376,7 @@ def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tu
 
 
 def load_world(world: int, args_json: dict, cases: list[tuple[str, str, str]], repeats: int,
-               launcher: str = "torchrun", device: str = "cpu") -> list[dict]:
+               launcher: str = "torchrun", device: str = "cpu", warmup: int = 1) -> list[dict]:
     """Every rank's reports of a ``world``-rank load job: ``torchrun --standalone --nproc-per-node
     world`` running this file's ``--rank-worker`` (the default, as a job starts), or
     ``torch.multiprocessing`` spawn."""
@@ -359,7 +386,7 @@ def load_world(world: int, args_json: dict, cases: list[tuple[str, str, str]], r
         if launcher == "torchrun":
             spec = Path(tmp, "spec.json")
             spec.write_text(json.dumps({"args_json": args_json, "cases": cases, "repeats": repeats, "out": tmp,
-                                        "device": device}))
+                                        "device": device, "warmup": warmup}))
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    str(Path(__file__).resolve()), "--rank-worker", str(spec)]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -367,7 +394,8 @@ def load_world(world: int, args_json: dict, cases: list[tuple[str, str, str]], r
         else:
             import torch.multiprocessing as mp
 
-            mp.spawn(_load_rank, args=(world, _free_port(), args_json, cases, repeats, tmp, device), nprocs=world,
+            mp.spawn(_load_rank, args=(world, _free_port(), args_json, cases, repeats, tmp, device, warmup),
+                     nprocs=world,
                      join=True)
         return [r for k in range(world) for r in json.loads(Path(tmp, f"rank{k}.json").read_text())]
 
@@ -376,16 +404,25 @@ def rank_worker(spec_path: str) -> None:
     """One rank of the torchrun load job (RANK / WORLD_SIZE from torchrun)."""
     spec = json.loads(Path(spec_path).read_text())
     _load_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, spec["args_json"],
-               [tuple(c) for c in spec["cases"]], spec["repeats"], spec["out"], spec.get("device", "cpu"))
+               [tuple(c) for c in spec["cases"]], spec["repeats"], spec["out"], spec.get("device", "cpu"),
+               spec.get("warmup", 1))
 
 
 # ----------------------------------------------------------------------------- report
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (world, mesh, variant): medians over rounds of the slowest rank's wall and of the
-    per-rank maxima of planning, bytes, files and foreign bytes."""
+    """Per (world, mesh, variant), over the timed rounds (warm-up rounds left out): medians of the
+    slowest rank's wall and of the per-rank maxima of planning, bytes, files and foreign bytes; the
+    best round (``best_s``); and ``x_original``, the median over rounds of the slowest rank's wall
+    divided by the original's in the same round (a paired ratio: the rounds interleave the cases,
+    so the machine's slow spells fall on both)."""
     out = []
+    rows = [r for r in rows if not r.get("warmup")]
+    slowest = {}  # (world, mesh, variant, round) -> the slowest rank's wall
+    for r in rows:
+        k = (r["world"], r["mesh"], r["variant"], r["round"])
+        slowest[k] = max(slowest.get(k, 0.0), r["wall_s"])
     keys = sorted({(r["world"], r["mesh"], r["variant"]) for r in rows}, key=lambda k: (k[0], k[1], VARIANTS.index(k[2])))
     for world, mesh, variant in keys:
         mine = [r for r in rows if (r["world"], r["mesh"], r["variant"]) == (world, mesh, variant)]
@@ -394,7 +431,12 @@ def summarize(rows: list[dict]) -> list[dict]:
         def med(field, agg=max):
             return statistics.median(agg(r[field] for r in mine if r["round"] == k) for k in rounds)
 
+        paired = [slowest[(world, mesh, variant, k)] / slowest[(world, mesh, "original", k)] for k in rounds
+                  if (world, mesh, "original", k) in slowest]
         out.append({"world": world, "mesh": mesh, "variant": variant, "wall_s": round(med("wall_s"), 3),
+                    "best_s": round(min(slowest[(world, mesh, variant, k)] for k in rounds), 3),
+                    **({"x_original": round(statistics.median(paired), 3),
+                        "x_original_ci90": [round(x, 3) for x in median_ci90(paired)]} if paired else {}),
                     "plan_s": round(med("plan_s"), 3), "read_s": round(med("read_s"), 3),
                     "max_rank_MB": round(med("bytes") / 1e6, 1), "total_MB": round(med("bytes", sum) / 1e6, 1),
                     "max_files": int(med("files")), "foreign_MB": round(med("foreign_bytes", sum) / 1e6, 1),
@@ -405,8 +447,17 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def median_ci90(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 90 % bootstrap interval of the median of ``values`` (percentile method, fixed seed)."""
+    import random
+
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return meds[int(0.05 * resamples)], meds[int(0.95 * resamples) - 1]
+
+
 def table(summary: list[dict]) -> str:
-    cols = ["world", "mesh", "variant", "wall_s", "plan_s", "read_s", "io_s", "copy_s", "cpu_s_all", "backward",
+    cols = ["world", "mesh", "variant", "wall_s", "best_s", "x_original", "x_original_ci90", "plan_s", "read_s", "io_s", "copy_s", "cpu_s_all", "backward",
             "max_rank_MB", "total_MB", "max_files", "foreign_MB", "short_ranks"]
     cols = [c for c in cols if all(c in s for s in summary)]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
@@ -419,6 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", default="2GB", help="source checkpoint size (make_checkpoint.py; cached in bench/out)")
     p.add_argument("--worlds", default="4,8")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed rounds of every case first (this VM's host caches the guest disk: a file not "
+                        "read for ~20 s reads 2-5x slower once, whoever wrote it; see bench/README)")
     p.add_argument("--work", default=str(BENCH / "out" / "load_payoff"), help="where the converted checkpoints go")
     p.add_argument("--out", default=None)
     p.add_argument("--launcher", choices=("torchrun", "spawn"), default="torchrun",
@@ -442,13 +496,13 @@ def main(argv: list[str] | None = None) -> None:
                 conversions.append({"mesh": mesh, "variant": variant, "seconds": round(convert(src, out, mesh, variant), 2)})
                 cases.append((mesh, variant, str(out)))
         rows += [{**r, "world": world} for r in load_world(world, info["model_args"], cases, a.repeats, a.launcher,
-                                                            a.device)]
+                                                            a.device, a.warmup)]
         for mesh in target_meshes(world):
             for variant in ("dedup", "rank"):
                 shutil.rmtree(work / f"{mesh.replace(',', '_')}-{variant}", ignore_errors=True)
     summary = summarize(rows)
     doc = {"source": {k: info[k] for k in ("path", "bytes", "params", "world")}, "worlds": a.worlds,
-           "repeats": a.repeats, "launcher": a.launcher, "device": a.device, "loadavg": os.getloadavg(), "cpu_count": os.cpu_count(),
+           "repeats": a.repeats, "warmup": a.warmup, "launcher": a.launcher, "device": a.device, "loadavg": os.getloadavg(), "cpu_count": os.cpu_count(),
            "conversions": conversions, "summary": summary, "rows": rows}
     out = Path(a.out) if a.out else BENCH / "results" / f"load_payoff-{time.strftime('%Y%m%dT%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

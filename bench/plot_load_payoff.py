@@ -30,6 +30,7 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    timed = [r for r in doc["rows"] if not r.get("warmup")]  # the warm-up rounds are not plotted
     layouts = sorted({layout_of(s["mesh"]) for s in doc["summary"]}, key=lambda t: t.startswith("TP"))
     fig, axes = plt.subplots(1, len(layouts), figsize=(5.2 * len(layouts), 4.2), sharey=True, squeeze=False)
     worlds = sorted({s["world"] for s in doc["summary"]})
@@ -42,7 +43,7 @@ def plot(doc: dict, path: Path) -> None:
             style, color = STYLES[variant]
             ax.plot([s["world"] for s in mine], [s["wall_s"] for s in mine], style, color=color, label=LABELS[variant])
             rounds: dict[tuple, float] = {}  # (world, round) -> slowest rank's wall
-            for r in doc["rows"]:
+            for r in timed:
                 if layout_of(r["mesh"]) == layout and r["variant"] == variant:
                     k = (r["world"], r["round"])
                     rounds[k] = max(rounds.get(k, 0.0), r["wall_s"])
@@ -51,7 +52,7 @@ def plot(doc: dict, path: Path) -> None:
         ax.set_xlabel("ranks (gloo, CPU)")
         ax.set_xticks(worlds)
         ax.grid(alpha=0.3)
-    top = max([s["wall_s"] for s in doc["summary"]] + [r["wall_s"] for r in doc["rows"]])
+    top = max([s["wall_s"] for s in doc["summary"]] + [r["wall_s"] for r in timed])
     axes[0][0].set_ylim(0, 1.08 * top)  # shared y: one limit that holds every line and dot of both panels
     axes[0][0].set_ylabel("dcp.load wall s, slowest rank\n(line: median of rounds; dots: rounds)")
     axes[0][-1].legend(fontsize=8, loc="best")
