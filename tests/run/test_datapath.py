@@ -346,3 +346,35 @@ def test_the_user_space_copy_copies_the_tree(ckpt, tmp_path):
     subprocess.run([sys.executable, str(ROOT / "bench" / "datapath.py"), "usercopy", str(ckpt), str(tmp_path / "c")],
                    check=True, timeout=300)
     assert _files(ckpt) == _files(tmp_path / "c") and _files(ckpt)
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_the_direct_copy_copies_the_tree(ckpt, tmp_path, procs):
+    """bench/datapath.py's O_DIRECT baseline (1 process, and 2 sharing the files: what says whether
+    the disk allows two writers any gain) copies every byte, unaligned tails and nested folders too."""
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    (src / "sub").mkdir()
+    (src / "sub" / "odd.bin").write_bytes(os.urandom(3 * 4096 + 17))
+    (src / "empty").write_bytes(b"")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "datapath.py"), "directcopy", str(src), str(tmp_path / "c"),
+                    str(procs)], check=True, timeout=300)
+    assert _files(src) == _files(tmp_path / "c") and len(_files(src)) >= 4
+
+
+def test_the_torchrun_target_applies_only_where_two_raw_writers_gain():
+    """"torchrun 2 >= 1.6x one process, where the disk allows": judged only when two processes'
+    O_DIRECT copy is itself >= 1.6x one process's; otherwise reported as not applicable."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import datapath
+
+    def res(one, two):
+        return {"size": "1GB", "rows": [{"name": datapath.DIRECT1, "wall_s": one},
+                                        {"name": datapath.DIRECT2, "wall_s": two}]}
+
+    slow_disk = datapath._scaling_target(res(1.0, 0.95), datapath.TO, 0.5)
+    assert slow_disk["ok"] is None and slow_disk["disk_x"] == 1.05 and "not applicable" in slow_disk["target"]
+    fast_disk = datapath._scaling_target(res(2.0, 1.0), datapath.TO, 1.2)
+    assert fast_disk["ok"] is False and fast_disk["disk_x"] == 2.0
+    assert datapath._scaling_target(res(2.0, 1.0), datapath.TO, 1.7)["ok"] is True
+    assert datapath._scaling_target({"size": "1GB", "rows": []}, datapath.TO, 1.0)["ok"] is False
