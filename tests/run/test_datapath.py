@@ -359,7 +359,11 @@ def test_the_direct_copy_copies_the_tree(ckpt, tmp_path, procs):
     (src / "empty").write_bytes(b"")
     subprocess.run([sys.executable, str(ROOT / "bench" / "datapath.py"), "directcopy", str(src), str(tmp_path / "c"),
                     str(procs)], check=True, timeout=300)
-    assert _files(src) == _files(tmp_path / "c") and len(_files(src)) >= 4
+
+    def every_file(root: Path) -> dict[str, bytes]:
+        return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+    assert every_file(src) == every_file(tmp_path / "c") and len(every_file(src)) >= 4
 
 
 def test_the_torchrun_target_applies_only_where_two_raw_writers_gain():
