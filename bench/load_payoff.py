@@ -52,6 +52,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from make_checkpoint import _free_port, make_checkpoint, parse_size  # noqa: E402
+from run import read_through  # noqa: E402
 
 VARIANTS = ("original", "dedup", "rank")
 #: What ``read_data`` is split into, per rank: seconds in the file view's reads (``io_s``, inside
@@ -79,29 +80,18 @@ def convert(src: str, out: Path, mesh: str, variant: str) -> float:
 
 def evict(path: Path, prime: bool = True) -> None:
     """Drop ``path``'s files from the page cache (after writeback); with ``prime``, read each file
-    once first (see :func:`_read_through`)."""
+    once first, so that a VM host's page cache holds every checkpoint alike (``run.read_through``:
+    without it, which checkpoint this VM's host happens to hold decides the race)."""
+    files = [f for f in path.iterdir() if f.is_file()]
     os.sync()
-    for f in path.iterdir():
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                if prime:
-                    _read_through(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _read_through(fd: int, block: int = 16 << 20) -> None:
-    """Read a file once, start to end: on a VM whose disk is a file on the host, this puts it in
-    the host's page cache, which no guest can drop. This VM's host keeps recently read data
-    (a 2 GB checkpoint then reads at ~3.5 GB/s cold in the guest) and not data just written or
-    pushed out by other I/O (0.65-1 GB/s): without it, which checkpoint the host happens to hold
-    decides the race (bench/README, "The host's cache"). On a machine with its own disk the
-    eviction that follows makes it a no-op."""
-    buf = bytearray(block)
-    while os.readv(fd, [buf]) == block:
-        pass
+    if prime:
+        read_through(files)
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def resident_fraction(path: Path) -> float:
