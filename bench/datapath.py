@@ -104,6 +104,8 @@ def direct_copy(src: Path, dst: Path, procs: int = 1) -> None:
     cache, ``fsync`` per file. With ``procs`` > 1, that many processes (forked) copy the files
     between them, each the same share of bytes: how much two writers gain on this disk at all
     (issue 26's "where the disk allows")."""
+    if not src.is_dir():
+        raise SystemExit(f"direct copy: {src} is not a folder")
     files = sorted((f for f in src.rglob("*") if f.is_file()), key=lambda f: -f.stat().st_size)
     for f in files:
         (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
@@ -116,11 +118,13 @@ def direct_copy(src: Path, dst: Path, procs: int = 1) -> None:
     pids = []
     for share in shares[1:]:
         pid = os.fork()
-        if pid == 0:
+        if pid == 0:  # the child reports a failure by its exit status
+            code = 1
             try:
                 _direct_copy_files(share, src, dst)
+                code = 0
             finally:
-                os._exit(0)
+                os._exit(code)
         pids.append(pid)
     _direct_copy_files(shares[0], src, dst)
     for pid in pids:
@@ -549,7 +553,7 @@ def _scaling_target(res: dict, name: str, speed: float) -> dict:
     processes' O_DIRECT copy of the same bytes is itself >= 1.6x one process's. Where it is not,
     the target is not applicable (ok None) and the row says how much the disk gave."""
     one, two = _row(res, DIRECT1), _row(res, DIRECT2)
-    disk = one["wall_s"] / two["wall_s"] if one and two and "wall_s" in one and "wall_s" in two else None
+    disk = one["wall_s"] / two["wall_s"] if one and two else None
     target = f"{res['size']} {name}: torchrun 2 processes >= 1.6x one process"
     if disk is None or disk >= 1.6:
         return {"target": target, "value": round(speed, 2), "ok": speed >= 1.6,
