@@ -490,7 +490,7 @@ def execute(
             pool.submit(run, t).add_done_callback(finished.put)
         left = len(todo)
         while left:
-            done = _completed(finished, timeout=1.0)
+            done = _completed(finished, timeout=1.0, left=left)
             left -= len(done)
             error = next((f.exception() for f in done if f.exception() is not None), None)
             if error is not None:
@@ -520,14 +520,17 @@ def execute(
     return stats
 
 
-def _completed(finished: queue.SimpleQueue, timeout: float) -> list[Future]:
+def _completed(finished: queue.SimpleQueue, timeout: float, left: int | None = None) -> list[Future]:
     """The futures that completed since the last call: waits up to ``timeout`` for the first, then
-    takes every other one already there (a wait on the set of pending futures would cost O(tasks)
-    per completion: quadratic in a run of 10^5 tasks)."""
+    (unless it was the last of ``left``) ``knobs.COMPLETION_BATCH_SECONDS`` more, and takes every one
+    there (a wait on the set of pending futures would cost O(tasks) per completion: quadratic in a
+    run of 10^5 tasks)."""
     try:
         done = [finished.get(timeout=timeout)]
     except queue.Empty:
         return []
+    if left is None or left > 1:
+        time.sleep(knobs.COMPLETION_BATCH_SECONDS)
     while True:
         try:
             done.append(finished.get_nowait())

@@ -133,3 +133,21 @@ def test_a_run_judges_each_waiting_task_a_bounded_number_of_times(tmp_path, monk
     assert sorted(sink.synced) == list(range(files))  # each shared file synced once
     assert all(journal.is_done(t) for t in tasks)
     assert len(calls) <= n * (1 + files), f"{len(calls)} ready checks for {n} tasks"
+
+
+def test_the_main_loop_wakes_per_batch_of_completions_not_per_task(tmp_path, monkeypatch):
+    """Each wake of the main loop takes the GIL from the workers: woken once per task, 37,000 small
+    tasks (a 1 GB store to tp2,dp32) cost 780,000 futex calls. It now lets completions gather
+    for ``knobs.COMPLETION_BATCH_SECONDS`` before it looks."""
+    from converter.run import executor
+
+    turns = []
+    real = executor._completed
+    monkeypatch.setattr(executor, "_completed", lambda *a, **k: turns.append(1) or real(*a, **k))
+    n = 3000
+    tasks = [WriteTask("w", "float32", ("w", row), Box((row, 0), (1, 4)), ()) for row in range(n)]
+    journal = Journal(tmp_path, HEADER)
+    executor.execute(tasks, reader=None, sink=_SharedSink(3), workers=2, memory_budget=1 << 20, progress=False,
+                     journal=journal)
+    assert all(journal.is_done(t) for t in tasks)
+    assert len(turns) <= n // 10, f"{len(turns)} turns of the main loop for {n} tasks"
