@@ -431,6 +431,21 @@ class DirectWrites:
 COMBINE_BLOCK = 1 << 20
 #: Most bytes a :class:`BlockCombiner` holds in partly filled blocks before it writes the oldest.
 COMBINE_CAP = 32 << 20
+#: The smallest block :func:`combine_block` picks (many files written at once).
+COMBINE_MIN_BLOCK = 64 << 10
+
+
+def combine_block(files: int, block: int = COMBINE_BLOCK, cap: int = COMBINE_CAP) -> int:
+    """The block for a :class:`BlockCombiner` gathering the writes of ``files`` files at once.
+
+    A conversion writes every target file a little at a time (a tensor's chunk into each rank's
+    file, then the next tensor's), so each file has a partly filled block open: with more open
+    blocks than ``cap`` holds, nearly every block is written out partly filled, in pieces (64 rank
+    files, 1 MiB blocks: 25,925 such writes for 63 whole ones). The block is halved (down to
+    ``COMBINE_MIN_BLOCK``) until two per file fit in ``cap``."""
+    while block > COMBINE_MIN_BLOCK and 2 * files * block > cap:
+        block //= 2
+    return block
 
 
 class _Block:

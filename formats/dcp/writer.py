@@ -52,7 +52,7 @@ from formats.base import Box, first_overlap
 from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
 from formats.dtypes import by_name
 from formats.errors import ConfigError, DestinationError, IncompleteCheckpointError
-from formats.fsutil import (DIRECT_MIN_BYTES, BlockCombiner, DirectWrites, atomic_write_bytes, fsync_dir, run_parallel,
+from formats.fsutil import (DIRECT_MIN_BYTES, BlockCombiner, DirectWrites, combine_block, atomic_write_bytes, fsync_dir, run_parallel,
                             safe_join, short)
 from formats.manifest import Manifest
 
@@ -349,7 +349,7 @@ class DCPWriter:
         self._direct_io = direct_io
         #: the small writes of every rank file (archive headers and tails, the unaligned ends of
         #: pieces, small chunks) gathered into whole aligned blocks: large writes whatever the pieces
-        self._combiner = BlockCombiner()
+        self._combiner = BlockCombiner(combine_block(len(self._own)))
         self._fds: dict[int, DirectWrites] = {}
         self._sinks: dict[tuple, TensorArchiveWriter] = {}
         self._objects_written = False
@@ -471,13 +471,21 @@ class DCPWriter:
                               "writer does not write")
         self.prepare()
         loc = self._chunk_loc[cid]
-        with self._lock:
-            self._check_state("open_chunk")
+        with self._lock:  # the chunk is reserved here; its archive's first bytes are written outside
+            self._check_state("open_chunk")  # the lock (they may complete a block: a write to the disk)
             if cid in self._sinks:
                 raise ConfigError(
                     f"chunk {spec.key!r} {spec.box.to_json()} was opened twice; write each chunk once"
                 )
-            sink = TensorArchiveWriter(self._fds[spec.rank], loc.offset, spec.dtype, spec.box.sizes)
+            self._sinks[cid] = _OPENING
+            fd = self._fds[spec.rank]
+        try:
+            sink = TensorArchiveWriter(fd, loc.offset, spec.dtype, spec.box.sizes)
+        except BaseException:
+            with self._lock:
+                del self._sinks[cid]
+            raise
+        with self._lock:
             self._sinks[cid] = sink
         return sink
 
@@ -781,6 +789,15 @@ class _Adopted:
     """A chunk an earlier, interrupted run wrote."""
 
     closed = True
+
+
+class _Opening:
+    """A chunk being opened: its archive's first bytes are being written (not closed)."""
+
+    closed = False
+
+
+_OPENING = _Opening()
 
 
 def _chunk_id(spec: ChunkSpec) -> tuple:

@@ -699,3 +699,54 @@ def test_rank_local_manifest_names_a_rank_whose_metadata_lost_a_chunk(tmp_path):
     storage = writer._final[1].storage_data
     del storage[next(k for k in storage if k.fqn == "model.w")]
     assert any("'model.w'" in p and "rank 1's metadata" in p for p in writer.manifest().problems)
+
+
+def test_many_rank_files_written_tensor_by_tensor_are_written_in_whole_blocks(tmp_path):
+    """A conversion to many ranks writes each tensor's chunk into every rank's file, then the next
+    tensor's: every file keeps a partly filled block open. With 48 files none is pushed out half
+    filled (with 1 MiB blocks and a 32 MiB cap, nearly all were: written in pieces), and the
+    checkpoint loads bit-exact."""
+    world, rows = 48, 48 * 64
+    tensors = {f"model.w{i}": _random((rows, 96), torch.float32, i) for i in range(24)}
+    planner = {k: tuple(k.split(".")) for k in tensors}
+    chunks = [ChunkSpec.of(k, "float32", (rows, 96), Box((r * 64, 0), (64, 96)), r)
+              for k in tensors for r in range(world)]  # tensor by tensor, as the copy tasks come
+    root = tmp_path / "ckpt"
+    writer = DCPWriter(root, chunks, [], planner, world_size=world)
+    for i, spec in enumerate(chunks):
+        _write_pieces(writer.open_chunk(spec), tensors[spec.key][spec.box.slices()], random.Random(i))
+    writer.commit()
+    assert writer._combiner.evicted == 0 and writer._combiner.full_blocks > 0
+    target = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    nested = _nest(target, planner)
+    dcp.load(nested, checkpoint_id=root)
+    _assert_nested_equal(nested, _nest(tensors, planner))
+
+
+def test_a_chunk_is_reserved_under_the_lock_and_its_first_bytes_written_outside(tmp_path, monkeypatch):
+    """Opening a chunk writes its archive's first bytes, which may complete a block: a write to
+    the disk. Other threads' chunks must not wait on it behind the writer's lock. A chunk whose
+    opening failed can be opened again; one opened is refused a second time."""
+    from formats.dcp import archive_writer
+
+    tensors, _, planner, chunks, obj_specs = _mixed_state()
+    writer = DCPWriter(tmp_path / "ckpt", chunks, obj_specs, planner, world_size=3)
+    held, real = [], archive_writer.TensorArchiveWriter._write_prefix
+    fail = {"once": True}
+
+    def prefix(self):
+        held.append(writer._lock.locked())
+        if fail.pop("once", False):
+            raise OSError(5, "planted")
+        return real(self)
+
+    monkeypatch.setattr(archive_writer.TensorArchiveWriter, "_write_prefix", prefix)
+    spec = chunks[0]
+    with pytest.raises(OSError, match="planted"):
+        writer.open_chunk(spec)
+    sink = writer.open_chunk(spec)  # the failed opening left no reservation behind
+    with pytest.raises(ConfigError, match="opened twice"):
+        writer.open_chunk(spec)
+    assert held == [False, False]
+    _write_pieces(sink, tensors[spec.key][spec.box.slices()] if spec.box.ndim else tensors[spec.key], random.Random(0))
+    writer.abort()

@@ -193,3 +193,15 @@ def test_a_combined_file_reopened_keeps_the_bytes_not_rewritten(tmp_path):
     data = open(path, "rb").read()
     assert data == b"\x07" * (block + 10) + b"\x01" * 100 + b"\x07" * (block - 160) + b"\x02" * (block + 50)
     out.close()
+
+
+def test_the_combined_block_keeps_two_open_blocks_per_file_within_the_cap():
+    """A conversion writes every target file a little at a time, so each file has a block open:
+    the block shrinks (never below the minimum, always aligned) until two per file fit the cap;
+    few files keep the full block."""
+    for files in [1, 2, 3, 8, 16, 17, 31, 64, 100, 128, 1000, 4096]:
+        block = fsutil.combine_block(files)
+        assert fsutil.COMBINE_MIN_BLOCK <= block <= fsutil.COMBINE_BLOCK and block % fsutil.DIRECT_ALIGN == 0
+        assert 2 * files * block <= fsutil.COMBINE_CAP or block == fsutil.COMBINE_MIN_BLOCK, files
+        assert block == fsutil.COMBINE_BLOCK or 2 * files * 2 * block > fsutil.COMBINE_CAP, files  # no smaller than needed
+    assert fsutil.combine_block(3) == fsutil.COMBINE_BLOCK
