@@ -45,7 +45,14 @@ def start(*args: str, slow: float, hold: Path | None = None) -> subprocess.Popen
     env = {**os.environ, "CKPTCONV_JOURNAL_FLUSH_SECONDS": "0", "CKPTCONV_FAULT_SLOW_PIECE_SECONDS": str(slow),
            "CKPTCONV_FAULT_HOLD_FILE": str(hold or "")}
     return subprocess.Popen([sys.executable, "-m", "converter", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    """In the child, before it starts: SIGINT back to its default. A suite started in the
+    background by a non-interactive shell (``cmd &``, ``nohup``) inherits SIGINT ignored, and
+    Python keeps an ignored SIGINT ignored: Ctrl-C would then do nothing to the conversion."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for_progress(dst: Path, proc: subprocess.Popen, tasks: int = 2, timeout: float = 120) -> None:
