@@ -52,7 +52,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from make_checkpoint import _free_port, make_checkpoint, parse_size  # noqa: E402
-from run import read_through  # noqa: E402
+from run import drop_from_cache, read_through  # noqa: E402
 
 VARIANTS = ("original", "dedup", "rank")
 #: What ``read_data`` is split into, per rank: seconds in the file view's reads (``io_s``, inside
@@ -86,12 +86,7 @@ def evict(path: Path, prime: bool = True) -> None:
     os.sync()
     if prime:
         read_through(files)
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop_from_cache(files)
 
 
 def resident_fraction(path: Path) -> float:

@@ -94,13 +94,18 @@ def evict(path: Path, prime: bool = True) -> bool:
     if can_drop_caches():
         drop_all_caches()
     subprocess.run(["sync"], check=True)
+    drop_from_cache(files)
+    return cached_bytes(files) == 0
+
+
+def drop_from_cache(files: list[Path]) -> None:
+    """``posix_fadvise(DONTNEED)`` each file: its clean pages leave the page cache."""
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    return cached_bytes(files) == 0
 
 
 def read_through(files: list[Path], block: int = 16 << 20) -> None:
