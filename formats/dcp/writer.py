@@ -52,8 +52,8 @@ from formats.base import Box, first_overlap
 from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
 from formats.dtypes import by_name
 from formats.errors import ConfigError, DestinationError, IncompleteCheckpointError
-from formats.fsutil import (DIRECT_MIN_BYTES, BlockCombiner, DirectWrites, combine_block, atomic_write_bytes, fsync_dir, run_parallel,
-                            safe_join, short)
+from formats.fsutil import (DIRECT_MIN_BYTES, BlockCombiner, DirectWrites, atomic_write_bytes, combine_block, fsync_dir,
+                            run_parallel, safe_join, short)
 from formats.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -471,8 +471,10 @@ class DCPWriter:
                               "writer does not write")
         self.prepare()
         loc = self._chunk_loc[cid]
-        with self._lock:  # the chunk is reserved here; its archive's first bytes are written outside
-            self._check_state("open_chunk")  # the lock (they may complete a block: a write to the disk)
+        # the chunk is reserved under the lock; its archive's first bytes are written outside it
+        # (they may complete a block: a write to the disk, which other chunks need not wait for)
+        with self._lock:
+            self._check_state("open_chunk")
             if cid in self._sinks:
                 raise ConfigError(
                     f"chunk {spec.key!r} {spec.box.to_json()} was opened twice; write each chunk once"
