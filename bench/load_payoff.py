@@ -325,7 +325,8 @@ def _load_rank(rank: int, world: int, port: int, args_json: dict, cases: list[tu
         states = {}  # one target state per mesh, shared by its cases: the rounds interleave the cases
         for mesh_text, _, _ in cases:
             if mesh_text not in states:
-                layout = {d.name: d.size for d in parse_mesh(mesh_text).dims}  # ckptconv's order: dp_shard outer, tp inner
+                # ckptconv's order: dp_shard outer, tp inner
+                layout = {d.name: d.size for d in parse_mesh(mesh_text).dims}
                 mesh = init_device_mesh(device, tuple(layout.values()), mesh_dim_names=tuple(layout))
                 states[mesh_text] = _target_state(args, layout, mesh, device)
         for round_ in range(-warmup, repeats):
