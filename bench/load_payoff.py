@@ -78,14 +78,13 @@ def convert(src: str, out: Path, mesh: str, variant: str) -> float:
     return time.perf_counter() - t0
 
 
-def evict(path: Path, prime: bool = True) -> None:
-    """Drop ``path``'s files from the page cache (after writeback); with ``prime``, read each file
-    once first, so that a VM host's page cache holds every checkpoint alike (``run.read_through``:
-    without it, which checkpoint this VM's host happens to hold decides the race)."""
+def evict(path: Path) -> None:
+    """Drop ``path``'s files from the page cache (after writeback), each read once first, so that a
+    VM host's page cache holds every checkpoint alike (``run.read_through``: without it, which
+    checkpoint this VM's host happens to hold decides the race)."""
     files = [f for f in path.iterdir() if f.is_file()]
     os.sync()
-    if prime:
-        read_through(files)
+    read_through(files)
     drop_from_cache(files)
 
 

@@ -79,18 +79,17 @@ def drop_all_caches() -> None:
     subprocess.run([PY, "-c", "import torch, numpy, converter.cli"], check=True, capture_output=True)
 
 
-def evict(path: Path, prime: bool = True) -> bool:
+def evict(path: Path) -> bool:
     """sync, then drop ``path``'s files from the page cache (posix_fadvise DONTNEED); where
-    allowed, first the whole page cache (:func:`drop_all_caches`). With ``prime``, every file is
-    read once before (:func:`read_through`).
+    allowed, first the whole page cache (:func:`drop_all_caches`). Every file is read once before
+    (:func:`read_through`).
 
     Only the step's input goes cold: the interpreter and torch's libraries stay cached, so a
     step's time is its own I/O plus a warm process start. False when the kernel kept any page.
     """
     files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
     subprocess.run(["sync"], check=True)
-    if prime:
-        read_through(files)
+    read_through(files)
     if can_drop_caches():
         drop_all_caches()
     subprocess.run(["sync"], check=True)
@@ -115,7 +114,8 @@ def read_through(files: list[Path], block: int = 16 << 20) -> None:
     no guest can drop. This VM's host keeps recently read data (a 2 GB checkpoint then reads at
     ~3.5 GB/s, guest cache cold) and not data just written or pushed out by other I/O (0.65-1 GB/s):
     without priming, which step's input the host happens to hold decides the race ("The host's
-    cache" in bench/README). On a machine with its own disk the eviction makes this a no-op."""
+    cache" in bench/README). On a machine with its own disk the input is still cold after the
+    eviction; the priming then only costs one read of it, untimed."""
     buf = bytearray(block)
     for f in files:
         fd = os.open(f, os.O_RDONLY)
