@@ -3,6 +3,7 @@ buffers, large aligned (direct) writes, fsyncs of many files at once."""
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from collections.abc import Callable
@@ -176,6 +177,35 @@ def read_exact_into(fd: int, buf: memoryview, offset: int) -> int:
 
 _SYNC_FILE_RANGE_WRITE = 2
 _libc_sync_file_range = None
+
+
+def prefetch(fd: int, offset: int = 0, nbytes: int = 0) -> None:
+    """Ask the kernel to start reading ``[offset, offset + nbytes)`` of ``fd`` (0: to the end) into
+    the page cache without waiting (``posix_fadvise(WILLNEED)``); a hint: no-op where there is
+    none, errors ignored (the read that follows reports them)."""
+    if _FADV_WILLNEED is None:
+        return
+    try:
+        os.posix_fadvise(fd, offset, nbytes, _FADV_WILLNEED)
+    except OSError:
+        pass
+
+
+def prefetch_file(path: str | os.PathLike) -> None:
+    """:func:`prefetch` of a whole file by path (errors ignored)."""
+    if _FADV_WILLNEED is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        prefetch(fd)
+    finally:
+        os.close(fd)
+
+
+_FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None) if hasattr(os, "posix_fadvise") else None
 
 
 def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
@@ -427,23 +457,33 @@ class DirectWrites:
                 os.close(fd)
 
 
-#: Block of :class:`BlockCombiner`: the size of the writes it makes.
-COMBINE_BLOCK = 1 << 20
+#: Block of :class:`BlockCombiner`: the size of the writes it makes (at most; see :func:`combine_block`).
+COMBINE_BLOCK = 4 << 20
+#: A combiner's block is at most this fraction of the memory budget (its blocks, filling, queued and
+#: being written, are a few per file: 4 MiB at the default 512 MiB budget, 1 MiB at 32 MiB).
+COMBINE_BLOCKS_PER_BUDGET = 32
 #: Most bytes a :class:`BlockCombiner` holds in partly filled blocks before it writes the oldest.
 COMBINE_CAP = 32 << 20
+#: Full blocks a :class:`BlockCombiner` queues for its writer thread before the caller waits: the
+#: device always has the next block while one is written, and the memory stays a few blocks.
+WRITE_BEHIND_BLOCKS = 2
+#: Seconds the write-behind thread of a :class:`BlockCombiner` waits for a block before it ends.
+WRITE_BEHIND_IDLE_SECONDS = 1.0
 #: The smallest block :func:`combine_block` picks (many files written at once).
 COMBINE_MIN_BLOCK = 64 << 10
 
 
-def combine_block(files: int, block: int = COMBINE_BLOCK, cap: int = COMBINE_CAP) -> int:
+def combine_block(files: int, block: int = COMBINE_BLOCK, cap: int = COMBINE_CAP, memory: int | None = None) -> int:
     """The block for a :class:`BlockCombiner` gathering the writes of ``files`` files at once.
 
     A conversion writes every target file a little at a time (a tensor's chunk into each rank's
     file, then the next tensor's), so each file has a partly filled block open: with more open
     blocks than ``cap`` holds, nearly every block is written out partly filled, in pieces (64 rank
     files, 1 MiB blocks: 25,925 such writes for 63 whole ones). The block is halved (down to
-    ``COMBINE_MIN_BLOCK``) until two per file fit in ``cap``."""
-    while block > COMBINE_MIN_BLOCK and 2 * files * block > cap:
+    ``COMBINE_MIN_BLOCK``) until two per file fit in ``cap``, and until it is at most
+    1/``COMBINE_BLOCKS_PER_BUDGET`` of ``memory`` (the conversion's memory budget, when given)."""
+    while block > COMBINE_MIN_BLOCK and (2 * files * block > cap
+                                         or (memory is not None and block * COMBINE_BLOCKS_PER_BUDGET > memory)):
         block //= 2
     return block
 
@@ -469,15 +509,22 @@ class BlockCombiner:
     written so (:attr:`evicted` counts them). Thread-safe.
     """
 
-    def __init__(self, block: int = COMBINE_BLOCK, cap: int = COMBINE_CAP) -> None:
+    def __init__(self, block: int = COMBINE_BLOCK, cap: int = COMBINE_CAP, behind: bool = True) -> None:
+        """``behind``: full blocks are written by a writer thread of the combiner while the caller
+        goes on (at most ``WRITE_BEHIND_BLOCKS`` of them queued); else by the caller that fills them."""
         if block % DIRECT_ALIGN:
             raise ValueError(f"block must be a multiple of {DIRECT_ALIGN}")
         self.block, self.cap = block, cap
         self._blocks: dict[tuple[int, int], tuple[DirectWrites, int, _Block]] = {}  # insertion order: oldest first
         self._free: list[np.ndarray] = []
         self._held = 0
-        self._writing: dict[int, int] = {}  # id(file) -> full blocks being written now
+        self._writing: dict[int, int] = {}  # id(file) -> full blocks queued or being written now
         self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[DirectWrites, int, _Block]] = collections.deque()
+        self._queued = 0  # bytes of full blocks queued or being written by the writer thread
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None  # the writer thread's first failure
+        self.behind = behind
         self.evicted = 0
         self.full_blocks = 0
 
@@ -493,6 +540,7 @@ class BlockCombiner:
         blocks it fills (and the oldest partly filled ones past the cap)."""
         if not len(view):
             return
+        self._raise_error()
         done, ready, evict = 0, [], []
         with self._cond:
             while done < len(view):
@@ -518,6 +566,9 @@ class BlockCombiner:
             for f, _, _ in ready + evict:  # a flush of f waits for these writes
                 self._writing[id(f)] = self._writing.get(id(f), 0) + 1
             self.full_blocks += len(ready)
+            if self.behind and ready:
+                self._enqueue(ready)
+                ready = []
         try:
             for f, k, blk in ready:
                 f.write_through(memoryview(blk.buf)[: blk.length], k * self.block)
@@ -528,6 +579,48 @@ class BlockCombiner:
                     self._writing[id(f)] -= 1
                     self._free_block(blk)
                 self._cond.notify_all()
+
+    def _enqueue(self, ready: list[tuple[DirectWrites, int, _Block]]) -> None:
+        """Hand full blocks to the writer thread (started when none runs); waits while more than
+        ``WRITE_BEHIND_BLOCKS`` blocks are queued. Called with the lock held."""
+        self._queue.extend(ready)
+        self._queued += sum(blk.length for _, _, blk in ready)
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_behind, name="ckptconv-blocks", daemon=True)
+            self._writer.start()
+        self._cond.notify_all()
+        while self._queued > WRITE_BEHIND_BLOCKS * self.block and self._error is None:
+            self._cond.wait()
+        self._raise_error()
+
+    def _write_behind(self) -> None:
+        """The writer thread: writes queued full blocks in order; ends once the queue stayed empty
+        for ``WRITE_BEHIND_IDLE_SECONDS`` (a later block starts another). Its first failure is
+        kept and raised by the next :meth:`gather` or :meth:`flush` (the blocks after it are
+        dropped: nothing is journaled or published before a flush returns)."""
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(WRITE_BEHIND_IDLE_SECONDS)
+                if not self._queue:
+                    self._writer = None
+                    return
+                f, k, blk = self._queue.popleft()
+            try:
+                if self._error is None:
+                    f.write_through(memoryview(blk.buf)[: blk.length], k * self.block)
+            except BaseException as e:  # noqa: BLE001 - kept for the callers, the thread ends its queue
+                self._error = e
+            finally:
+                with self._cond:
+                    self._writing[id(f)] -= 1
+                    self._queued -= blk.length
+                    self._free_block(blk)
+                    self._cond.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
 
     def _take(self, key: tuple[int, int]) -> tuple[DirectWrites, int, _Block]:
         entry = self._blocks.pop(key)
@@ -566,12 +659,22 @@ class BlockCombiner:
         with self._cond:
             while self._writing.get(id(owner)):
                 self._cond.wait()
+            self._raise_error()
 
     def drop(self, owner: DirectWrites) -> None:
-        """Forget what this combiner holds of ``owner`` (a file being removed)."""
+        """Forget what this combiner holds of ``owner`` (a file being removed): its partly filled
+        blocks, and its full blocks still queued (one being written is waited for)."""
         with self._cond:
             for key in [key for key in self._blocks if key[0] == id(owner)]:
                 self._free_block(self._take(key)[2])
+            mine = [e for e in self._queue if e[0] is owner]
+            for e in mine:
+                self._queue.remove(e)
+                self._writing[id(owner)] -= 1
+                self._queued -= e[2].length
+                self._free_block(e[2])
+            while self._writing.get(id(owner)):
+                self._cond.wait()
 
 
 def run_parallel(fn: Callable[[Any], None], items: list, workers: int = 8) -> None:

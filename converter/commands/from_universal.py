@@ -252,7 +252,7 @@ def from_universal(src: str | os.PathLike, dst: str | os.PathLike, mesh: str, *,
                                             consolidate, max_shard_bytes, options, mapping, expected)
             else:
                 conversion = _conversion(src, dst, index, reader, layout, tasks, object_specs, header, plan,
-                                         preview_chunks, framework, expected, node)
+                                         preview_chunks, framework, expected, node, options.memory_budget)
         if node is None:
             return run_conversion(with_map(conversion, cross), options)
         with distributed.per_node(local.group):  # each node: a conversion of its own folder
@@ -283,7 +283,8 @@ def _check_format(format: str, consolidate: bool, max_shard_size: int | str | No
 def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: CheckpointIndex, reader: CheckpointReader,
                 layout: TargetLayout, tasks: list[WriteTask], object_specs: list, header: dict[str, Any],
                 plan_name: str, preview_chunks: int | None = None, framework: Mapping[str, bytes] | None = None,
-                expected: PlannedOutput | None = None, node: int | None = None) -> Conversion:
+                expected: PlannedOutput | None = None, node: int | None = None,
+                memory_budget: int | None = None) -> Conversion:
     """The planned conversion: a DCP writer for the layout's chunks and the objects' specs (and the
     ``framework`` files copied beside them); its dry run is the target plan (``preview_chunks``
     chunks listed per key; None: all). With rank-local metadata (``--local-files rank|node``) the
@@ -320,7 +321,8 @@ def _conversion(src: str | os.PathLike, dst: str | os.PathLike, index: Checkpoin
         objects = [ObjectSpec(k, data, rank) for k, _, data, rank in object_specs]
         planner_data = {k: tuple(e.path) for k, e in index.tensors.items()} | {k: path for k, path, _, _ in object_specs}
         writer = DCPWriter(out, layout.chunks, objects, planner_data, mesh.world_size, direct_io=knobs.DIRECT_WRITES,
-                           readers=layout.readers, object_readers=object_readers, ranks=own)
+                           readers=layout.readers, object_readers=object_readers, ranks=own,
+                           memory_budget=memory_budget)
         marker = {"format": "dcp", "local_files": local.mode, "ranks_per_node": local.ranks_per_node,
                   "world_size": mesh.world_size, "mesh": str(mesh),
                   **({"node": node, "nodes": local.nodes(mesh.world_size)} if node is not None else {}),

@@ -307,6 +307,7 @@ class DCPWriter:
         object_readers: Sequence[Sequence[int]] | None = None,
         ranks: Collection[int] | None = None,
         item_order: str = "load",
+        memory_budget: int | None = None,
     ) -> None:
         """``direct_io``: send the large aligned part of each piece straight to the device
         (``O_DIRECT`` where the file system takes it: no page-cache copy, no writeback left for
@@ -323,6 +324,9 @@ class DCPWriter:
         torch's ``FileSystemReader`` reads every file front to back without seeking back.
         ``"save"``: as ``dcp.save`` writes a file: the objects, then the chunks in the given order
         (byte-identical to ``dcp.save``'s file when given its plan's order).
+
+        ``memory_budget``: the conversion's; bounds the blocks small writes are gathered in
+        (:func:`formats.fsutil.combine_block`).
         """
         local = readers is not None
         if local and (len(readers) != len(chunks) or object_readers is None or len(object_readers) != len(objects)):
@@ -349,7 +353,7 @@ class DCPWriter:
         self._direct_io = direct_io
         #: the small writes of every rank file (archive headers and tails, the unaligned ends of
         #: pieces, small chunks) gathered into whole aligned blocks: large writes whatever the pieces
-        self._combiner = BlockCombiner(combine_block(len(self._own)))
+        self._combiner = BlockCombiner(combine_block(len(self._own), memory=memory_budget))
         self._fds: dict[int, DirectWrites] = {}
         self._sinks: dict[tuple, TensorArchiveWriter] = {}
         self._objects_written = False

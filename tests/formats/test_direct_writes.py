@@ -205,3 +205,163 @@ def test_the_combined_block_keeps_two_open_blocks_per_file_within_the_cap():
         assert 2 * files * block <= fsutil.COMBINE_CAP or block == fsutil.COMBINE_MIN_BLOCK, files
         assert block == fsutil.COMBINE_BLOCK or 2 * files * 2 * block > fsutil.COMBINE_CAP, files  # no smaller than needed
     assert fsutil.combine_block(3) == fsutil.COMBINE_BLOCK
+
+
+def test_the_combined_block_is_a_small_part_of_the_memory_budget():
+    """The combiner's blocks (a few per file: filling, queued, being written) stay a small part of
+    the conversion's memory budget: at most 1/COMBINE_BLOCKS_PER_BUDGET of it, the full block at
+    the default budget."""
+    mib = 1 << 20
+    assert fsutil.combine_block(1, memory=512 * mib) == fsutil.COMBINE_BLOCK
+    for budget in [1 * mib, 8 * mib, 32 * mib, 100 * mib, 1 << 40]:
+        for files in [1, 3, 64]:
+            block = fsutil.combine_block(files, memory=budget)
+            assert block % fsutil.DIRECT_ALIGN == 0 and block <= fsutil.combine_block(files)
+            assert block * fsutil.COMBINE_BLOCKS_PER_BUDGET <= budget or block == fsutil.COMBINE_MIN_BLOCK, (budget, files)
+    assert fsutil.combine_block(1, memory=32 * mib) == mib
+
+
+class _HeldWrites:
+    """Makes ``DirectWrites.write_through`` of full blocks wait until released (the disk busy)."""
+
+    def __init__(self, monkeypatch, block: int) -> None:
+        import threading
+
+        self.release, self.entered, self.threads = threading.Event(), threading.Event(), set()
+        real = DirectWrites.write_through
+
+        def write_through(out, view, offset):
+            if len(view) == block:
+                self.threads.add(threading.current_thread().name)
+                self.entered.set()
+                assert self.release.wait(10)
+            return real(out, view, offset)
+
+        monkeypatch.setattr(DirectWrites, "write_through", write_through)
+
+
+def test_full_blocks_are_written_behind_the_caller_and_a_sync_waits_for_them(tmp_path, monkeypatch):
+    """The caller that fills a block goes on while the combiner's writer thread writes it (the disk
+    works while the next piece is read); a sync returns only once it is on disk."""
+    import threading
+
+    block = 64 << 10
+    held = _HeldWrites(monkeypatch, block)
+    path, fd = _file(tmp_path, 4 * block)
+    comb = fsutil.BlockCombiner(block=block)
+    out = DirectWrites(fd, path, combiner=comb, size=4 * block)
+    data = np.arange(4 * block, dtype=np.uint64).astype(np.uint8)
+    for i in range(0, 2 * block, 1000):  # fills blocks 0 and 1 in small writes
+        out.pwrite(data[i: min(i + 1000, 2 * block)], i)
+    assert held.entered.wait(10)  # block 0 is being written, and the caller is back
+    assert held.threads == {"ckptconv-blocks"}
+    synced = threading.Event()
+    syncing = threading.Thread(target=lambda: (out.sync(), synced.set()))
+    syncing.start()
+    assert not synced.wait(0.3)  # the sync waits for the blocks being written
+    held.release.set()
+    syncing.join(10)
+    assert synced.is_set()
+    assert np.array_equal(np.fromfile(path, dtype=np.uint8)[: 2 * block], data[: 2 * block])
+    out.close()
+
+
+def test_without_write_behind_the_caller_writes_its_full_blocks(tmp_path, monkeypatch):
+    block = 64 << 10
+    held = _HeldWrites(monkeypatch, block)
+    held.release.set()
+    path, fd = _file(tmp_path, block)
+    out = DirectWrites(fd, path, combiner=fsutil.BlockCombiner(block=block, behind=False), size=block)
+    out.pwrite(b"\x05" * block, 0)
+    assert held.threads == {"MainThread"}
+    out.close()
+    assert open(path, "rb").read() == b"\x05" * block
+
+
+def test_a_failed_write_behind_is_raised_by_the_next_sync_and_write(tmp_path, monkeypatch):
+    """The writer thread's failure (a full disk) is not lost: the next sync raises it (so nothing
+    is journaled as written), and so does every later write."""
+    block = 64 << 10
+    path, fd = _file(tmp_path, 2 * block)
+    comb = fsutil.BlockCombiner(block=block)
+    out = DirectWrites(fd, path, combiner=comb, size=2 * block)
+
+    def full_disk(self, view, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DirectWrites, "write_through", full_disk)
+    out.pwrite(b"\x01" * 100, 0)
+    out.pwrite(b"\x01" * (block - 100), 100)  # the block filled in two writes: written behind, fails there
+    with pytest.raises(OSError) as e:
+        out.sync()
+    assert e.value.errno == errno.ENOSPC
+    with pytest.raises(OSError):
+        out.pwrite(b"\x02" * 10, block)
+    monkeypatch.undo()
+    out.close(flush=False)
+
+
+def _fill_block(out, value: int, k: int, block: int) -> None:
+    """Block ``k`` of ``out`` written in two small writes (gathered, not written through)."""
+    out.pwrite(bytes([value]) * 100, k * block)
+    out.pwrite(bytes([value]) * (block - 100), k * block + 100)
+
+
+def test_a_dropped_file_forgets_its_queued_blocks(tmp_path, monkeypatch):
+    """A file being removed (drop) loses its queued full blocks, not another file's; the block of
+    it under way is waited for."""
+    import threading
+
+    block = 64 << 10
+    held = _HeldWrites(monkeypatch, block)
+    monkeypatch.setattr(fsutil, "WRITE_BEHIND_BLOCKS", 4)  # room for the two queued behind the held one
+    comb = fsutil.BlockCombiner(block=block)
+    pa, fa = _file(tmp_path, 3 * block)
+    (tmp_path / "g").mkdir()
+    pb, fb = _file(tmp_path / "g", block)
+    a = DirectWrites(fa, pa, combiner=comb, size=3 * block)
+    b = DirectWrites(fb, pb, combiner=comb, size=block)
+    _fill_block(a, 1, 0, block)  # the writer thread holds it
+    assert held.entered.wait(10)
+    _fill_block(b, 2, 0, block)  # queued behind it
+    _fill_block(a, 3, 1, block)  # queued behind that
+    dropping = threading.Thread(target=a.close, kwargs={"flush": False})
+    dropping.start()
+    dropping.join(0.3)
+    assert dropping.is_alive()  # waits for a's block under way
+    held.release.set()
+    dropping.join(10)
+    assert not dropping.is_alive()
+    b.close()
+    assert open(pb, "rb").read() == b"\x02" * block  # the other file's queued block was written
+    on_disk = open(pa, "rb").read()
+    assert on_disk[:block] == b"\x01" * block and on_disk[block: 2 * block] == b"\x00" * block  # a's queued one was not
+
+
+def test_a_caller_waits_while_the_write_behind_queue_is_full(tmp_path, monkeypatch):
+    """The blocks queued for the writer thread are bounded (memory stays a few blocks): past
+    WRITE_BEHIND_BLOCKS the caller waits for the disk."""
+    import threading
+
+    block = 64 << 10
+    held = _HeldWrites(monkeypatch, block)
+    path, fd = _file(tmp_path, 6 * block)
+    comb = fsutil.BlockCombiner(block=block)
+    out = DirectWrites(fd, path, combiner=comb, size=6 * block)
+    filled = []
+
+    def fill_all():
+        for k in range(6):
+            _fill_block(out, k + 1, k, block)
+            filled.append(k)
+
+    filler = threading.Thread(target=fill_all)
+    filler.start()
+    assert held.entered.wait(10)
+    filler.join(0.3)
+    assert filler.is_alive() and len(filled) <= fsutil.WRITE_BEHIND_BLOCKS + 1, filled
+    assert comb._queued <= (fsutil.WRITE_BEHIND_BLOCKS + 1) * block
+    held.release.set()
+    filler.join(10)
+    out.close()
+    assert open(path, "rb").read() == b"".join(bytes([k + 1]) * block for k in range(6))
