@@ -19,6 +19,10 @@ MEMORY_BUDGET = 512 * MIB
 #: destination's file system takes it): no page-cache copy and no writeback left for the commit's
 #: fsyncs. Env ``CKPTCONV_DIRECT_WRITES=0`` sends every byte through the page cache.
 DIRECT_WRITES = (os.environ.get("CKPTCONV_DIRECT_WRITES", "1") or "1") not in ("0", "false", "no", "off")
+#: How far the source is read ahead of the copy (bytes of task data; 0: off): the kernel reads the
+#: source chunks of the next tasks into the page cache while the workers check and write
+#: (``converter.run.prefetch``). Env ``CKPTCONV_PREFETCH_MIB``.
+PREFETCH_BYTES = int(float(os.environ.get("CKPTCONV_PREFETCH_MIB", "64") or 0) * MIB)
 #: Default number of I/O worker threads.
 WORKERS = max(2, min(8, (os.cpu_count() or 2)))
 # The limits of the on-disk formats live with them (formats/ imports nothing of converter/):

@@ -249,6 +249,10 @@ class PlannedPieces(Sequence[Piece]):
         """The files of the source chunks this box is read from (one index query, no pieces)."""
         return {c.file for c in self._src.index.overlapping(self._box)}
 
+    def source_chunks(self) -> list[ChunkRef]:
+        """The source chunks this box is read from (one index query, no pieces)."""
+        return list(self._src.index.overlapping(self._box))
+
     @property
     def max_numel(self) -> int:
         """Elements of the largest piece (the first: only the last piece along the split is short)."""

@@ -31,6 +31,7 @@ from formats.base import Box, CheckpointReader
 from formats.dtypes import by_name, to_storage_array
 from formats.errors import CkptConvError, StorageError
 from converter.run.journal import SharedFiles
+from converter.run.prefetch import Prefetcher
 from formats.fsutil import pooled_buffer
 
 if TYPE_CHECKING:
@@ -440,9 +441,13 @@ def execute(
     ready = None if shared is None else shared.ready
     ready_epoch = None if shared is None else shared.epoch
 
+    prefetcher = Prefetcher.start_for(reader, todo, knobs.PREFETCH_BYTES)
+
     def run(task: WriteTask) -> None:
         if failed.is_set():
             return
+        if prefetcher is not None:
+            prefetcher.started(task)
         held = budget.acquire(2 * max(1, task.max_piece_bytes))
         sources: dict[int, Any] = {}
         try:
@@ -510,6 +515,8 @@ def execute(
         _stop(pool, failed)
         raise
     finally:
+        if prefetcher is not None:
+            prefetcher.stop()
         bar.stop()
         if gc_was_enabled:
             gc.enable()

@@ -39,6 +39,7 @@ from formats.dcp.metadata import (
 )
 from formats.errors import (
     CheckpointNotFoundError,
+    CkptConvError,
     CorruptCheckpointError,
     DestinationError,
     IncompleteCheckpointError,
@@ -48,7 +49,7 @@ from formats.errors import (
     UnsupportedError,
 )
 from formats.dtypes import BY_NAME, by_name, itemsize_of
-from formats.fsutil import short, source_path
+from formats.fsutil import prefetch, short, source_path
 from formats.integrity import ChunkChecks, CRCRanges, block_fill
 from formats.storage import OpenFiles, RandomFile, Storage, open_storage
 
@@ -553,6 +554,17 @@ class DCPReader:
                 f"key {key!r}: region {region.to_json()} is not inside chunk {chunk.box.to_json()}"
             )
         return region.relative_to(chunk.box)
+
+    def prefetch(self, key: str, chunk: ChunkRef) -> None:
+        """Start reading the chunk's item into the page cache (a local file's; a hint, no wait:
+        errors are left to the read)."""
+        loc = chunk.locator
+        try:
+            fd = self._fd(loc.relative_path)
+        except (OSError, CkptConvError):
+            return
+        if isinstance(fd, int):
+            prefetch(fd, loc.offset, loc.length)
 
     def read_region(self, key: str, chunk: ChunkRef, region: Box) -> torch.Tensor:
         """A new contiguous tensor holding ``region`` (global coords, inside ``chunk.box``).

@@ -32,14 +32,15 @@ from formats.base import Box, CheckpointIndex, ChunkRef, ObjectEntry, TensorEntr
 from formats.dtypes import BY_NAME, by_name, from_storage_array, raw_bytes, to_storage_array
 from formats.errors import (
     CheckpointNotFoundError,
+    CkptConvError,
     CorruptCheckpointError,
     DestinationError,
     IncompleteCheckpointError,
     InternalError,
     InvalidCheckpointError,
 )
-from formats.fsutil import (DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, fsync_paths, loads_json,
-                            pooled_buffer, read_error, short, source_path, start_writeback)
+from formats.fsutil import (DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, fsync_paths, loads_json, prefetch_file,
+                            pooled_buffer, read_error, run_parallel, short, source_path, start_writeback)
 from formats.integrity import ChunkChecks, StreamedHash, block_fill
 from formats.manifest import Manifest
 from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
@@ -402,6 +403,9 @@ def _one_owner(owners: dict[Path, str], path: Path, key: str, what: str, name: s
             "key has its own); the metadata is damaged: reconvert the store")
 
 
+#: Threads that look up a local store's chunk files at open (:meth:`UniversalReader._warm_inodes`).
+STAT_WORKERS = 8
+
 #: Rows of partial-row reads (TP column shards of row-block chunks) are read in batches of at
 #: most this many bytes, through one pooled buffer per thread.
 ROWS_BATCH_BYTES = 4 << 20
@@ -424,6 +428,8 @@ class UniversalReader:
         where = self.root / METADATA_FILE
         if not self._storage.is_local:  # one listing for the chunk checks, not a request per tensor
             self._storage.prefetch_sizes(TENSORS_DIR)
+        else:
+            self._warm_inodes()
         owners: dict[Path, str] = {}  # checked array / object path -> the key that names it
         for key, record in self.meta.tensors.items():
             array = _check_record(self.root, key, record, where, self._storage, self._layout)
@@ -431,6 +437,22 @@ class UniversalReader:
         for key, obj in self.meta.objects.items():
             _one_owner(owners, _inside(self.root, obj.file, OBJECTS_DIR, key, where), key, "object file", obj.file, where)
         self._index: CheckpointIndex | None = None
+
+    def _warm_inodes(self) -> None:
+        """Look up every first chunk file (which the checks below stat, one after another) several
+        at once: on a cold disk each lookup reads a directory and an inode, and the checks then
+        find them cached (errors are left to the checks)."""
+        first = [os.path.join(self.root, self._layout.chunk_file(r, tuple(0 for _ in r.shape)))
+                 for r in self.meta.tensors.values() if r.array.startswith(TENSORS_DIR + "/")]
+
+        def look(path: str) -> None:
+            try:
+                os.stat(path)
+            except (OSError, ValueError):
+                pass
+
+        if len(first) > 1:
+            run_parallel(look, first, STAT_WORKERS)
 
     def index(self) -> CheckpointIndex:
         if self._index is None:
@@ -598,6 +620,15 @@ class UniversalReader:
         if path is None:
             path = self._paths[chunk.file] = source_path(self.root, chunk.file)
         return path
+
+    def prefetch(self, key: str, chunk: ChunkRef) -> None:
+        """Start reading the chunk's file into the page cache (local stores; a hint, no wait:
+        errors are left to the read)."""
+        if self._storage.is_local:
+            try:
+                prefetch_file(self._file(chunk))
+            except (OSError, CkptConvError):
+                return
 
     def _pread(self, record: TensorRecord, chunk: ChunkRef, into: memoryview, offset: int) -> None:
         """Fill ``into`` from ``offset`` of the chunk's data in its file; errors name the file and key."""
