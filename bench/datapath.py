@@ -253,7 +253,17 @@ def phases(tail: str) -> dict[str, float] | None:
     return {name: float(sec) for name, sec in (f.rsplit(" ", 1) for f in m.group(1).split(" | "))}
 
 
-def summarize(step: Step, cp_s: float | None, user_s: float | None) -> dict:
+def paired_ratio(step: Step, ref: Step | None) -> float | None:
+    """The median over rounds of this step's wall time over ``ref``'s in the same round (both
+    succeeded): steady under the drift of this VM between rounds, unlike a ratio of medians."""
+    if ref is None:
+        return None
+    pairs = [a.wall_s / b.wall_s for a, b in zip(step.runs, ref.runs) if a.rc == 0 and b.rc == 0 and b.wall_s > 0]
+    return statistics.median(pairs) if pairs else None
+
+
+def summarize(step: Step, cp_s: float | None, user_s: float | None, cp: Step | None = None,
+              user: Step | None = None) -> dict:
     ok = [r for r in step.runs if r.rc == 0]
     row = {"name": step.name, "group": step.group, "cmd": " ".join(step.cmd), "input_bytes": step.input_bytes,
            "output_bytes": step.output_bytes, "ok_runs": len(ok), "runs": [asdict(r) for r in step.runs]}
@@ -264,6 +274,7 @@ def summarize(step: Step, cp_s: float | None, user_s: float | None) -> dict:
             "sync_s": statistics.median(r.sync_s for r in ok), "cpu_s": statistics.median(r.cpu_s for r in ok),
             "gb_per_s": step.input_bytes / wall / 1e9, "x_cp": wall / cp_s if cp_s else None,
             "x_user_copy": wall / user_s if user_s else None,
+            "x_cp_paired": paired_ratio(step, cp), "x_user_copy_paired": paired_ratio(step, user),
             "tree_peak_rss": max(r.tree_peak_rss for r in ok), "main_max_rss": max(r.main_max_rss for r in ok)}
     parsed = [p for p in (phases(r.tail) for r in ok) if p]
     if parsed:  # the median of each phase over the runs (CKPTCONV_TIMINGS)
@@ -305,7 +316,8 @@ def bench_size(size: int, args: argparse.Namespace) -> dict:
         _remove(work)
     walls = {s.name: statistics.median(r.wall_s for r in s.runs if r.rc == 0) for s in steps
              if any(r.rc == 0 for r in s.runs)}
-    rows = [summarize(s, walls.get(CP), walls.get(USER)) for s in steps]
+    by_name = {s.name: s for s in steps}
+    rows = [summarize(s, walls.get(CP), walls.get(USER), by_name.get(CP), by_name.get(USER)) for s in steps]
     return {"size": size_label(size), "checkpoint": info, "torch_manual_path": with_torch, "rows": rows}
 
 
@@ -487,16 +499,18 @@ def profile(size: int, args: argparse.Namespace) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| size | step | GB | wall s (median of runs) | runs | x cp | x user copy | GB/s | CPU s | sync s "
-             "| peak RSS MiB |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| size | step | GB | wall s (median of runs) | runs | x cp | x cp, paired | x user copy "
+             "| x user copy, paired | GB/s | CPU s | sync s | peak RSS MiB |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
         for r in res["rows"]:
             if "wall_s" not in r:
-                lines.append(f"| {res['size']} | {r['name']} | | FAILED | | | | | | | |")
+                lines.append(f"| {res['size']} | {r['name']} | | FAILED | | | | | | | | | |")
                 continue
             lines.append(f"| {res['size']} | {r['name']} | {r['input_bytes'] / 1e9:.2f} | {r['wall_s']:.2f} "
                          f"| {', '.join(f'{w:.2f}' for w in r['wall_s_all'])} | {_fmt(r['x_cp'], '.2f')} "
-                         f"| {_fmt(r['x_user_copy'], '.2f')} | {r['gb_per_s']:.2f} | {r['cpu_s']:.1f} "
+                         f"| {_fmt(r.get('x_cp_paired'), '.2f')} | {_fmt(r['x_user_copy'], '.2f')} "
+                         f"| {_fmt(r.get('x_user_copy_paired'), '.2f')} | {r['gb_per_s']:.2f} | {r['cpu_s']:.1f} "
                          f"| {r['sync_s']:.2f} | {r['tree_peak_rss'] / MIB:.0f} |")
     return "\n".join(lines)
 
@@ -571,9 +585,11 @@ def targets(results: list[dict]) -> list[dict]:
             if not r:
                 continue
             for ref, key in (("cp", "x_cp"), ("the user-space copy", "x_user_copy")):
-                if r.get(key) is not None:
-                    out.append({"target": f"{res['size']} {name}: wall <= 1.3x {ref}", "value": round(r[key], 2),
-                                "ok": r[key] <= 1.3})
+                if r.get(key) is not None:  # met only when the ratio of medians and the paired ratio both are
+                    paired = r.get(f"{key}_paired")
+                    worst = max(r[key], paired if paired is not None else r[key])
+                    out.append({"target": f"{res['size']} {name}: wall <= 1.3x {ref} (medians; paired by round)",
+                                "value": f"{r[key]:.2f}; {_fmt(paired, '.2f')}", "ok": worst <= 1.3})
             own = _row(res, CP_STORE) if name == FROM else None
             if own:  # the raw copy of this step's own input: the store's files, not the DCP's four
                 x = r["wall_s"] / own["wall_s"]

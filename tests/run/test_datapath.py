@@ -382,3 +382,35 @@ def test_the_torchrun_target_applies_only_where_two_raw_writers_gain():
     assert fast_disk["ok"] is False and fast_disk["disk_x"] == 2.0
     assert datapath._scaling_target(res(2.0, 1.0), datapath.TO, 1.7)["ok"] is True
     assert datapath._scaling_target({"size": "1GB", "rows": []}, datapath.TO, 1.0)["ok"] is False
+
+
+def test_the_copy_targets_take_the_worse_of_the_median_and_the_paired_ratio():
+    """Each step is compared with cp round by round (the paired ratio: steady when the machine
+    drifts between rounds) and by medians; the 1.3x target is met only when both are."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import datapath
+    from run import Run
+
+    def run(wall, rc=0):
+        return Run(wall_s=wall, sync_s=0.0, tree_peak_rss=1, main_max_rss=1, cpu_s=1.0, load_before=(0, 0, 0),
+                   cold=True, rc=rc, tail="")
+
+    def step(name, walls):
+        s = datapath.Step(name, ["true"], Path("."), Path("."))
+        s.runs = [run(w) for w in walls]
+        return s
+
+    cp = step(datapath.CP, [1.0, 2.0, 2.0])
+    tu = step(datapath.TO, [2.4, 2.0, 2.5])  # 1.2x cp's median; paired by round: 2.4, 1.0, 1.25 -> 1.25
+    assert datapath.paired_ratio(tu, cp) == pytest.approx(1.25)
+    assert datapath.paired_ratio(tu, None) is None
+    failed = step(datapath.TO, [2.4, 2.0, 2.5])
+    failed.runs[0] = run(0.1, rc=1)  # a failed run pairs with nothing
+    assert datapath.paired_ratio(failed, cp) == pytest.approx(1.125)
+    row = datapath.summarize(tu, 2.0, None, cp, None)
+    assert row["x_cp"] == pytest.approx(1.2) and row["x_cp_paired"] == pytest.approx(1.25)
+    (target,) = [t for t in datapath.targets([{"size": "1GB", "rows": [row]}]) if "cp" in t["target"]]
+    assert target["ok"] is True and target["value"] == "1.20; 1.25"
+    row["x_cp_paired"] = 1.4  # the rounds say otherwise: not met
+    (target,) = [t for t in datapath.targets([{"size": "1GB", "rows": [row]}]) if "cp" in t["target"]]
+    assert target["ok"] is False
