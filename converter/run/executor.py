@@ -441,7 +441,7 @@ def execute(
     ready = None if shared is None else shared.ready
     ready_epoch = None if shared is None else shared.epoch
 
-    prefetcher = Prefetcher.start_for(reader, todo, knobs.PREFETCH_BYTES)
+    prefetcher = Prefetcher.start_for(reader, todo, knobs.PREFETCH_BYTES, knobs.PREFETCH_MAX_CHUNK_BYTES or 1 << 62)
 
     def run(task: WriteTask) -> None:
         if failed.is_set():

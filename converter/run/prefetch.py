@@ -20,6 +20,7 @@ from typing import Any
 
 from converter.plan.copy_tasks import PlannedPieces, WriteTask
 from formats.base import ChunkRef
+from formats.dtypes import by_name
 
 #: Source chunks remembered as already hinted (consecutive tasks often read the same chunk).
 _RECENT = 256
@@ -37,10 +38,11 @@ class Prefetcher:
     """Hints the reader to read ahead the source chunks of ``tasks`` (in order), at most ``ahead``
     bytes of task data before the tasks :meth:`started` so far. :meth:`stop` ends it."""
 
-    def __init__(self, reader: Any, tasks: Sequence[WriteTask], ahead: int) -> None:
+    def __init__(self, reader: Any, tasks: Sequence[WriteTask], ahead: int, largest: int = 1 << 62) -> None:
         self._hint = reader.prefetch
         self._tasks = tasks
         self._ahead = ahead
+        self._largest = largest
         self._started = 0
         self._stopped = False
         self._cond = threading.Condition()
@@ -48,11 +50,13 @@ class Prefetcher:
         self.hinted = 0  # chunks hinted (tests)
 
     @classmethod
-    def start_for(cls, reader: Any, tasks: Sequence[WriteTask], ahead: int) -> Prefetcher | None:
-        """A running prefetcher, or None when the reader has no ``prefetch`` or ``ahead`` is 0."""
+    def start_for(cls, reader: Any, tasks: Sequence[WriteTask], ahead: int,
+                  largest: int = 1 << 62) -> Prefetcher | None:
+        """A running prefetcher, or None when the reader has no ``prefetch`` or ``ahead`` is 0.
+        Chunks over ``largest`` bytes are not hinted (a large read is efficient on its own)."""
         if ahead <= 0 or not tasks or not callable(getattr(reader, "prefetch", None)):
             return None
-        p = cls(reader, tasks, ahead)
+        p = cls(reader, tasks, ahead, largest)
         p._thread.start()
         return p
 
@@ -81,8 +85,9 @@ class Prefetcher:
                     return
             try:
                 chunks = task_source_chunks(task)
+                itemsize = by_name(task.dtype).itemsize
                 for chunk in chunks:
-                    if id(chunk) in seen:
+                    if id(chunk) in seen or chunk.box.numel * itemsize > self._largest:
                         continue
                     seen.add(id(chunk))
                     recent.append(id(chunk))

@@ -88,6 +88,16 @@ def test_a_failing_hint_is_skipped_and_stop_ends_the_thread():
     assert not p._thread.is_alive()
 
 
+def test_chunks_over_the_largest_size_are_not_hinted():
+    """A large chunk is read efficiently on its own: only the small ones are read ahead."""
+    tasks = [_task("a", [_chunk("small", 4, 0), _chunk("big", 64, 4)]), _task("b", [_chunk("small2", 4, 0)])]
+    reader = _Recorder()
+    p = Prefetcher.start_for(reader, tasks, ahead=1 << 30, largest=4 * 4 * 4)  # 4 rows of 4 float32
+    _wait_for(lambda: len(reader.hints) == 2)
+    p.stop()
+    assert [c.file for c in reader.hints] == ["small", "small2"]
+
+
 def test_no_prefetcher_without_a_prefetch_method_or_a_window():
     tasks = [_task("a", [_chunk("f0", 4, 0)])]
     assert Prefetcher.start_for(object(), tasks, 1 << 20) is None
@@ -163,8 +173,8 @@ def test_the_executor_runs_a_prefetcher_and_stops_it(monkeypatch):
     made = []
     real = Prefetcher.start_for
 
-    def start_for(reader, tasks, ahead):
-        p = real(reader, tasks, ahead)
+    def start_for(reader, tasks, ahead, largest):
+        p = real(reader, tasks, ahead, largest)
         made.append(p)
         return p
 
