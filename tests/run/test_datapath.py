@@ -414,3 +414,22 @@ def test_the_copy_targets_take_the_worse_of_the_median_and_the_paired_ratio():
     row["x_cp_paired"] = 1.4  # the rounds say otherwise: not met
     (target,) = [t for t in datapath.targets([{"size": "1GB", "rows": [row]}]) if "cp" in t["target"]]
     assert target["ok"] is False
+
+
+def test_the_ab_bench_pairs_runs_and_runs_each_side_s_code(tmp_path):
+    """bench/ab.py: B/A per pair (failed pairs left out), medians per side; side A runs the other
+    checkout's code, B this one's."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ab
+
+    def side(wall, rc=0):
+        return {"wall_s": wall, "rc": rc, "phases_s": {"copy": wall - 0.5}}
+
+    runs = [{"a": side(2.0), "b": side(1.6)}, {"a": side(2.5), "b": side(2.25)}, {"a": side(2.0), "b": side(9.0, rc=1)},
+            {"a": side(1.0), "b": side(0.7)}]
+    s = ab.summarize(runs)
+    assert s["pairs"] == 3 and s["ratio_b_over_a"] == pytest.approx(0.8)
+    assert s["a_wall_s"] == 2.0 and s["b_wall_s"] == 1.6 and s["b_phases_s"] == {"copy": 1.1}
+    cmd, reads = ab.command(tmp_path / "old", "reshard", Path("src"), Path("uni"), Path("out"))
+    assert reads == Path("src") and str(tmp_path / "old") in cmd[2] and cmd[3:5] == ["from-universal", "src"]
+    assert ab.command(ROOT, "from-universal", Path("src"), Path("uni"), Path("out"))[1] == Path("uni")
