@@ -579,10 +579,12 @@ class BlockCombiner:
                     self._writing[id(f)] -= 1
                     self._free_block(blk)
                 self._cond.notify_all()
+        self._raise_error()
 
     def _enqueue(self, ready: list[tuple[DirectWrites, int, _Block]]) -> None:
         """Hand full blocks to the writer thread (started when none runs); waits while more than
-        ``WRITE_BEHIND_BLOCKS`` blocks are queued. Called with the lock held."""
+        ``WRITE_BEHIND_BLOCKS`` blocks are queued (not past a failure of the writer: the caller
+        raises it once its own writes are accounted for). Called with the lock held."""
         self._queue.extend(ready)
         self._queued += sum(blk.length for _, _, blk in ready)
         if self._writer is None:
@@ -591,17 +593,19 @@ class BlockCombiner:
         self._cond.notify_all()
         while self._queued > WRITE_BEHIND_BLOCKS * self.block and self._error is None:
             self._cond.wait()
-        self._raise_error()
 
     def _write_behind(self) -> None:
         """The writer thread: writes queued full blocks in order; ends once the queue stayed empty
         for ``WRITE_BEHIND_IDLE_SECONDS`` (a later block starts another). Its first failure is
         kept and raised by the next :meth:`gather` or :meth:`flush` (the blocks after it are
         dropped: nothing is journaled or published before a flush returns)."""
+        import time
+
         while True:
             with self._cond:
-                if not self._queue:
-                    self._cond.wait(WRITE_BEHIND_IDLE_SECONDS)
+                idle_until = time.monotonic() + WRITE_BEHIND_IDLE_SECONDS
+                while not self._queue and time.monotonic() < idle_until:
+                    self._cond.wait(idle_until - time.monotonic())
                 if not self._queue:
                     self._writer = None
                     return

@@ -365,3 +365,42 @@ def test_a_caller_waits_while_the_write_behind_queue_is_full(tmp_path, monkeypat
     filler.join(10)
     out.close()
     assert open(path, "rb").read() == b"".join(bytes([k + 1]) * block for k in range(6))
+
+
+def test_after_a_failed_write_behind_every_wait_ends(tmp_path, monkeypatch):
+    """A write that fills a block and pushes another out (past the cap) after the writer thread
+    failed: the write raises, and a later sync raises too instead of waiting for ever."""
+    import threading
+
+    block = 64 << 10
+    path, fd = _file(tmp_path, 8 * block)
+    comb = fsutil.BlockCombiner(block=block, cap=block)
+    out = DirectWrites(fd, path, combiner=comb, size=8 * block)
+    real = DirectWrites.write_through
+
+    def fail_full_blocks(self, view, offset):
+        if len(view) == block and threading.current_thread().name == "ckptconv-blocks":
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self, view, offset)
+
+    monkeypatch.setattr(DirectWrites, "write_through", fail_full_blocks)
+    _fill_block(out, 1, 0, block)  # written behind: fails
+    outcome = []
+
+    def more():
+        try:
+            out.pwrite(b"\x02" * 10, 3 * block)  # a partly filled block...
+            _fill_block(out, 3, 5, block)  # ...pushed out by this one, which fills its block
+        except OSError as e:
+            outcome.append(e.errno)
+        try:
+            out.sync()
+        except OSError as e:
+            outcome.append(e.errno)
+
+    t = threading.Thread(target=more)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and outcome == [errno.EIO, errno.EIO], outcome
+    monkeypatch.undo()
+    out.close(flush=False)
