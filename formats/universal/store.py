@@ -443,7 +443,8 @@ class UniversalReader:
         at once: on a cold disk each lookup reads a directory and an inode, and the checks then
         find them cached (errors are left to the checks)."""
         first = [os.path.join(self.root, self._layout.chunk_file(r, tuple(0 for _ in r.shape)))
-                 for r in self.meta.tensors.values() if r.array.startswith(TENSORS_DIR + "/")]
+                 for r in self.meta.tensors.values()
+                 if r.array.startswith(TENSORS_DIR + "/") and ".." not in r.array.split("/")]  # nothing outside
 
         def look(path: str) -> None:
             try:
