@@ -5,7 +5,6 @@ that changes no byte of the output and whose failures never stop a conversion.""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -36,13 +35,11 @@ class _Recorder:
     def __init__(self, fail_on: str | None = None) -> None:
         self.hints: list[ChunkRef] = []
         self.fail_on = fail_on
-        self.hinted = threading.Event()
 
     def prefetch(self, key: str, chunk: ChunkRef) -> None:
         if chunk.file == self.fail_on:
             raise OSError("gone")
         self.hints.append(chunk)
-        self.hinted.set()
 
 
 def _wait_for(cond, timeout: float = 10.0) -> None:
