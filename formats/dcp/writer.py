@@ -52,8 +52,8 @@ from formats.base import Box, first_overlap
 from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
 from formats.dtypes import by_name
 from formats.errors import ConfigError, DestinationError, IncompleteCheckpointError
-from formats.fsutil import (DIRECT_MIN_BYTES, BlockCombiner, DirectWrites, atomic_write_bytes, combine_block, fsync_dir,
-                            run_parallel, safe_join, short)
+from formats.fsutil import (DIRECT_MIN_BYTES, WRITE_BEHIND_MIN_BLOCK, BlockCombiner, DirectWrites, atomic_write_bytes,
+                            combine_block, fsync_dir, run_parallel, safe_join, short)
 from formats.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -353,7 +353,8 @@ class DCPWriter:
         self._direct_io = direct_io
         #: the small writes of every rank file (archive headers and tails, the unaligned ends of
         #: pieces, small chunks) gathered into whole aligned blocks: large writes whatever the pieces
-        self._combiner = BlockCombiner(combine_block(len(self._own), memory=memory_budget))
+        block = combine_block(len(self._own), memory=memory_budget)
+        self._combiner = BlockCombiner(block, behind=block >= WRITE_BEHIND_MIN_BLOCK)
         self._fds: dict[int, DirectWrites] = {}
         self._sinks: dict[tuple, TensorArchiveWriter] = {}
         self._objects_written = False

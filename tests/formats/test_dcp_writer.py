@@ -750,3 +750,15 @@ def test_a_chunk_is_reserved_under_the_lock_and_its_first_bytes_written_outside(
     assert held == [False, False]
     _write_pieces(sink, tensors[spec.key][spec.box.slices()] if spec.box.ndim else tensors[spec.key], random.Random(0))
     writer.abort()
+
+
+def test_few_rank_files_are_written_behind_many_by_the_workers(tmp_path):
+    """Large blocks (few rank files) go to the combiner's writer thread; the small blocks of many
+    files stay with the workers, which keep several small writes in flight."""
+    from formats import fsutil
+    from formats.dcp.writer import DCPWriter
+
+    for world, behind in ((3, True), (64, False)):
+        w = DCPWriter(tmp_path / f"w{world}", [], [], {}, world, memory_budget=512 << 20)
+        assert w._combiner.behind is behind, world
+        assert (w._combiner.block >= fsutil.WRITE_BEHIND_MIN_BLOCK) is behind
