@@ -464,9 +464,18 @@ COMBINE_BLOCK = 4 << 20
 COMBINE_BLOCKS_PER_BUDGET = 32
 #: Most bytes a :class:`BlockCombiner` holds in partly filled blocks before it writes the oldest.
 COMBINE_CAP = 32 << 20
-#: Full blocks a :class:`BlockCombiner` queues for its writer thread before the caller waits: the
-#: device always has the next block while one is written, and the memory stays a few blocks.
-WRITE_BEHIND_BLOCKS = 2
+#: Bytes of full blocks a :class:`BlockCombiner` queues for its writer thread before the caller
+#: waits (at least ``WRITE_BEHIND_MIN_BLOCKS`` blocks; a writer passes less under a small memory
+#: budget). Workers fill blocks in bursts (a tensor's chunk into each rank file) between their
+#: reads; a queue of a burst's size keeps the writer busy through the reads, where 2 blocks made
+#: the workers wait for it and then it for them (8 rank files, 2 MiB blocks: 1.97-2.45 s with 2
+#: blocks, 1.82-1.88 s with 16, cold, the same runs alternating).
+WRITE_BEHIND_BYTES = 32 << 20
+#: ... and at most this fraction of the conversion's memory budget (32 MiB at the default 512 MiB).
+WRITE_BEHIND_PER_BUDGET = 16
+#: The fewest full blocks queued for the writer thread before the caller waits: the device always
+#: has the next block while one is written.
+WRITE_BEHIND_MIN_BLOCKS = 2
 #: Blocks smaller than this (many files written at once) are written by the workers that fill them,
 #: not behind them: one writer thread would send them to the disk one small write at a time (64 rank
 #: files, 256 KiB blocks: 12.7 s with the workers writing, 14.0-15.7 s behind them).
@@ -492,11 +501,15 @@ def combine_block(files: int, block: int = COMBINE_BLOCK, cap: int = COMBINE_CAP
     return block
 
 
+_NO_ENTRY = (None, None, None)
+
+
 class _Block:
-    __slots__ = ("buf", "length", "filled", "runs")
+    __slots__ = ("buf", "length", "filled", "runs", "copying")
 
     def __init__(self, buf: np.ndarray, length: int) -> None:
         self.buf, self.length, self.filled, self.runs = buf, length, 0, []
+        self.copying = 0  # copies into it under way (outside the lock)
 
 
 class BlockCombiner:
@@ -513,12 +526,16 @@ class BlockCombiner:
     written so (:attr:`evicted` counts them). Thread-safe.
     """
 
-    def __init__(self, block: int = COMBINE_BLOCK, cap: int = COMBINE_CAP, behind: bool = True) -> None:
+    def __init__(self, block: int = COMBINE_BLOCK, cap: int = COMBINE_CAP, behind: bool = True,
+                 queue_bytes: int | None = None) -> None:
         """``behind``: full blocks are written by a writer thread of the combiner while the caller
-        goes on (at most ``WRITE_BEHIND_BLOCKS`` of them queued); else by the caller that fills them."""
+        goes on (at most ``queue_bytes`` of them queued, default ``WRITE_BEHIND_BYTES``, at least
+        ``WRITE_BEHIND_MIN_BLOCKS`` blocks); else by the caller that fills them."""
         if block % DIRECT_ALIGN:
             raise ValueError(f"block must be a multiple of {DIRECT_ALIGN}")
         self.block, self.cap = block, cap
+        self.queue_bytes = max(WRITE_BEHIND_MIN_BLOCKS * block,
+                               WRITE_BEHIND_BYTES if queue_bytes is None else queue_bytes)
         self._blocks: dict[tuple[int, int], tuple[DirectWrites, int, _Block]] = {}  # insertion order: oldest first
         self._free: list[np.ndarray] = []
         self._held = 0
@@ -529,6 +546,7 @@ class BlockCombiner:
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None  # the writer thread's first failure
         self.behind = behind
+        self._copy_waiters = 0  # flushes and drops waiting for copies into their blocks
         self.evicted = 0
         self.full_blocks = 0
 
@@ -545,8 +563,8 @@ class BlockCombiner:
         if not len(view):
             return
         self._raise_error()
-        done, ready, evict = 0, [], []
-        with self._cond:
+        done, ready, evict, spans = 0, [], [], []
+        with self._cond:  # reserve the ranges: the copies are made outside the lock, side by side
             while done < len(view):
                 at = offset + done
                 k, lo = divmod(at, self.block)
@@ -557,16 +575,35 @@ class BlockCombiner:
                     length = self.block if owner.size is None else min(self.block, owner.size - k * self.block)
                     entry = self._blocks[key] = (owner, k, _Block(self._buffer(), max(length, lo + n)))
                     self._held += self.block
-                blk = entry[2]
-                np.frombuffer(blk.buf, dtype=np.uint8)[lo: lo + n] = np.frombuffer(view[done: done + n], dtype=np.uint8)
+                entry[2].copying += 1
+                spans.append((key, entry[2], lo, n, done))
+                done += n
+        try:
+            for _, blk, lo, n, at in spans:
+                np.frombuffer(blk.buf, dtype=np.uint8)[lo: lo + n] = np.frombuffer(view[at: at + n], dtype=np.uint8)
+        except BaseException:
+            with self._cond:
+                for _, blk, _, _, _ in spans:
+                    blk.copying -= 1
+                if self._copy_waiters:
+                    self._cond.notify_all()
+            raise
+        with self._cond:
+            for key, blk, lo, n, _ in spans:
+                blk.copying -= 1
                 blk.filled += n
                 blk.runs.append((lo, lo + n))
-                if blk.filled == blk.length:
+                if blk.filled == blk.length and self._blocks.get(key, _NO_ENTRY)[2] is blk:
                     ready.append(self._take(key))
-                done += n
-            while self._held > self.cap and self._blocks:
-                evict.append(self._take(next(iter(self._blocks))))
-                self.evicted += 1
+            if self._copy_waiters:  # a flush or drop waits for the copies into its blocks
+                self._cond.notify_all()
+            if self._held > self.cap:  # the oldest partly filled blocks that no copy is filling
+                for key, entry in list(self._blocks.items()):
+                    if self._held <= self.cap:
+                        break
+                    if not entry[2].copying:
+                        evict.append(self._take(key))
+                        self.evicted += 1
             for f, _, _ in ready + evict:  # a flush of f waits for these writes
                 self._writing[id(f)] = self._writing.get(id(f), 0) + 1
             self.full_blocks += len(ready)
@@ -587,15 +624,15 @@ class BlockCombiner:
 
     def _enqueue(self, ready: list[tuple[DirectWrites, int, _Block]]) -> None:
         """Hand full blocks to the writer thread (started when none runs); waits while more than
-        ``WRITE_BEHIND_BLOCKS`` blocks are queued (not past a failure of the writer: the caller
-        raises it once its own writes are accounted for). Called with the lock held."""
+        ``queue_bytes`` are queued (not past a failure of the writer: the caller raises it once its
+        own writes are accounted for). Called with the lock held."""
         self._queue.extend(ready)
         self._queued += sum(blk.length for _, _, blk in ready)
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_behind, name="ckptconv-blocks", daemon=True)
             self._writer.start()
         self._cond.notify_all()
-        while self._queued > WRITE_BEHIND_BLOCKS * self.block and self._error is None:
+        while self._queued > self.queue_bytes and self._error is None:
             self._cond.wait()
 
     def _write_behind(self) -> None:
@@ -625,6 +662,15 @@ class BlockCombiner:
                     self._queued -= blk.length
                     self._free_block(blk)
                     self._cond.notify_all()
+
+    def _wait_copies(self, owner: DirectWrites) -> None:
+        """Wait until no copy fills a block of ``owner`` (called with the lock held)."""
+        while any(entry[2].copying for key, entry in self._blocks.items() if key[0] == id(owner)):
+            self._copy_waiters += 1
+            try:
+                self._cond.wait()
+            finally:
+                self._copy_waiters -= 1
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -656,6 +702,7 @@ class BlockCombiner:
         """Write every block of ``owner`` this combiner holds and wait for the full blocks other
         threads are writing to it: on return, every byte :meth:`gather` took for it is written."""
         with self._cond:
+            self._wait_copies(owner)
             mine = [key for key in self._blocks if key[0] == id(owner)]
             entries = [self._take(key) for key in mine]
         try:
@@ -673,6 +720,7 @@ class BlockCombiner:
         """Forget what this combiner holds of ``owner`` (a file being removed): its partly filled
         blocks, and its full blocks still queued (one being written is waited for)."""
         with self._cond:
+            self._wait_copies(owner)
             for key in [key for key in self._blocks if key[0] == id(owner)]:
                 self._free_block(self._take(key)[2])
             mine = [e for e in self._queue if e[0] is owner]

@@ -52,8 +52,9 @@ from formats.base import Box, first_overlap
 from formats.dcp.archive_writer import TensorArchiveWriter, archive_size
 from formats.dtypes import by_name
 from formats.errors import ConfigError, DestinationError, IncompleteCheckpointError
-from formats.fsutil import (DIRECT_MIN_BYTES, WRITE_BEHIND_MIN_BLOCK, BlockCombiner, DirectWrites, atomic_write_bytes,
-                            combine_block, fsync_dir, run_parallel, safe_join, short)
+from formats.fsutil import (DIRECT_MIN_BYTES, WRITE_BEHIND_BYTES, WRITE_BEHIND_MIN_BLOCK, WRITE_BEHIND_PER_BUDGET,
+                            BlockCombiner, DirectWrites, atomic_write_bytes, combine_block, fsync_dir, run_parallel,
+                            safe_join, short)
 from formats.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -326,7 +327,8 @@ class DCPWriter:
         (byte-identical to ``dcp.save``'s file when given its plan's order).
 
         ``memory_budget``: the conversion's; bounds the blocks small writes are gathered in
-        (:func:`formats.fsutil.combine_block`).
+        (:func:`formats.fsutil.combine_block`) and the full ones queued for the disk (at most
+        1/``WRITE_BEHIND_PER_BUDGET`` of it).
         """
         local = readers is not None
         if local and (len(readers) != len(chunks) or object_readers is None or len(object_readers) != len(objects)):
@@ -354,7 +356,9 @@ class DCPWriter:
         #: the small writes of every rank file (archive headers and tails, the unaligned ends of
         #: pieces, small chunks) gathered into whole aligned blocks: large writes whatever the pieces
         block = combine_block(len(self._own), memory=memory_budget)
-        self._combiner = BlockCombiner(block, behind=block >= WRITE_BEHIND_MIN_BLOCK)
+        queue = None if memory_budget is None else memory_budget // WRITE_BEHIND_PER_BUDGET
+        self._combiner = BlockCombiner(block, behind=block >= WRITE_BEHIND_MIN_BLOCK,
+                                       queue_bytes=None if queue is None else min(queue, WRITE_BEHIND_BYTES))
         self._fds: dict[int, DirectWrites] = {}
         self._sinks: dict[tuple, TensorArchiveWriter] = {}
         self._objects_written = False

@@ -762,3 +762,18 @@ def test_few_rank_files_are_written_behind_many_by_the_workers(tmp_path):
         w = DCPWriter(tmp_path / f"w{world}", [], [], {}, world, memory_budget=512 << 20)
         assert w._combiner.behind is behind, world
         assert (w._combiner.block >= fsutil.WRITE_BEHIND_MIN_BLOCK) is behind
+
+
+def test_the_write_behind_queue_is_a_small_part_of_the_memory_budget(tmp_path):
+    """The full blocks queued for the disk: WRITE_BEHIND_BYTES at the default budget, at most
+    1/WRITE_BEHIND_PER_BUDGET of a smaller one (never under two blocks)."""
+    from formats import fsutil
+    from formats.dcp.writer import DCPWriter
+
+    mib = 1 << 20
+    for budget in (512 * mib, 64 * mib, 32 * mib, 4 * mib):
+        w = DCPWriter(tmp_path / f"b{budget}", [], [], {}, 3, memory_budget=budget)
+        queue = w._combiner.queue_bytes
+        assert queue <= max(budget // fsutil.WRITE_BEHIND_PER_BUDGET, 2 * w._combiner.block), budget
+        assert queue <= fsutil.WRITE_BEHIND_BYTES and queue >= 2 * w._combiner.block
+    assert DCPWriter(tmp_path / "d", [], [], {}, 3, memory_budget=512 * mib)._combiner.queue_bytes == fsutil.WRITE_BEHIND_BYTES

@@ -317,8 +317,7 @@ def test_a_dropped_file_forgets_its_queued_blocks(tmp_path, monkeypatch):
 
     block = 64 << 10
     held = _HeldWrites(monkeypatch, block)
-    monkeypatch.setattr(fsutil, "WRITE_BEHIND_BLOCKS", 4)  # room for the two queued behind the held one
-    comb = fsutil.BlockCombiner(block=block)
+    comb = fsutil.BlockCombiner(block=block, queue_bytes=4 * block)  # room for the two queued behind the held one
     pa, fa = _file(tmp_path, 3 * block)
     (tmp_path / "g").mkdir()
     pb, fb = _file(tmp_path / "g", block)
@@ -343,13 +342,13 @@ def test_a_dropped_file_forgets_its_queued_blocks(tmp_path, monkeypatch):
 
 def test_a_caller_waits_while_the_write_behind_queue_is_full(tmp_path, monkeypatch):
     """The blocks queued for the writer thread are bounded (memory stays a few blocks): past
-    WRITE_BEHIND_BLOCKS the caller waits for the disk."""
+    ``queue_bytes`` the caller waits for the disk."""
     import threading
 
     block = 64 << 10
     held = _HeldWrites(monkeypatch, block)
     path, fd = _file(tmp_path, 6 * block)
-    comb = fsutil.BlockCombiner(block=block)
+    comb = fsutil.BlockCombiner(block=block, queue_bytes=2 * block)
     out = DirectWrites(fd, path, combiner=comb, size=6 * block)
     filled = []
 
@@ -362,8 +361,8 @@ def test_a_caller_waits_while_the_write_behind_queue_is_full(tmp_path, monkeypat
     filler.start()
     assert held.entered.wait(10)
     filler.join(0.3)
-    assert filler.is_alive() and len(filled) <= fsutil.WRITE_BEHIND_BLOCKS + 1, filled
-    assert comb._queued <= (fsutil.WRITE_BEHIND_BLOCKS + 1) * block
+    assert filler.is_alive() and len(filled) <= 3, filled
+    assert comb._queued <= 3 * block
     held.release.set()
     filler.join(10)
     out.close()
@@ -410,3 +409,77 @@ def test_after_a_failed_write_behind_every_wait_ends(tmp_path, monkeypatch):
     assert not t.is_alive() and outcome == [errno.EIO, errno.EIO], outcome
     monkeypatch.undo()
     out.close(flush=False)
+
+
+def test_copies_into_blocks_run_outside_the_combiners_lock(tmp_path, monkeypatch):
+    """Each caller copies its bytes into the blocks without holding the combiner's lock, so two
+    workers fill blocks side by side: a copy that stalls does not stop another file's writes."""
+    import threading
+
+    block = 64 << 10
+    comb = fsutil.BlockCombiner(block=block, behind=False)
+    pa, fa = _file(tmp_path, block)
+    (tmp_path / "g").mkdir()
+    pb, fb = _file(tmp_path / "g", block)
+    a = DirectWrites(fa, pa, combiner=comb, size=block)
+    b = DirectWrites(fb, pb, combiner=comb, size=block)
+    inside, release = threading.Event(), threading.Event()
+    real = np.frombuffer
+
+    def frombuffer(buf, *args, **kwargs):  # the copy of a's bytes into its block stalls
+        if isinstance(buf, np.ndarray) and buf.nbytes == block and threading.current_thread().name == "stalled":
+            inside.set()
+            assert release.wait(10)
+        return real(buf, *args, **kwargs)
+
+    monkeypatch.setattr(fsutil.np, "frombuffer", frombuffer)
+    stalled = threading.Thread(target=a.pwrite, args=(memoryview(b"\x01" * 1000), 0), name="stalled")
+    stalled.start()
+    assert inside.wait(10)
+    other = threading.Thread(target=b.pwrite, args=(b"\x02" * 100, 0))  # gathered while a's copy is under way
+    other.start()
+    other.join(5)
+    stuck = other.is_alive()
+    if stuck:
+        release.set()
+        other.join(10)
+    assert not stuck, "a stalled copy held the combiner's lock"
+    flushing = threading.Thread(target=a.sync)
+    flushing.start()
+    flushing.join(0.3)
+    assert flushing.is_alive()  # a's sync waits for the copy into its block
+    release.set()
+    stalled.join(10)
+    flushing.join(10)
+    assert not flushing.is_alive()
+    assert open(pa, "rb").read(1000) == b"\x01" * 1000
+    a.close()
+    b.close()
+    assert open(pb, "rb").read(100) == b"\x02" * 100
+
+
+def test_a_block_being_filled_is_not_pushed_out_past_the_cap(tmp_path):
+    """Past the cap the oldest partly filled block that no copy is filling is written out; one a
+    copy is filling stays (its bytes are not all there yet)."""
+    block = 64 << 10
+    comb = fsutil.BlockCombiner(block=block, cap=2 * block, behind=False)
+    path, fd = _file(tmp_path, 4 * block)
+    out = DirectWrites(fd, path, combiner=comb, size=4 * block)
+    out.pwrite(b"\x01" * 10, 0)  # block 0, the oldest
+    out.pwrite(b"\x02" * 10, block)  # block 1
+    comb._blocks[(id(out), 0)][2].copying += 1  # a copy into block 0 under way
+    out.pwrite(b"\x03" * 10, 2 * block)  # block 2: past the cap
+    assert (id(out), 0) in comb._blocks and (id(out), 1) not in comb._blocks and comb.evicted == 1
+    comb._blocks[(id(out), 0)][2].copying -= 1
+    out.close()
+    data = open(path, "rb").read()
+    assert data[:10] == b"\x01" * 10 and data[block: block + 10] == b"\x02" * 10 and data[2 * block: 2 * block + 10] == b"\x03" * 10
+
+
+def test_the_write_behind_queue_is_bounded_in_bytes():
+    """The queue for the writer thread holds WRITE_BEHIND_BYTES (a burst of full blocks), never
+    fewer than WRITE_BEHIND_MIN_BLOCKS blocks."""
+    block = 4 << 20
+    assert fsutil.BlockCombiner(block=block).queue_bytes == fsutil.WRITE_BEHIND_BYTES
+    assert fsutil.BlockCombiner(block=block, queue_bytes=1).queue_bytes == fsutil.WRITE_BEHIND_MIN_BLOCKS * block
+    assert fsutil.BlockCombiner(block=block, queue_bytes=64 << 20).queue_bytes == 64 << 20
