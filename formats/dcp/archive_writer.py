@@ -337,6 +337,7 @@ class TensorArchiveWriter:
         self._shape = tuple(int(s) for s in shape)
         self._pkl = data_pkl(self._dtype.name, self._shape) if pkl is None else pkl
         self._layout = archive_layout(self._dtype.name, self._shape, None if pkl is None else len(pkl))
+        self._template = _archive_template(self._dtype.name, self._shape, pkl)
         self._written = 0
         self._crc = 0
         self._head = b""  # first bytes of data/0 (torch's serialization id peeks at them)
@@ -368,12 +369,7 @@ class TensorArchiveWriter:
         return f"{self._dtype.name}{list(self._shape)}"
 
     def _write_prefix(self) -> None:
-        recs = self._layout.records
-        parts = []
-        for rec, body in zip(recs, self._small_records()):
-            parts += [rec.local_header(), body, rec.descriptor(zlib.crc32(body))]
-        parts.append(recs[_DATA].local_header())
-        self._out.pwrite(b"".join(parts), self._base)
+        self._out.pwrite(self._template.prefix, self._base)
 
     def write(self, piece: np.ndarray | torch.Tensor) -> None:
         """Append the bytes of ``piece``, in C order: a C-contiguous numpy bit array of the
@@ -430,13 +426,6 @@ class TensorArchiveWriter:
         self._out.pwrite(self._tail(), self._base + self._layout.data_offset + self.nbytes)
         self._closed = True
 
-    def _small_records(self) -> tuple[bytes, ...]:
-        """Contents of the records before data/0."""
-        return (self._pkl, _FORMAT_VERSION, _STORAGE_ALIGNMENT, _BYTEORDER)
-
-    def _record_crcs(self) -> list[int]:
-        return [zlib.crc32(b) for b in self._small_records()] + [self._crc, zlib.crc32(_VERSION)]
-
     def _serialization_id(self, crcs: list[int]) -> bytes:
         combined = 0
         for i, crc in enumerate(crcs):
@@ -449,16 +438,50 @@ class TensorArchiveWriter:
         return f"{_RECORD_NAME_HASH:020d}{combined:020d}".encode()
 
     def _tail(self) -> bytes:
-        recs = self._layout.records
-        crcs = self._record_crcs()
-        sid = self._serialization_id(crcs)
-        crcs.append(zlib.crc32(sid))
-        parts = [recs[_DATA].descriptor(self._crc)]
-        for rec, body in ((recs[5], _VERSION), (recs[6], sid)):
-            parts += [rec.local_header(), body, rec.descriptor(zlib.crc32(body))]
-        parts += [rec.central_header(crc) for rec, crc in zip(recs, crcs)]
-        parts.append(self._layout.end_records())
-        return b"".join(parts)
+        t, recs = self._template, self._layout.records
+        sid = self._serialization_id([*t.small_crcs, self._crc, t.version_crc])
+        sid_crc = zlib.crc32(sid)
+        return b"".join((recs[_DATA].descriptor(self._crc), t.version_record, t.sid_header, sid,
+                         recs[_SID].descriptor(sid_crc), t.central_small, recs[_DATA].central_header(self._crc),
+                         t.central_version, recs[_SID].central_header(sid_crc), t.end_records))
+
+
+@dataclass(frozen=True)
+class _ArchiveTemplate:
+    """The bytes of one kind of archive (dtype, shape, ``data.pkl``) that do not depend on the
+    tensor's bytes, made once per kind: a conversion writes thousands of archives of few kinds."""
+
+    prefix: bytes  # the small records, then data/0's local header
+    small_crcs: tuple[int, ...]  # CRC-32 of each small record (data.pkl, .format_version, ...)
+    version_crc: int
+    version_record: bytes  # the ``version`` record: local header, body, descriptor
+    sid_header: bytes  # the serialization id record's local header
+    central_small: bytes  # the central headers of the small records
+    central_version: bytes
+    end_records: bytes
+
+
+_SID = 6  # index of the serialization id record
+
+
+@lru_cache(maxsize=4096)
+def _archive_template(dtype_name: str, shape: Shape, pkl: bytes | None) -> _ArchiveTemplate:
+    layout = archive_layout(dtype_name, shape, None if pkl is None else len(pkl))
+    recs = layout.records
+    small = (data_pkl(dtype_name, shape) if pkl is None else pkl, _FORMAT_VERSION, _STORAGE_ALIGNMENT, _BYTEORDER)
+    crcs = tuple(zlib.crc32(b) for b in small)
+    parts = []
+    for rec, body, crc in zip(recs, small, crcs):
+        parts += [rec.local_header(), body, rec.descriptor(crc)]
+    parts.append(recs[_DATA].local_header())
+    version_crc = zlib.crc32(_VERSION)
+    version = recs[_DATA + 1]
+    return _ArchiveTemplate(
+        prefix=b"".join(parts), small_crcs=crcs, version_crc=version_crc,
+        version_record=version.local_header() + _VERSION + version.descriptor(version_crc),
+        sid_header=recs[_SID].local_header(),
+        central_small=b"".join(rec.central_header(crc) for rec, crc in zip(recs, crcs)),
+        central_version=version.central_header(version_crc), end_records=layout.end_records())
 
 
 # ----------------------------------------------------------------------------- whole small archives
