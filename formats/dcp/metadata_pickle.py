@@ -3,19 +3,33 @@
 Importing ``torch.distributed.checkpoint`` costs ~1.5 CPU-seconds, which is a large share of a
 small conversion. The pickle only needs the NAMES of its classes, so the writer builds small
 stand-ins that pickle exactly like torch's dataclasses (same class names, same state, in the
-same order) and dumps them with a pure-Python pickler that writes those names without importing
-their modules. Unpickling (``dcp.load``, ``FileSystemReader.read_metadata``) yields torch's own
+same order). Unpickling (``dcp.load``, ``FileSystemReader.read_metadata``) yields torch's own
 objects; a test compares them with the objects torch builds.
+
+:func:`dumps` uses the C pickler (~9 us an item; the pure-Python one takes ~70: 2 s for a 25,000-chunk
+``--mesh tp2,dp32`` checkpoint, a minute at 10^6 chunks). The C pickler writes a global only once it
+has found it by its module's name, so every stand-in here also lives in a private module of this
+process (:class:`_PrivateModules`) whose random name is as long as the torch module it stands for;
+the private names in the pickle are then replaced by torch's, byte for byte (the frames keep their
+lengths). Where that cannot be done exactly (a private name also in the data), the pure-Python
+pickler (:func:`formats.dcp.torch_globals.dumps`) writes it, with the same bytes.
 """
 
 from __future__ import annotations
 
 import copyreg
 import importlib.metadata
+import io
+import pickle
+import random
 import re
+import string
+import sys
+import threading
+import types
 from typing import Any
 
-from formats.dcp.torch_globals import Global, Named, dtype_global, module_name
+from formats.dcp.torch_globals import _DTYPES, Global, Named, dtype_global, module_name
 from formats.dcp.torch_globals import dumps as _dumps
 
 _MD = "torch.distributed.checkpoint.metadata"
@@ -139,7 +153,104 @@ def metadata(sd_md: dict, planner_data: dict, storage: dict, checkpoint_id: Any,
 
 def dumps(md: Any) -> bytes:
     """The pickle (protocol 4, what ``FileSystemWriter`` writes) of a stand-in ``Metadata``."""
+    fast = _fast_dumps(md)
+    return fast if fast is not None else slow_dumps(md)
+
+
+def slow_dumps(md: Any) -> bytes:
+    """:func:`dumps` by the pure-Python pickler (the same bytes, ~8x slower)."""
     return _dumps(md, protocol=4)
+
+
+class _PrivateModules:
+    """Importable homes for the stand-ins, so that the C pickler finds them: for each torch module
+    a module in ``sys.modules`` under a random name of the same length (the pickle's bytes are
+    then renamed in place), holding the stand-ins of that module under their torch names.
+
+    A family of stand-ins shares one module-name string object (:func:`module_name`): the pickle
+    writes a module name once per such object, so each family gets its own private string."""
+
+    _CHARS = string.ascii_letters + string.digits
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.private: dict[str, str] = {}  # torch module -> private module name
+        self._families: dict[int, tuple[str, str]] = {}  # id(family string) -> (it, its private string)
+        self.families_of: dict[str, int] = {}  # private module name -> family strings using it
+        self._classes: dict[int, type] = {}  # id(family string) -> the Global subclass of that family
+
+    def _module(self, real: str) -> types.ModuleType:
+        name = self.private.get(real)
+        if name is None:
+            rng = random.SystemRandom()
+            while True:
+                name = "_" + "".join(rng.choice(self._CHARS) for _ in range(len(real) - 1))
+                if name not in sys.modules:
+                    break
+            sys.modules[name] = types.ModuleType(name, "ckptconv: stand-ins of torch's " + real)
+            self.private[real] = name
+            self.families_of[name] = 0
+        return sys.modules[name]
+
+    def _family(self, family: str) -> str:
+        entry = self._families.get(id(family))
+        if entry is None:
+            module = self._module(family)
+            entry = self._families[id(family)] = (family, module_name(module.__name__))
+            self.families_of[module.__name__] += 1
+        return entry[1]
+
+    def add_class(self, cls: type, family: str, name: str) -> None:
+        """Home the stand-in class ``cls`` (pickled as ``family.name``)."""
+        with self._lock:
+            private = self._family(family)
+            cls.__module__, cls.__qualname__ = private, name
+            setattr(sys.modules[private], name, cls)
+
+    def add_global(self, g: Global) -> None:
+        """Home the stand-in global ``g`` (its class becomes one whose ``__module__`` is its
+        family's private string; it stays a :class:`Global`)."""
+        with self._lock:
+            if getattr(sys.modules.get(self.private.get(g.module, "")), g.name, None) is g:
+                return
+            private = self._family(g.module)
+            cls = self._classes.get(id(g.module))
+            if cls is None:
+                cls = self._classes[id(g.module)] = type("Global", (Global,), {"__slots__": (), "__module__": private})
+            g.__class__ = cls
+            setattr(sys.modules[private], g.name, g)
+
+    def rename(self, data: bytes) -> bytes | None:
+        """The pickle with every private module name replaced by torch's (None: a private name
+        shows up more often than its families can write it, i.e. also inside the data)."""
+        for real, private in self.private.items():
+            ours = b"\x8c" + bytes([len(private)]) + private.encode()  # SHORT_BINUNICODE
+            found = data.count(ours)
+            if found > self.families_of[private]:
+                return None
+            if found:
+                data = data.replace(ours, b"\x8c" + bytes([len(real)]) + real.encode())
+        return data
+
+
+_PRIVATE = _PrivateModules()
+for _cls in (_Metadata, _StorageMeta, _TensorStorageMetadata, _BytesStorageMetadata, _ChunkStorageMetadata,
+             _MetadataIndexType, _StorageInfoType, _TensorProperties, MetadataIndex):
+    _PRIVATE.add_class(_cls, *_cls.__dict__["_pickle_as"])
+for _g in (_MemFormatEncoding, _SizeType, _GetLayout):
+    _PRIVATE.add_global(_g)
+
+
+def _fast_dumps(md: Any) -> bytes | None:
+    """:func:`dumps` by the C pickler, or None where only the pure-Python one writes it exactly."""
+    for g in list(_DTYPES.values()):  # made on first use (dtype_global)
+        _PRIVATE.add_global(g)
+    out = io.BytesIO()
+    try:
+        pickle.Pickler(out, protocol=4).dump(md)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return None
+    return _PRIVATE.rename(out.getvalue())
 
 
 def torch_fields() -> tuple[bool, bool]:
