@@ -413,6 +413,83 @@ class OpenFiles:
             close_file(f)
 
 
+class CachedFds:
+    """Read-only descriptors of many local files (a store's chunk files: one per tensor), each
+    opened on its first read and kept open for the next ones, up to ``capacity`` idle descriptors
+    (the least recently used one is closed first; one in use is never closed). Every read of a
+    --mesh tp2,dp32 conversion reads 1/64 of a chunk file: an open and a close per read was a
+    third of the reader's time. Thread-safe."""
+
+    def __init__(self, capacity: int = 128) -> None:
+        import collections
+        import threading
+
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._fds: collections.OrderedDict[str, list[int]] = collections.OrderedDict()  # path -> [fd, users]
+
+    def acquire(self, path: str | os.PathLike) -> int:
+        """The descriptor of ``path`` (opened if none is), in use until :meth:`release`; OSError
+        as ``os.open`` raises it."""
+        path = os.fspath(path)
+        with self._lock:
+            entry = self._fds.get(path)
+            if entry is not None:
+                entry[1] += 1
+                self._fds.move_to_end(path)
+                return entry[0]
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        extra = None
+        with self._lock:
+            entry = self._fds.get(path)
+            if entry is not None:  # another thread opened it meanwhile: use that one
+                entry[1] += 1
+                extra, fd = fd, entry[0]
+            else:
+                self._fds[path] = [fd, 1]
+            idle = self._trim()
+        for f in ([extra] if extra is not None else []) + idle:
+            os.close(f)
+        return fd
+
+    def release(self, path: str | os.PathLike) -> None:
+        """Done with the descriptor :meth:`acquire` gave."""
+        with self._lock:
+            self._fds[os.fspath(path)][1] -= 1
+            idle = self._trim()
+        for f in idle:
+            os.close(f)
+
+    def _trim(self) -> list[int]:
+        """The idle descriptors past the capacity, oldest first, taken out (closed by the caller
+        outside the lock)."""
+        out: list[int] = []
+        if len(self._fds) <= self.capacity:
+            return out
+        for path in [p for p, e in self._fds.items() if not e[1]]:
+            if len(self._fds) <= self.capacity:
+                break
+            out.append(self._fds.pop(path)[0])
+        return out
+
+    def close(self) -> None:
+        """Close every descriptor (none may be in use)."""
+        with self._lock:
+            fds, self._fds = [e[0] for e in self._fds.values()], type(self._fds)()
+        for fd in fds:
+            os.close(fd)
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def __del__(self) -> None:  # a reader dropped without close(): its descriptors go with it
+        for entry in getattr(self, "_fds", {}).values():
+            try:
+                os.close(entry[0])
+            except OSError:
+                pass
+
+
 def listdir(root: str | os.PathLike | LocalStorage | RemoteStorage) -> list[str]:
     """Names directly under ``root`` (a path, URL or storage)."""
     return open_storage(root).list()

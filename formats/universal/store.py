@@ -43,7 +43,7 @@ from formats.fsutil import (DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, 
                             pooled_buffer, read_error, run_parallel, short, source_path, start_writeback)
 from formats.integrity import ChunkChecks, StreamedHash, block_fill
 from formats.manifest import Manifest
-from formats.storage import Storage, check_relative, close_file, is_url, open_storage, read_into
+from formats.storage import CachedFds, Storage, check_relative, close_file, is_url, open_storage, read_into
 from formats.universal import safetensors_backend, zarr_backend
 from formats.universal.plan import (
     DEFAULT_BACKEND,
@@ -403,6 +403,9 @@ def _one_owner(owners: dict[Path, str], path: Path, key: str, what: str, name: s
             "key has its own); the metadata is damaged: reconvert the store")
 
 
+#: Chunk files a reader keeps open between reads (idle ones; those in use are never closed).
+READ_FDS = 128
+
 #: Threads that look up a local store's chunk files at open (:meth:`UniversalReader._warm_inodes`).
 STAT_WORKERS = 8
 
@@ -422,6 +425,7 @@ class UniversalReader:
         self.root = self._storage.root
         self._checks = ChunkChecks() if verify else None
         self._paths: dict[str, Path] = {}  # chunk file -> its checked local path
+        self._fds = CachedFds(READ_FDS)  # the chunk files read, kept open for the next reads
         self.meta = read_metadata(self._storage)
         self._layout = backend_module(self.meta.backend)
         self._located: dict[str, tuple[int, tuple[int, ...]]] = {}  # chunk file -> (data offset, stored shape)
@@ -636,11 +640,19 @@ class UniversalReader:
         path = self.root / chunk.file
         offset += self._stored(record, chunk)[0]
         try:
-            fd = os.open(self._file(chunk), os.O_RDONLY) if self._storage.is_local else self._storage.open_random(chunk.file)
-            try:
-                got = read_into(fd, into, offset)
-            finally:
-                close_file(fd)
+            if self._storage.is_local:
+                local = self._file(chunk)
+                fd = self._fds.acquire(local)
+                try:
+                    got = read_into(fd, into, offset)
+                finally:
+                    self._fds.release(local)
+            else:
+                f = self._storage.open_random(chunk.file)
+                try:
+                    got = read_into(f, into, offset)
+                finally:
+                    close_file(f)
         except _LAYOUT_ERRORS as e:
             raise CorruptCheckpointError(
                 f"{path}: chunk file missing for key {record.array!r} ({e.strerror or 'not found'}); the store is "
@@ -716,4 +728,5 @@ class UniversalReader:
         return load_torch_object(self.read_object_bytes(key), f"{self.root}:{key}", trust_pickle)
 
     def close(self) -> None:
-        pass
+        """Close the chunk files kept open (a later read opens them again)."""
+        self._fds.close()
