@@ -8,6 +8,8 @@ cache; ``sync`` counted); the result is the median over pairs of B / A, with eac
 
     python bench/ab.py --base ../old-checkout --step reshard --pairs 6          # a commit against another
     python bench/ab.py --step to-universal --env-a CKPTCONV_PREFETCH_MIB=0      # a knob off (A) and on (B)
+    python bench/ab.py --base ../old --step from-universal --mesh tp2,dp32      # the card's 64-rank target
+    python bench/ab.py --base ../old --step reshard --source /data/ckpt         # any DCP checkpoint
 
 A is ``--base`` (another checkout's code; default this one) with ``--env-a``; B is this checkout
 with ``--env-b``. Results: ``bench/results/<date>T<time>-ab-<step>-<size>.json``.
@@ -33,20 +35,20 @@ from run import PY, RESULTS, _remove, ensure_checkpoint, measure  # noqa: E402
 STEPS = ("to-universal", "from-universal", "reshard")
 
 
-def command(code: Path, step: str, src: Path, uni: Path, out: Path) -> tuple[list[str], Path]:
+def command(code: Path, step: str, src: Path, uni: Path, out: Path, mesh: str = "dp3") -> tuple[list[str], Path]:
     """The step's command running ``code``'s ckptconv, and what it reads."""
     run = [PY, "-c", f"import sys; sys.path.insert(0, {str(code)!r}); from converter.cli.app import main; main()"]
     if step == "to-universal":
         return [*run, "to-universal", str(src), str(out), "--no-progress"], src
     if step == "from-universal":
-        return [*run, "from-universal", str(uni), str(out), "--mesh", "dp3", "--no-progress"], uni
-    return [*run, "from-universal", str(src), str(out), "--mesh", "dp3", "--no-progress"], src
+        return [*run, "from-universal", str(uni), str(out), "--mesh", mesh, "--no-progress"], uni
+    return [*run, "from-universal", str(src), str(out), "--mesh", mesh, "--no-progress"], src
 
 
-def one(code: Path, env: dict[str, str], step: str, src: Path, uni: Path, out: Path) -> dict:
+def one(code: Path, env: dict[str, str], step: str, src: Path, uni: Path, out: Path, mesh: str = "dp3") -> dict:
     """One cold run: wall seconds, return code and phases."""
     _remove(out)
-    cmd, reads = command(code, step, src, uni, out)
+    cmd, reads = command(code, step, src, uni, out, mesh)
     saved = {k: os.environ.get(k) for k in [*env, "CKPTCONV_TIMINGS"]}
     os.environ.update(env | {"CKPTCONV_TIMINGS": "1"})
     try:
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step", choices=STEPS, required=True)
     p.add_argument("--size", default="1GB", help="checkpoint size (bench/out cache; default 1GB)")
+    p.add_argument("--source", default=None, help="a DCP checkpoint folder to convert instead of the bench's own")
+    p.add_argument("--mesh", default="dp3", help="from-universal and reshard's target mesh (default dp3)")
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--base", default=str(BENCH.parent), help="checkout whose code A runs (default: this one)")
     p.add_argument("--env-a", action="append", default=[], metavar="K=V", help="environment of A's runs")
@@ -86,9 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     size = parse_size(args.size)
-    info = ensure_checkpoint(size)
-    src = Path(info["path"])
-    work = OUT / f"ab-{size_label(size)}"
+    if args.source:
+        src = Path(args.source).resolve()
+        if not (src / ".metadata").is_file():
+            raise SystemExit(f"--source {src}: not a DCP checkpoint folder (no .metadata)")
+        label = src.name
+    else:
+        src, label = Path(ensure_checkpoint(size)["path"]), size_label(size)
+    work = OUT / f"ab-{label}"
     _remove(work)
     work.mkdir(parents=True)
     uni, out = work / "uni", work / "out"
@@ -101,21 +110,21 @@ def main(argv: list[str] | None = None) -> None:
             measure(cmd, src, sync=True, cold=False)
         for i in range(args.pairs):
             order = "ab" if i % 2 == 0 else "ba"
-            pair = {side: one(*sides[side], args.step, src, uni, out) for side in order}
+            pair = {side: one(*sides[side], args.step, src, uni, out, args.mesh) for side in order}
             runs.append(pair)
             print(f"  pair {i + 1}/{args.pairs} ({order}): A {pair['a']['wall_s']:.2f} s  B {pair['b']['wall_s']:.2f} s  "
                   f"B/A {pair['b']['wall_s'] / pair['a']['wall_s']:.3f}", file=sys.stderr, flush=True)
     finally:
         _remove(work)
     doc = {"command": " ".join(["python", "bench/ab.py", *(argv if argv is not None else sys.argv[1:])]),
-           "step": args.step, "size": size_label(size), "a": {"code": str(sides["a"][0]), "env": sides["a"][1]},
+           "step": args.step, "mesh": args.mesh, "source": str(src), "size": label, "a": {"code": str(sides["a"][0]), "env": sides["a"][1]},
            "b": {"code": str(sides["b"][0]), "env": sides["b"][1]}, "runs": runs, "summary": summarize(runs)}
     stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M")
-    path = Path(args.out) if args.out else RESULTS / f"{stamp}-ab-{args.step}-{size_label(size)}.json"
+    path = Path(args.out) if args.out else RESULTS / f"{stamp}-ab-{args.step}-{label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))
     s = doc["summary"]
-    print(f"{args.step} {size_label(size)}: B/A {s['ratio_b_over_a']:.3f} over {s['pairs']} pairs "
+    print(f"{args.step} {label} (--mesh {args.mesh}): B/A {s['ratio_b_over_a']:.3f} over {s['pairs']} pairs "
           f"(A {s['a_wall_s']:.2f} s, B {s['b_wall_s']:.2f} s)\nJSON: {path}")
 
 

@@ -5,9 +5,10 @@ three copy steps and torch's own manual path, side by side in one run (issue 26)
     python bench/datapath.py --sizes 1GB --repeats 1      # a quick look (~4 min)
     python bench/datapath.py --no-profile --no-torchrun   # the timed table only
     python bench/datapath.py --sizes 1GB --workdir /dev/shm/ckptconv-bench   # a memory-speed "disk"
+    python bench/datapath.py --sources /data/run1/step-1000,/data/run2/ckpt   # any DCP checkpoints
 
 Checkpoints are real 4-rank FSDP2 ``dcp.save`` outputs (``make_checkpoint.py``, cached under
-``bench/out/``). Each round runs, per size and in this order, every step as a subprocess, timed from
+``bench/out/``), or with ``--sources`` any DCP checkpoint folders (the rows keep their names). Each round runs, per size and in this order, every step as a subprocess, timed from
 its start to its exit plus a ``sync`` (counted), the page cache dropped first (as root; else the
 step's input is evicted with ``posix_fadvise``, see ``run.py``), after the input was read once
 (so that a VM host's page cache holds every step's input alike: ``run.read_through``):
@@ -18,6 +19,8 @@ step's input is evicted with ``posix_fadvise``, see ``run.py``), after the input
   the files: whether two writers gain anything on this disk (the torchrun target applies only
   where they do, "where the disk allows");
 - ``cp -r`` of the store to-universal wrote (from-universal's own input: its ~10^3 chunk files);
+- the source's bytes written into files of the store's paths and sizes by 2 threads, no framework
+  (``layoutcopy``: what to-universal's output shape alone costs on this disk);
 - ``to-universal SRC UNI`` (FSDP4 DCP -> store), ``from-universal UNI DP3 --mesh dp3`` (store -> DCP)
   and ``from-universal SRC DCP3 --mesh dp3`` (DCP -> DCP reshard), source checks on (the default);
 - the same three under ``torchrun --standalone --nproc-per-node 2`` (``--no-torchrun`` skips them);
@@ -65,6 +68,7 @@ BLOCK = 16 << 20
 CP, USER = "cp -r", "user-space copy (16 MiB, fsync per file)"
 DIRECT1, DIRECT2 = "O_DIRECT copy, 1 process", "O_DIRECT copy, 2 processes"
 CP_STORE = "cp -r of the store (from-universal's input)"
+LAYOUT = "the source's bytes into the store's files (no framework)"
 TO, FROM, RESHARD = "to-universal (FSDP4 -> store)", "from-universal (store -> dp3)", "DCP -> DCP reshard (dp3)"
 TORCH = "torch manual path (dcp.load + dcp.save)"
 CONVERSIONS = (TO, FROM, RESHARD)
@@ -168,6 +172,89 @@ def _direct_copy_files(files: list[Path], src: Path, dst: Path) -> None:
         os.close(fd)
 
 
+def layout_copy(src: Path, layout: Path, dst: Path, threads: int = 2) -> None:
+    """The floor of writing a conversion's output tree with no framework: the bytes of ``src`` (its
+    files one after another, from the start again if the tree is larger) written into files of
+    the same relative paths and sizes as under ``layout`` (the output of the step, e.g. the store
+    to-universal wrote: ~10^3 small files and their folders), ``threads`` threads, each file read
+    with ``preadv`` and written as ckptconv and ``directcopy`` write (aligned part ``O_DIRECT``),
+    ``fsync`` per file, then per folder. No checks, no metadata: what the output's shape costs on
+    this disk whatever the program."""
+    import bisect
+    import mmap
+    import threading
+
+    sources = sorted(f for f in src.rglob("*") if f.is_file())
+    starts, total, fds = [], 0, []
+    for f in sources:
+        starts.append(total)
+        total += f.stat().st_size
+        fds.append(os.open(f, os.O_RDONLY))
+    if not total:
+        raise SystemExit(f"layout copy: {src} holds no bytes")
+
+    def read(view: memoryview, at: int) -> None:  # ``len(view)`` bytes of the concatenated source
+        done = 0
+        while done < len(view):
+            pos = (at + done) % total
+            k = bisect.bisect_right(starts, pos) - 1
+            end = starts[k + 1] if k + 1 < len(starts) else total
+            n = os.preadv(fds[k], [view[done: done + min(len(view) - done, end - pos)]], pos - starts[k])
+            if n <= 0:
+                raise SystemExit(f"layout copy: {sources[k]} shrank while read")
+            done += n
+
+    plan, at = [], 0
+    for f in sorted((f for f in layout.rglob("*") if f.is_file()), key=str):
+        size = f.stat().st_size
+        plan.append((dst / f.relative_to(layout), size, at))
+        at += size
+    folders = sorted({dst} | {dst / d.relative_to(layout) for d in layout.rglob("*") if d.is_dir()})
+    errors: list[BaseException] = []
+
+    def copy(share: list[tuple[Path, int, int]]) -> None:
+        buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
+        view = memoryview(buf)
+        try:
+            for target, size, start in share:
+                fout = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    fdirect = os.open(target, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+                except OSError:
+                    fdirect = os.dup(fout)
+                try:
+                    for offset in range(0, size, BLOCK):
+                        n = min(BLOCK, size - offset)
+                        read(view[:n], start + offset)
+                        aligned = n & ~4095
+                        if aligned:
+                            os.pwrite(fdirect, view[:aligned], offset)
+                        if n > aligned:
+                            os.pwrite(fout, view[aligned:n], offset + aligned)
+                    os.fsync(fout)
+                finally:
+                    os.close(fdirect)
+                    os.close(fout)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            errors.append(e)
+
+    for d in folders:
+        d.mkdir(parents=True, exist_ok=True)
+    workers = [threading.Thread(target=copy, args=(plan[i::threads],)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    for fd in fds:
+        os.close(fd)
+    if errors:
+        raise errors[0]
+    for d in folders:
+        fd = os.open(d, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
 def torch_copy(src: Path, dst: Path) -> None:
     """torch's own manual path: the whole checkpoint loaded into one state dict (``dcp.load`` with
     the planner ``dcp_to_torch_save`` uses), then ``dcp.save`` of it (one process, no group)."""
@@ -202,6 +289,7 @@ def make_steps(src: Path, work: Path, with_torch: bool, with_torchrun: bool) -> 
         Step(DIRECT2, [*me, "directcopy", str(src), str(work / "direct2"), "2"], src, work / "direct2", group="raw"),
         Step(TO, _ckptconv("to-universal", str(src), str(uni)), src, uni, keep=True, group="ckptconv"),
         Step(CP_STORE, ["cp", "-r", str(uni), str(work / "cp-store")], uni, work / "cp-store", group="raw"),
+        Step(LAYOUT, [*me, "layoutcopy", str(src), str(uni), str(work / "layout")], src, work / "layout", group="raw"),
         Step(FROM, _ckptconv("from-universal", str(uni), str(work / "dp3"), "--mesh", "dp3"), uni, work / "dp3",
              group="ckptconv"),
         Step(RESHARD, _ckptconv("from-universal", str(src), str(work / "dcp3"), "--mesh", "dp3"), src,
@@ -282,10 +370,22 @@ def summarize(step: Step, cp_s: float | None, user_s: float | None, cp: Step | N
     return row
 
 
-def _source(size: int, args: argparse.Namespace) -> tuple[dict, Path, Path]:
-    """(checkpoint info, source folder, work root): the cached checkpoint under ``bench/out``, or
-    with ``--workdir`` a copy of it there (made once), outputs there too."""
-    info = ensure_checkpoint(size)
+def input_label(what: int | Path) -> str:
+    """How an input is named in the table: its size (``1GB``), or the checkpoint folder's name."""
+    return what.name if isinstance(what, Path) else size_label(what)
+
+
+def given_checkpoint(path: Path) -> dict:
+    """The info of a checkpoint folder given with ``--sources`` (any DCP checkpoint)."""
+    if not (path / ".metadata").is_file():
+        raise SystemExit(f"--sources {path}: not a DCP checkpoint folder (no .metadata)")
+    return {"path": str(path), "bytes": _size(path), "given": True}
+
+
+def _source(what: int | Path, args: argparse.Namespace) -> tuple[dict, Path, Path]:
+    """(checkpoint info, source folder, work root): the cached checkpoint under ``bench/out`` (or
+    the folder given), or with ``--workdir`` a copy of it there (made once), outputs there too."""
+    info = given_checkpoint(what) if isinstance(what, Path) else ensure_checkpoint(what)
     src = Path(info["path"])
     if args.workdir is None:
         return info, src, OUT
@@ -294,7 +394,7 @@ def _source(size: int, args: argparse.Namespace) -> tuple[dict, Path, Path]:
     if root.resolve().is_relative_to("/dev/shm") and psutil.virtual_memory().available < need + (2 << 30):
         raise SystemExit(f"--workdir {root}: tmpfs needs ~{need / 1e9:.1f} GB of free memory, "
                          f"{psutil.virtual_memory().available / 1e9:.1f} GB available")
-    copy = root / f"ckpt-{size_label(size)}"
+    copy = root / f"ckpt-{input_label(what)}"
     if not copy.is_dir():
         root.mkdir(parents=True, exist_ok=True)
         shutil.copytree(src, copy.with_name(copy.name + ".part"), dirs_exist_ok=True)
@@ -302,10 +402,10 @@ def _source(size: int, args: argparse.Namespace) -> tuple[dict, Path, Path]:
     return info | {"path": str(copy)}, copy, root
 
 
-def bench_size(size: int, args: argparse.Namespace) -> dict:
+def bench_size(size: int | Path, args: argparse.Namespace) -> dict:
     info, src, root = _source(size, args)
-    print(f"# {size_label(size)}: {src} ({info['bytes'] / 1e9:.2f} GB)", file=sys.stderr, flush=True)
-    work = root / f"datapath-{size_label(size)}"
+    print(f"# {input_label(size)}: {src} ({info['bytes'] / 1e9:.2f} GB)", file=sys.stderr, flush=True)
+    work = root / f"datapath-{input_label(size)}"
     _remove(work)
     work.mkdir(parents=True)
     with_torch = args.torch and psutil.virtual_memory().available > 1.5 * info["bytes"]
@@ -318,7 +418,7 @@ def bench_size(size: int, args: argparse.Namespace) -> dict:
              if any(r.rc == 0 for r in s.runs)}
     by_name = {s.name: s for s in steps}
     rows = [summarize(s, walls.get(CP), walls.get(USER), by_name.get(CP), by_name.get(USER)) for s in steps]
-    return {"size": size_label(size), "checkpoint": info, "torch_manual_path": with_torch, "rows": rows}
+    return {"size": input_label(size), "checkpoint": info, "torch_manual_path": with_torch, "rows": rows}
 
 
 # ----------------------------------------------------------------------------- the profile
@@ -463,13 +563,13 @@ def strace_counts(cmd: list[str], reads: Path, tmp: Path, out: Path) -> dict | N
             "fsyncs_per_file_written": dict(sorted(per_file.items())), "fsyncs_of_output": sum(syncs.values())}
 
 
-def profile(size: int, args: argparse.Namespace) -> dict:
+def profile(size: int | Path, args: argparse.Namespace) -> dict:
     """One profiled cold run of each ckptconv step (perf, py-spy, strace each its own run)."""
     info, src, root = _source(size, args)
-    work = root / f"datapath-profile-{size_label(size)}"
+    work = root / f"datapath-profile-{input_label(size)}"
     _remove(work)
     work.mkdir(parents=True)
-    out: dict = {"size": size_label(size)}
+    out: dict = {"size": input_label(size)}
     try:
         with tempfile.TemporaryDirectory(dir=work) as tmp_dir:
             tmp = Path(tmp_dir)
@@ -590,10 +690,10 @@ def targets(results: list[dict]) -> list[dict]:
                     worst = max(r[key], paired if paired is not None else r[key])
                     out.append({"target": f"{res['size']} {name}: wall <= 1.3x {ref} (medians; paired by round)",
                                 "value": f"{r[key]:.2f}; {_fmt(paired, '.2f')}", "ok": worst <= 1.3})
-            own = _row(res, CP_STORE) if name == FROM else None
-            if own:  # the raw copy of this step's own input: the store's files, not the DCP's four
+            own = _row(res, {FROM: CP_STORE, TO: LAYOUT}.get(name, ""))
+            if own:  # the raw copy of this step's own input (the store's files) or output (into them)
                 x = r["wall_s"] / own["wall_s"]
-                out.append({"target": f"{res['size']} {name}: wall <= 1.3x {CP_STORE}", "value": round(x, 2),
+                out.append({"target": f"{res['size']} {name}: wall <= 1.3x {own['name']}", "value": round(x, 2),
                             "ok": x <= 1.3})
             out.append({"target": f"{res['size']} {name}: peak RSS < 256 MiB", "ok": r["tree_peak_rss"] < 256 * MIB,
                         "value": f"{r['tree_peak_rss'] / MIB:.0f} MiB"})
@@ -621,11 +721,15 @@ def main(argv: list[str] | None = None) -> None:
         return user_copy(Path(argv[1]), Path(argv[2]))
     if argv[:1] == ["directcopy"]:
         return direct_copy(Path(argv[1]), Path(argv[2]), int(argv[3]))
+    if argv[:1] == ["layoutcopy"]:
+        return layout_copy(Path(argv[1]), Path(argv[2]), Path(argv[3]))
     if argv[:1] == ["torchcopy"]:
         return torch_copy(Path(argv[1]), Path(argv[2]))
     assert "torch" not in sys.modules, "datapath.py must not import torch (it inflates children's max RSS)"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1GB,8GB", help="checkpoint sizes (default 1GB,8GB)")
+    p.add_argument("--sources", default=None,
+                   help="comma-separated DCP checkpoint folders to run on instead of the bench's own (--sizes)")
     p.add_argument("--repeats", type=int, default=3, help="rounds; medians are shown (default 3)")
     p.add_argument("--no-torch", dest="torch", action="store_false", help="skip torch's manual path")
     p.add_argument("--no-torchrun", dest="torchrun", action="store_false", help="skip the torchrun 2-process rows")
@@ -635,7 +739,8 @@ def main(argv: list[str] | None = None) -> None:
                         "a memory-speed disk; free memory is checked first)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>T<time>-datapath-<sizes>.json)")
     args = p.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes: list[int | Path] = ([Path(x).resolve() for x in args.sources.split(",")] if args.sources
+                               else [parse_size(s) for s in args.sizes.split(",")])
     # the program's bytecode compiled first, as a pip-installed wheel has it: where
     # PYTHONDONTWRITEBYTECODE is set (this workplace sets it) every step would compile its sources
     subprocess.run([PY, "-m", "compileall", "-q", "converter", "formats", "schemas"], cwd=str(BENCH.parent),
@@ -657,7 +762,7 @@ def main(argv: list[str] | None = None) -> None:
         doc["profile_table"] = profile_table(doc["profile"])
     RESULTS.mkdir(exist_ok=True)
     name = Path(args.out) if args.out else \
-        RESULTS / f"{t0.strftime('%Y-%m-%dT%H%M')}-datapath-{'_'.join(size_label(s) for s in sizes)}.json"
+        RESULTS / f"{t0.strftime('%Y-%m-%dT%H%M')}-datapath-{'_'.join(input_label(s) for s in sizes)}.json"
     name.write_text(json.dumps(doc, indent=1) + "\n")
     print(doc["table"])
     print("\nWhere each step's wall time went (s, CKPTCONV_TIMINGS, medians):\n\n" + doc["phase_table"])

@@ -433,3 +433,47 @@ def test_the_ab_bench_pairs_runs_and_runs_each_side_s_code(tmp_path):
     cmd, reads = ab.command(tmp_path / "old", "reshard", Path("src"), Path("uni"), Path("out"))
     assert reads == Path("src") and str(tmp_path / "old") in cmd[2] and cmd[3:5] == ["from-universal", "src"]
     assert ab.command(ROOT, "from-universal", Path("src"), Path("uni"), Path("out"))[1] == Path("uni")
+    assert cmd[cmd.index("--mesh") + 1] == "dp3"
+    cmd, _ = ab.command(ROOT, "from-universal", Path("src"), Path("uni"), Path("out"), "tp2,dp32")
+    assert cmd[cmd.index("--mesh") + 1] == "tp2,dp32"
+
+
+def test_the_bench_runs_on_any_dcp_checkpoint_given(tmp_path):
+    """bench/datapath.py --sources: a DCP checkpoint folder is an input like a size (named by its
+    folder, its bytes counted); a folder without .metadata is refused in one line."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import datapath
+
+    (tmp_path / "run7").mkdir()
+    with pytest.raises(SystemExit, match="no .metadata"):
+        datapath.given_checkpoint(tmp_path / "run7")
+    (tmp_path / "run7" / ".metadata").write_bytes(b"x" * 10)
+    (tmp_path / "run7" / "__0_0.distcp").write_bytes(b"y" * 90)
+    info = datapath.given_checkpoint(tmp_path / "run7")
+    assert info["bytes"] == 100 and info["path"] == str(tmp_path / "run7")
+    assert datapath.input_label(tmp_path / "run7") == "run7" and datapath.input_label(1 << 30) == datapath.size_label(1 << 30)
+
+
+def test_the_layout_copy_writes_the_source_bytes_into_the_trees_files(tmp_path):
+    """bench/datapath.py layoutcopy: the output tree has the layout's folders, file names and
+    sizes; its files hold the source's bytes one after another (from the start again past their
+    end), across the source's files."""
+    src, layout = tmp_path / "src", tmp_path / "layout"
+    src.mkdir()
+    (src / "a").write_bytes(bytes(range(256)) * 40)  # 10240 bytes
+    (src / "b").write_bytes(b"\x07" * 5000)
+    sizes = {"x/zarr.json": 300, "x/c/0/0": 9000, "y/c": 4096 * 3 + 5, "z/0": 1}
+    for rel, size in sizes.items():
+        (layout / rel).parent.mkdir(parents=True, exist_ok=True)
+        (layout / rel).write_bytes(b"\x00" * size)
+    (layout / "empty_dir").mkdir()
+    subprocess.run([sys.executable, str(ROOT / "bench" / "datapath.py"), "layoutcopy", str(src), str(layout),
+                    str(tmp_path / "out")], check=True)
+    stream = (src / "a").read_bytes() + (src / "b").read_bytes()
+    stream = stream * 3
+    at = 0
+    for rel in sorted(sizes, key=lambda r: str(tmp_path / "out" / r)):
+        got = (tmp_path / "out" / rel).read_bytes()
+        assert got == stream[at: at + sizes[rel]], rel
+        at += sizes[rel]
+    assert (tmp_path / "out" / "empty_dir").is_dir()
