@@ -7,10 +7,11 @@ with the installed torch).
 
 :class:`Global` is an object that pickles as a reference to ``module.name`` (what a torch dtype or
 class pickles as) and :class:`StandInPickler` is the pure-Python pickler that writes such references
-without importing their modules. The C pickler cannot be used: its ``save_global`` imports the module
-to check the name. The pure-Python one memoizes exactly like the C one, so the bytes are the same as
-torch's as long as the stand-ins have the same identities as torch's objects (one object per dtype;
-one module-name string per family of globals, see :func:`module_name`).
+without importing their modules. The C pickler cannot write them as they are: its ``save_global``
+imports the module to check the name (``metadata_pickle`` gives its stand-ins private modules for
+it, and renames them in the bytes). The pure-Python one memoizes exactly like the C one, so the
+bytes are the same as torch's as long as the stand-ins have the same identities as torch's objects
+(one object per dtype; one module-name string per family of globals, see :func:`module_name`).
 """
 
 from __future__ import annotations
