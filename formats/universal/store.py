@@ -403,8 +403,12 @@ def _one_owner(owners: dict[Path, str], path: Path, key: str, what: str, name: s
             "key has its own); the metadata is damaged: reconvert the store")
 
 
-#: Chunk files a reader keeps open between reads (idle ones; those in use are never closed).
-READ_FDS = 128
+#: Chunk files a reader keeps open between reads (idle ones; those in use are never closed), and
+#: at most 1/``READ_FDS_PER_LIMIT`` of the soft open-file limit: a reader inside a training job
+#: (``UniversalStorageReader`` under ``dcp.load``) leaves the job its descriptors. The workers take
+#: a tensor's tasks one after another, so a few dozen catch every reuse.
+READ_FDS = 32
+READ_FDS_PER_LIMIT = 16
 
 #: Threads that look up a local store's chunk files at open (:meth:`UniversalReader._warm_inodes`).
 STAT_WORKERS = 8
@@ -412,6 +416,19 @@ STAT_WORKERS = 8
 #: Rows of partial-row reads (TP column shards of row-block chunks) are read in batches of at
 #: most this many bytes, through one pooled buffer per thread.
 ROWS_BATCH_BYTES = 4 << 20
+
+
+def _read_fds() -> int:
+    """How many idle chunk files a reader keeps open: ``READ_FDS``, within the open-file limit."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        return READ_FDS
+    if soft == resource.RLIM_INFINITY:
+        return READ_FDS
+    return max(1, min(READ_FDS, soft // READ_FDS_PER_LIMIT))
 
 
 class UniversalReader:
@@ -425,7 +442,7 @@ class UniversalReader:
         self.root = self._storage.root
         self._checks = ChunkChecks() if verify else None
         self._paths: dict[str, Path] = {}  # chunk file -> its checked local path
-        self._fds = CachedFds(READ_FDS)  # the chunk files read, kept open for the next reads
+        self._fds = CachedFds(_read_fds())  # the chunk files read, kept open for the next reads
         self.meta = read_metadata(self._storage)
         self._layout = backend_module(self.meta.backend)
         self._located: dict[str, tuple[int, tuple[int, ...]]] = {}  # chunk file -> (data offset, stored shape)

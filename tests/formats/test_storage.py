@@ -63,3 +63,19 @@ def test_cached_fds_from_many_threads_read_the_right_files(tmp_path):
     assert len(cache) <= 4 and all(e[1] == 0 for e in cache._fds.values())
     cache.close()
     assert _open_fds() == before
+
+
+def test_a_store_reader_keeps_few_files_open_under_a_low_open_file_limit():
+    """The chunk files a store reader keeps open stay a small part of the soft open-file limit
+    (a reader inside a training job leaves the job its descriptors)."""
+    import subprocess
+    import sys
+
+    from formats.universal import store
+
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "from formats.universal.store import _read_fds; print(_read_fds())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert int(out.stdout) == 64 // store.READ_FDS_PER_LIMIT
+    assert 1 <= store._read_fds() <= store.READ_FDS
