@@ -420,7 +420,7 @@ class CachedFds:
     --mesh tp2,dp32 conversion reads 1/64 of a chunk file: an open and a close per read was a
     third of the reader's time. Thread-safe."""
 
-    def __init__(self, capacity: int = 128) -> None:
+    def __init__(self, capacity: int = 32) -> None:
         import collections
         import threading
 
