@@ -335,7 +335,6 @@ class TensorArchiveWriter:
         self._base = file_offset
         self._dtype = by_name(dtype_name)
         self._shape = tuple(int(s) for s in shape)
-        self._pkl = data_pkl(self._dtype.name, self._shape) if pkl is None else pkl
         self._layout = archive_layout(self._dtype.name, self._shape, None if pkl is None else len(pkl))
         self._template = _archive_template(self._dtype.name, self._shape, pkl)
         self._written = 0
