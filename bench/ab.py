@@ -28,8 +28,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from datapath import phases  # noqa: E402
-from make_checkpoint import OUT, parse_size, size_label  # noqa: E402
+from datapath import given_checkpoint, input_label, phases  # noqa: E402
+from make_checkpoint import OUT, parse_size  # noqa: E402
 from run import PY, RESULTS, _remove, ensure_checkpoint, measure  # noqa: E402
 
 STEPS = ("to-universal", "from-universal", "reshard")
@@ -90,13 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     size = parse_size(args.size)
-    if args.source:
-        src = Path(args.source).resolve()
-        if not (src / ".metadata").is_file():
-            raise SystemExit(f"--source {src}: not a DCP checkpoint folder (no .metadata)")
-        label = src.name
-    else:
-        src, label = Path(ensure_checkpoint(size)["path"]), size_label(size)
+    what = Path(args.source).resolve() if args.source else size
+    src = Path((given_checkpoint(what, "--source") if args.source else ensure_checkpoint(size))["path"])
+    label = input_label(what)
     work = OUT / f"ab-{label}"
     _remove(work)
     work.mkdir(parents=True)

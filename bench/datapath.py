@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime as dt
 import json
 import os
@@ -51,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -137,35 +139,48 @@ def direct_copy(src: Path, dst: Path, procs: int = 1) -> None:
             raise SystemExit(f"direct copy: a process failed ({status})")
 
 
+@contextlib.contextmanager
+def _direct_target(target: Path) -> Iterator[Callable[[memoryview, int], None]]:
+    """A new file written as ckptconv writes: ``write(view, offset)`` sends the aligned part of
+    ``view`` (a page-aligned buffer) with ``O_DIRECT`` and its unaligned tail through the page
+    cache; the file is fsynced on leaving the block."""
+    fout = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            fdirect = os.open(target, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:  # a file system without O_DIRECT: everything through the page cache
+            fdirect = os.dup(fout)
+        try:
+            def write(view: memoryview, offset: int) -> None:
+                aligned = len(view) & ~4095
+                if aligned:
+                    os.pwrite(fdirect, view[:aligned], offset)
+                if len(view) > aligned:
+                    os.pwrite(fout, view[aligned:], offset + aligned)
+
+            yield write
+            os.fsync(fout)
+        finally:
+            os.close(fdirect)
+    finally:
+        os.close(fout)
+
+
 def _direct_copy_files(files: list[Path], src: Path, dst: Path) -> None:
     import mmap
 
     buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
     view = memoryview(buf)
     for f in files:
-        target = dst / f.relative_to(src)
         fin = os.open(f, os.O_RDONLY)
-        fout = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            try:
-                fdirect = os.open(target, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-            except OSError:  # a file system without O_DIRECT: everything through the page cache
-                fdirect = os.dup(fout)
-            try:
+            with _direct_target(dst / f.relative_to(src)) as write:
                 offset = 0
                 while n := os.readv(fin, [view]):
-                    aligned = n & ~4095
-                    if aligned:
-                        os.pwrite(fdirect, view[:aligned], offset)
-                    if n > aligned:
-                        os.pwrite(fout, view[aligned:n], offset + aligned)
+                    write(view[:n], offset)
                     offset += n
-                os.fsync(fout)
-            finally:
-                os.close(fdirect)
         finally:
             os.close(fin)
-            os.close(fout)
     for d in {(dst / f.relative_to(src)).parent for f in files}:
         fd = os.open(d, os.O_RDONLY)
         os.fsync(fd)
@@ -217,24 +232,11 @@ def layout_copy(src: Path, layout: Path, dst: Path, threads: int = 2) -> None:
         view = memoryview(buf)
         try:
             for target, size, start in share:
-                fout = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    fdirect = os.open(target, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-                except OSError:
-                    fdirect = os.dup(fout)
-                try:
+                with _direct_target(target) as write:
                     for offset in range(0, size, BLOCK):
                         n = min(BLOCK, size - offset)
                         read(view[:n], start + offset)
-                        aligned = n & ~4095
-                        if aligned:
-                            os.pwrite(fdirect, view[:aligned], offset)
-                        if n > aligned:
-                            os.pwrite(fout, view[aligned:n], offset + aligned)
-                    os.fsync(fout)
-                finally:
-                    os.close(fdirect)
-                    os.close(fout)
+                        write(view[:n], offset)
         except BaseException as e:  # noqa: BLE001 - reported by the caller
             errors.append(e)
 
@@ -375,10 +377,10 @@ def input_label(what: int | Path) -> str:
     return what.name if isinstance(what, Path) else size_label(what)
 
 
-def given_checkpoint(path: Path) -> dict:
-    """The info of a checkpoint folder given with ``--sources`` (any DCP checkpoint)."""
+def given_checkpoint(path: Path, option: str = "--sources") -> dict:
+    """The info of a checkpoint folder given with ``option`` (any DCP checkpoint)."""
     if not (path / ".metadata").is_file():
-        raise SystemExit(f"--sources {path}: not a DCP checkpoint folder (no .metadata)")
+        raise SystemExit(f"{option} {path}: not a DCP checkpoint folder (no .metadata)")
     return {"path": str(path), "bytes": _size(path), "given": True}
 
 
