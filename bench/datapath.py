@@ -60,6 +60,7 @@ import psutil
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+sys.path.insert(1, str(BENCH.parent))  # formats.durability, for layoutcopy (the repo's, not an installed one)
 from make_checkpoint import OUT, parse_size, size_label  # noqa: E402
 from run import (RESULTS, Step, _fmt, _remove, _size, can_drop_caches, ensure_checkpoint,  # noqa: E402
                  machine, measure)
@@ -140,10 +141,10 @@ def direct_copy(src: Path, dst: Path, procs: int = 1) -> None:
 
 
 @contextlib.contextmanager
-def _direct_target(target: Path) -> Iterator[Callable[[memoryview, int], None]]:
+def _direct_target(target: Path, sync: bool = True) -> Iterator[Callable[[memoryview, int], None]]:
     """A new file written as ckptconv writes: ``write(view, offset)`` sends the aligned part of
     ``view`` (a page-aligned buffer) with ``O_DIRECT`` and its unaligned tail through the page
-    cache; the file is fsynced on leaving the block."""
+    cache; the file is fsynced on leaving the block (``sync``; else the caller makes it durable)."""
     fout = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         try:
@@ -159,7 +160,8 @@ def _direct_target(target: Path) -> Iterator[Callable[[memoryview, int], None]]:
                     os.pwrite(fout, view[aligned:], offset + aligned)
 
             yield write
-            os.fsync(fout)
+            if sync:
+                os.fsync(fout)
         finally:
             os.close(fdirect)
     finally:
@@ -193,8 +195,10 @@ def layout_copy(src: Path, layout: Path, dst: Path, threads: int = 2) -> None:
     the same relative paths and sizes as under ``layout`` (the output of the step, e.g. the store
     to-universal wrote: ~10^3 small files and their folders), ``threads`` threads, each file read
     with ``preadv`` and written as ckptconv and ``directcopy`` write (aligned part ``O_DIRECT``),
-    ``fsync`` per file, then per folder. No checks, no metadata: what the output's shape costs on
-    this disk whatever the program."""
+    then every file and folder made durable as ckptconv's store commit does it
+    (``formats.durability.make_durable``: one ``syncfs`` where that suits, else an fsync of each).
+    No checks, no metadata: what the output's shape costs on this disk whatever the program."""
+    from formats.durability import make_durable
     import bisect
     import mmap
     import threading
@@ -232,7 +236,7 @@ def layout_copy(src: Path, layout: Path, dst: Path, threads: int = 2) -> None:
         view = memoryview(buf)
         try:
             for target, size, start in share:
-                with _direct_target(target) as write:
+                with _direct_target(target, sync=False) as write:
                     for offset in range(0, size, BLOCK):
                         n = min(BLOCK, size - offset)
                         read(view[:n], start + offset)
@@ -251,10 +255,7 @@ def layout_copy(src: Path, layout: Path, dst: Path, threads: int = 2) -> None:
         os.close(fd)
     if errors:
         raise errors[0]
-    for d in folders:
-        fd = os.open(d, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+    make_durable(dst, [*(target for target, _, _ in plan), *folders])
 
 
 def torch_copy(src: Path, dst: Path) -> None:

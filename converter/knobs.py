@@ -19,6 +19,11 @@ MEMORY_BUDGET = 512 * MIB
 #: destination's file system takes it): no page-cache copy and no writeback left for the commit's
 #: fsyncs. Env ``CKPTCONV_DIRECT_WRITES=0`` sends every byte through the page cache.
 DIRECT_WRITES = (os.environ.get("CKPTCONV_DIRECT_WRITES", "1") or "1") not in ("0", "false", "no", "off")
+#: Make the many files of a universal store durable with one ``syncfs`` of their filesystem where
+#: that is as safe as an fsync of each (Linux >= 5.8, ext4 / XFS / btrfs / f2fs, little other
+#: dirty data: ``formats.durability``); else each file and folder is fsynced. Env
+#: ``CKPTCONV_SYNCFS=0`` fsyncs each always.
+SYNCFS = (os.environ.get("CKPTCONV_SYNCFS", "1") or "1") not in ("0", "false", "no", "off")
 #: How far the source is read ahead of the copy (bytes of task data; 0: off): the kernel reads the
 #: source chunks of the next tasks into the page cache while the workers check and write
 #: (``converter.run.prefetch``). Env ``CKPTCONV_PREFETCH_MIB``.

@@ -218,7 +218,7 @@ def universal_output(out: Path, tensors: Mapping[str, TensorEntry], refs: Mappin
     ``ckptconv.json`` (recording ``source`` and ``atoms``) last. A URL destination's spool
     uploads each file as it becomes final."""
     writer = UniversalWriter(out, store.chunk_bytes, on_file_final=spool_hook(out), backend=store.backend,
-                             direct_io=knobs.DIRECT_WRITES)
+                             direct_io=knobs.DIRECT_WRITES, fs_sync=knobs.SYNCFS)
     for key, entry in tensors.items():
         h = hints.get(key) if hints is not None else None
         placed = {} if h is None else {"source_split": h.split, "source_replicated": h.replicated,

@@ -39,7 +39,8 @@ from formats.errors import (
     InternalError,
     InvalidCheckpointError,
 )
-from formats.fsutil import (DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, fsync_paths, loads_json, prefetch_file,
+from formats.durability import make_durable
+from formats.fsutil import (DIRECT_MIN_BYTES, DirectWrites, atomic_write_bytes, loads_json, prefetch_file,
                             pooled_buffer, read_error, run_parallel, short, source_path, start_writeback)
 from formats.integrity import ChunkChecks, StreamedHash, block_fill
 from formats.manifest import Manifest
@@ -91,9 +92,11 @@ class UniversalWriter:
 
     def __init__(self, root: str | os.PathLike, chunk_bytes: int,
                  on_file_final: Callable[[str], None] | None = None, backend: str = DEFAULT_BACKEND,
-                 direct_io: bool = True) -> None:
+                 direct_io: bool = True, fs_sync: bool = True) -> None:
         """``direct_io``: write the large aligned part of each chunk file straight to the device
-        (``O_DIRECT`` where the file system takes it), the rest through the page cache."""
+        (``O_DIRECT`` where the file system takes it), the rest through the page cache.
+        ``fs_sync``: make many files durable with one ``syncfs`` where that is as safe as an
+        fsync of each (:mod:`formats.durability`)."""
         self.root = Path(root)
         self.chunk_bytes = chunk_bytes
         self.backend = backend
@@ -110,6 +113,7 @@ class UniversalWriter:
         self._made_dirs: set[Path] = set()
         self._meta_files: set[str] = set()  # written by the backend's prepare
         self._direct_io = direct_io and on_file_final is None  # spooled files are read back at once
+        self._fs_sync = fs_sync
         self._prepared = False
 
     def add_tensor(self, entry: TensorEntry, atom: str, role: str, *, source_split: dict[str, int] | None = None,
@@ -224,12 +228,12 @@ class UniversalWriter:
             record.checksums[chunk_id(index)] = checksum
 
     def sync(self) -> None:
-        """fsync every chunk file written since the last sync."""
+        """Make every chunk file written since the last sync durable (:func:`make_durable`)."""
         with self._lock:
             paths, self._unsynced = self._unsynced, []
         if self._on_final is not None:  # spool mode: the files leave this disk, no local durability
             return
-        fsync_paths(paths)
+        make_durable(self.root, paths, self._fs_sync)
         with self._lock:
             self._synced_dirs.update(str(p.parent) for p in paths)
 
@@ -265,7 +269,9 @@ class UniversalWriter:
         return m
 
     def commit(self, source: SourceInfo, tool_version: str, atoms: dict[str, dict[str, str]], created: str) -> None:
-        """fsync every written file, then publish ``ckptconv.json`` atomically (the marker)."""
+        """Make every written file and folder durable (:func:`make_durable`: the chunk files not
+        yet synced, the metadata files, every folder), then publish ``ckptconv.json`` atomically
+        (the marker)."""
         missing = [
             k for k, r in self._tensors.items()
             if len(r.checksums) != sum(1 for _ in chunk_grid(r.shape, r.chunk_shape))
@@ -276,9 +282,11 @@ class UniversalWriter:
             ordered = {chunk_id(idx): r.checksums[chunk_id(idx)] for idx, _ in chunk_grid(r.shape, r.chunk_shape)}
             r.checksums.clear()
             r.checksums.update(ordered)
-        self.sync()  # chunk files not yet synced (the journal synced the others)
+        with self._lock:  # chunk files not yet synced (the journal synced the others)
+            unsynced, self._unsynced = self._unsynced, []
         if self._on_final is None:  # spool mode: nothing local needs to be durable
-            _fsync_tree(self.root, skip_files=self._synced_dirs, always=self._meta_files)
+            tree = _tree_paths(self.root, skip_files=self._synced_dirs, always=self._meta_files)
+            make_durable(self.root, [*unsynced, *tree], self._fs_sync)
         meta = UniversalMetadata(
             tool_version=tool_version, source=source, tensors=self._tensors,
             objects=self._objects, atoms=atoms, created=created, backend=self.backend,
@@ -286,16 +294,16 @@ class UniversalWriter:
         atomic_write_bytes(self.root / METADATA_FILE, meta.dumps())
 
 
-def _fsync_tree(root: Path, skip_files: set[str] = frozenset(), always: set[str] = frozenset()) -> None:
-    """fsync every file and directory under ``root``, several at once; files directly in a
-    ``skip_files`` directory (chunk files already synced) are not synced, except those in
-    ``always`` (metadata written beside them); directories always are, for their entries."""
+def _tree_paths(root: Path, skip_files: set[str] = frozenset(), always: set[str] = frozenset()) -> list[str]:
+    """Every file and directory under ``root`` that the commit makes durable: files directly in a
+    ``skip_files`` directory (chunk files already synced) are left out, except those in
+    ``always`` (metadata written beside them); directories always count, for their entries."""
     paths: list[str] = []
     for dirpath, _, files in os.walk(root):
         skip = dirpath in skip_files
         paths += [p for p in (os.path.join(dirpath, name) for name in files) if not skip or p in always]
         paths.append(dirpath)
-    fsync_paths(paths)
+    return paths
 
 
 def is_universal_store(path: str | os.PathLike | Storage) -> bool:

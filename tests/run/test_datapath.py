@@ -7,7 +7,10 @@ speed and memory against a user-space copy of the same bytes.
 - Durability: with no journal batch in between, every output file is fsynced exactly once, the
   marker once, after every data file, and each directory at most twice (the destination's three
   times: its output record at the start, before and after the marker's rename); with a journal batch after every task, a store chunk file is still synced
-  once (it is written once) and a DCP rank file once per batch that wrote to it.
+  once (it is written once) and a DCP rank file once per batch that wrote to it. Where one
+  ``syncfs`` stands for the fsyncs of many paths (``formats.durability``), a data file is fsynced
+  at most once and a ``syncfs`` comes after the last write into the output and before the marker
+  (in-process and at the OS level, where a planted missing ``syncfs`` is caught).
 - Generous bounds (slow): each step, cold, within 3x a user-space copy of the same bytes (16 MiB
   writes, fsync per file) once the process start-up is taken off, at under 256 MiB peak RSS with
   the default budget.
@@ -28,7 +31,7 @@ import pytest
 
 from converter import api, knobs
 from converter.config import RunOptions
-from formats import fsutil
+from formats import durability, fsutil
 
 MIB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,13 +103,24 @@ def test_direct_and_buffered_writes_give_the_same_files(ckpt, tmp_path, monkeypa
 
 
 class _Syncs:
-    """Every fsync / fdatasync of this process, by the path of the descriptor, in order."""
+    """Every fsync / fdatasync of this process, by the path of the descriptor, in order, and each
+    ``syncfs`` (as ``syncfs:<path>``)."""
 
     def __init__(self, monkeypatch) -> None:
         self.calls: list[str] = []
         for name in ("fsync", "fdatasync"):
             real = getattr(os, name)
             monkeypatch.setattr(os, name, self._spy(real))
+        real_syncfs = durability.syncfs
+
+        def syncfs(path):
+            self.calls.append(f"syncfs:{path}")
+            return real_syncfs(path)
+
+        monkeypatch.setattr(durability, "syncfs", syncfs)
+
+    def syncfs_calls(self) -> list[int]:
+        return [i for i, c in enumerate(self.calls) if c.startswith("syncfs:")]
 
     def _spy(self, real):
         def sync(fd):
@@ -127,12 +141,21 @@ def _data_files(root: Path) -> list[Path]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name descriptors")
+def _syncfs_wherever_it_would_suit(monkeypatch, on: bool) -> None:
+    """``on``: one syncfs stands for the fsyncs of many paths on any filesystem the tests run on
+    (its rules but the filesystem's type and the machine's dirty bytes); off: every path fsynced."""
+    monkeypatch.setattr(knobs, "SYNCFS", on)
+    monkeypatch.setattr(durability, "syncfs_suits", lambda path, n: n >= durability.SYNCFS_MIN_PATHS)
+
+
+@pytest.mark.parametrize("syncfs", [False, True], ids=["fsync-each", "syncfs"])
 @pytest.mark.parametrize("step", ["to-universal", "from-universal", "dcp-reshard"])
-def test_each_file_is_made_durable_once_then_the_marker(ckpt, tmp_path, monkeypatch, step):
+def test_each_file_is_made_durable_once_then_the_marker(ckpt, tmp_path, monkeypatch, step, syncfs):
     opts = RunOptions(piece_bytes=1 * MIB)
     uni = tmp_path / "uni"
     if step == "from-universal":
         api.to_universal(ckpt, uni, opts, chunk_bytes=2 * MIB)
+    _syncfs_wherever_it_would_suit(monkeypatch, syncfs)
     syncs = _Syncs(monkeypatch)  # the default journal batches: a DCP rank file is still synced once
     out = tmp_path / "out"
     if step == "to-universal":
@@ -144,10 +167,16 @@ def test_each_file_is_made_durable_once_then_the_marker(ckpt, tmp_path, monkeypa
     files = _data_files(out)
     assert files
     counts = {f: syncs.count(f) for f in files}
-    assert set(counts.values()) == {1}, {str(f.relative_to(out)): n for f, n in counts.items() if n != 1}
     marker_tmp = [i for i, c in enumerate(syncs.calls) if Path(c).name.startswith(f".{marker.name}.tmp")]
     assert len(marker_tmp) == 1
-    last_data = max(i for i, c in enumerate(syncs.calls) if Path(c) in counts)
+    if syncfs and step == "to-universal":  # the store's many paths: one syncfs at the commit
+        assert set(counts.values()) <= {0, 1}, {str(f.relative_to(out)): n for f, n in counts.items() if n > 1}
+        assert syncs.syncfs_calls() and syncs.calls[syncs.syncfs_calls()[-1]] == f"syncfs:{out}"
+        last_data = syncs.syncfs_calls()[-1]
+    else:  # a few rank files (or syncfs off): fsynced one by one
+        assert not syncs.syncfs_calls()
+        assert set(counts.values()) == {1}, {str(f.relative_to(out)): n for f, n in counts.items() if n != 1}
+        last_data = max(i for i, c in enumerate(syncs.calls) if Path(c) in counts)
     assert last_data < marker_tmp[0]  # every data file is durable before the marker is written
     dirs = {c for c in syncs.calls if Path(c).is_dir()}
     counts = {d: syncs.calls.count(d) for d in dirs}
@@ -160,6 +189,7 @@ def test_each_file_is_made_durable_once_then_the_marker(ckpt, tmp_path, monkeypa
 def test_journal_batches_sync_only_what_they_wrote(ckpt, tmp_path, monkeypatch):
     opts = RunOptions(piece_bytes=1 * MIB, workers=1)
     monkeypatch.setattr(knobs, "JOURNAL_FLUSH_SECONDS", 0.0)  # a batch as often as the loop looks
+    monkeypatch.setattr(knobs, "SYNCFS", False)  # what each batch syncs, path by path
     syncs = _Syncs(monkeypatch)
     api.to_universal(ckpt, tmp_path / "uni", opts, chunk_bytes=2 * MIB)
     counts = {f: syncs.count(f) for f in _data_files(tmp_path / "uni")}
@@ -177,7 +207,7 @@ def test_journal_batches_sync_only_what_they_wrote(ckpt, tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- at the OS-call level
 
-_CALL = re.compile(r"^(\w+)\((\d+)<([^>]*)>.*\)\s+=\s+(-?\d+)")
+_CALL = re.compile(r"^(\d+\.\d+)\s+(\w+)\((\d+)<([^>]*)>.*\)\s+=\s+(-?\d+)")
 _TEMP = re.compile(r"^\.(.+?)\.tmp(-\d+)?$")  # a temp file renamed into place: .<name>.tmp[-pid]
 
 #: Runs the CLI with every data file's sync done twice (the planted fault the count must catch).
@@ -195,35 +225,59 @@ sys.argv = ["ckptconv", *sys.argv[1:]]
 runpy.run_module("converter", run_name="__main__")
 """
 
+#: Runs the CLI with one syncfs standing for the fsyncs of many paths on any filesystem (as
+#: ``_syncfs_wherever_it_would_suit``); ``FORGET=1``: the planted fault, syncfs reported done but
+#: never called.
+_SYNCFS = """import os, runpy, sys
+from formats import durability
+durability.syncfs_suits = lambda path, n: n >= durability.SYNCFS_MIN_PATHS
+if os.environ.get("FORGET") == "1":
+    durability.syncfs = lambda path: True
+sys.argv = ["ckptconv", *sys.argv[1:]]
+runpy.run_module("converter", run_name="__main__")
+"""
 
-def _os_calls(args: list[str], out: Path, tmp: Path, planted: bool = False) -> tuple[dict[str, int], list[int]]:
-    """Run ``ckptconv ARGS`` under ``strace -ff -y`` (every thread): (fsync + fdatasync calls
-    by the path they made durable, relative to ``out``: a temp file counts as the file it is
-    renamed to, a directory ends with ``/``; the byte counts of the writes into ``out``)."""
+
+def _os_events(args: list[str], out: Path, tmp: Path, code: str | None = None,
+               env: dict[str, str] | None = None) -> list[tuple[float, str, str, int]]:
+    """Run ``ckptconv ARGS`` (or ``python -c CODE ARGS``) under ``strace -ff -ttt -y`` (every
+    thread): its fsync, fdatasync, syncfs and write calls on paths under ``out``, in time order, as
+    (time, call, path relative to ``out``, result): a temp file counts as the file it is renamed
+    to, a directory ends with ``/`` (``out`` itself is ``/``)."""
     prefix = tmp / "strace"
-    run = [sys.executable, "-c", _TWICE] if planted else [sys.executable, "-m", "converter"]
-    calls = "fsync,fdatasync,write,pwrite64,pwritev,writev"
-    proc = subprocess.run(["strace", "-ff", "-y", "-qq", "-e", f"trace={calls}", "-o", str(prefix), *run, *args,
-                           "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = [sys.executable, "-c", code] if code else [sys.executable, "-m", "converter"]
+    calls = "fsync,fdatasync,syncfs,write,pwrite64,pwritev,writev"
+    proc = subprocess.run(["strace", "-ff", "-ttt", "-y", "-qq", "-e", f"trace={calls}", "-o", str(prefix), *run,
+                           *args, "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    syncs: dict[str, int] = {}
-    writes: list[int] = []
+    events = []
     for log in tmp.glob("strace.*"):
         for line in log.read_text(errors="replace").splitlines():
             m = _CALL.match(line)
-            if not m or not (m.group(3) + "/").startswith(f"{out}/"):
+            if not m or not (m.group(4) + "/").startswith(f"{out}/"):
                 continue
-            name, path, ret = m.group(1), m.group(3), int(m.group(4))
+            when, name, path, ret = float(m.group(1)), m.group(2), m.group(4), int(m.group(5))
             rel = os.path.relpath(path, out)
             head, _, base = rel.rpartition("/")
             temp = _TEMP.match(base)
             rel = (f"{head}/" if head else "") + (temp.group(1) if temp else base)
-            if name in ("fsync", "fdatasync"):
-                key = "/" if rel == "." else rel + ("/" if Path(path).is_dir() else "")
-                syncs[key] = syncs.get(key, 0) + 1
-            elif ret > 0:
-                writes.append(ret)
+            rel = "/" if rel == "." else rel + ("/" if Path(path).is_dir() else "")
+            events.append((when, name, rel, ret))
         log.unlink()
+    return sorted(events)
+
+
+def _os_calls(args: list[str], out: Path, tmp: Path, planted: bool = False) -> tuple[dict[str, int], list[int]]:
+    """:func:`_os_events` with every path fsynced one by one (``CKPTCONV_SYNCFS=0``): (fsync +
+    fdatasync calls by the path they made durable; the byte counts of the writes into ``out``)."""
+    syncs: dict[str, int] = {}
+    writes: list[int] = []
+    for _, name, rel, ret in _os_events(args, out, tmp, _TWICE if planted else None, {"CKPTCONV_SYNCFS": "0"}):
+        if name in ("fsync", "fdatasync"):
+            syncs[rel] = syncs.get(rel, 0) + 1
+        elif name != "syncfs" and ret > 0:
+            writes.append(ret)
     return syncs, writes
 
 
@@ -270,6 +324,39 @@ def test_every_file_of_each_step_is_made_durable_once_at_the_os_level(tmp_path):
                          tmp_path / "planted", tmp_path, planted=True)
     with pytest.raises(AssertionError):
         _check_commits(syncs, tmp_path / "planted", ".metadata", ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"])
+
+
+def _syncfs_covers_the_store(events: list[tuple[float, str, str, int]]) -> None:
+    """The store's data files fsynced at most once each; a syncfs of the output after the last
+    write into any of its data files, and before the marker's temp file is made durable."""
+    bookkeeping = ("ckptconv.json", ".written-by-ckptconv.json", ".ckptconv-journal.jsonl", ".ckptconv-lock")
+    data_writes = [t for t, name, rel, ret in events
+                   if name not in ("fsync", "fdatasync", "syncfs") and ret > 0 and rel not in bookkeeping]
+    fsyncs: dict[str, int] = {}
+    for _, name, rel, _ in events:
+        if name in ("fsync", "fdatasync") and rel not in bookkeeping and not rel.endswith("/"):
+            fsyncs[rel] = fsyncs.get(rel, 0) + 1
+    assert all(n == 1 for n in fsyncs.values()), {p: n for p, n in fsyncs.items() if n != 1}
+    marker = [t for t, name, rel, _ in events if name in ("fsync", "fdatasync") and rel == "ckptconv.json"]
+    covering = [t for t, name, rel, ret in events if name == "syncfs" and rel == "/" and ret == 0]
+    assert data_writes and len(marker) == 1
+    assert any(max(data_writes) < t < marker[0] for t in covering), (max(data_writes), covering, marker)
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_one_syncfs_makes_the_store_durable_before_its_marker_at_the_os_level(tmp_path):
+    """strace -ttt of to-universal where one syncfs stands for the fsyncs of the store's many
+    paths: it comes after the last write into the store and before the marker; no data file is
+    fsynced twice. A planted syncfs that is never called is caught."""
+    src = make_checkpoint(tmp_path / "ckpt", 8, 6)
+    args = ["to-universal", str(src), str(tmp_path / "uni"), "--chunk-size", "2MiB"]
+    events = _os_events(args, tmp_path / "uni", tmp_path, _SYNCFS)
+    assert sum(1 for e in events if e[1] in ("fsync", "fdatasync")) < 40  # not one per path (~100 here)
+    _syncfs_covers_the_store(events)
+    args[2] = str(tmp_path / "planted")
+    planted = _os_events(args, tmp_path / "planted", tmp_path, _SYNCFS, {"FORGET": "1"})
+    with pytest.raises(AssertionError):
+        _syncfs_covers_the_store(planted)
 
 
 # ---------------------------------------------------------------------------------------------- bounds
