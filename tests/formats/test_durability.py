@@ -186,3 +186,44 @@ def test_store_commit_by_one_syncfs_or_an_fsync_of_every_path(tmp_path, monkeypa
     group = zarr.open_group(root, mode="r", zarr_format=3)["tensors"]  # stock zarr reads it back
     for key, t in tensors.items():
         assert np.array_equal(np.asarray(group[array_name(key)][...]), t.numpy())
+
+
+_FAILING_SYNCFS = """import ctypes, errno, runpy, sys
+from formats import durability
+durability.syncfs_suits = lambda path, n: n >= durability.SYNCFS_MIN_PATHS
+def failing(fd):
+    ctypes.set_errno(errno.EIO)
+    return -1
+durability._syncfs = failing
+sys.argv = ["ckptconv", *sys.argv[1:]]
+runpy.run_module("converter", run_name="__main__")
+"""
+
+_SAVE = """import sys, torch, torch.distributed.checkpoint as dcp
+g = torch.Generator().manual_seed(0)
+dcp.save({f"w{i}": torch.randn(64, 33, generator=g) for i in range(40)}, checkpoint_id=sys.argv[1])
+"""
+
+
+def test_a_failed_syncfs_fails_the_run_in_one_line_and_resume_finishes_it(tmp_path):
+    """A syncfs EIO at the store's commit: exit 2, one line naming the output and saying to rerun
+    with --resume, no completion marker; --resume then completes the store."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", _SAVE, str(tmp_path / "ckpt")], check=True, timeout=300)
+    args = ["to-universal", str(tmp_path / "ckpt"), str(tmp_path / "uni"), "--no-progress"]
+    failed = subprocess.run([sys.executable, "-c", _FAILING_SYNCFS, *args], cwd=root, capture_output=True,
+                            text=True, timeout=300)
+    assert failed.returncode == 2, failed.stderr
+    lines = failed.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in failed.stderr, failed.stderr
+    assert str(tmp_path / "uni") in lines[0] and "Input/output error" in lines[0] and "--resume" in lines[0]
+    assert not (tmp_path / "uni" / "ckptconv.json").exists()
+    done = subprocess.run([sys.executable, "-m", "converter", *args, "--resume"], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "uni" / "ckptconv.json").is_file()
+    check = subprocess.run([sys.executable, "-m", "converter", "verify", str(tmp_path / "uni")], cwd=root,
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
