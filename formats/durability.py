@@ -114,10 +114,10 @@ def syncfs(path: str | os.PathLike) -> bool:
     """``syncfs(2)`` of the filesystem holding ``path``: True once it returned; False where the
     call does not exist (not Linux, ``ENOSYS``). Its errors are raised as ``OSError``."""
     global _syncfs
+    import ctypes
+
     if _syncfs is None:
         try:
-            import ctypes
-
             fn = ctypes.CDLL(None, use_errno=True).syncfs
             fn.argtypes = (ctypes.c_int,)
             fn.restype = ctypes.c_int
@@ -126,8 +126,6 @@ def syncfs(path: str | os.PathLike) -> bool:
             _syncfs = False
     if not _syncfs:
         return False
-    import ctypes
-
     fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         if _syncfs(fd) == 0:
