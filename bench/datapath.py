@@ -171,6 +171,8 @@ def _direct_target(target: Path, sync: bool = True) -> Iterator[Callable[[memory
 def _direct_copy_files(files: list[Path], src: Path, dst: Path) -> None:
     import mmap
 
+    from formats.fsutil import fsync_paths
+
     buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
     view = memoryview(buf)
     for f in files:
@@ -183,10 +185,7 @@ def _direct_copy_files(files: list[Path], src: Path, dst: Path) -> None:
                     offset += n
         finally:
             os.close(fin)
-    for d in {(dst / f.relative_to(src)).parent for f in files}:
-        fd = os.open(d, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+    fsync_paths(sorted({(dst / f.relative_to(src)).parent for f in files}))
 
 
 def layout_copy(src: Path, layout: Path, dst: Path, threads: int = 2) -> None:
@@ -198,10 +197,11 @@ def layout_copy(src: Path, layout: Path, dst: Path, threads: int = 2) -> None:
     then every file and folder made durable as ckptconv's store commit does it
     (``formats.durability.make_durable``: one ``syncfs`` where that suits, else an fsync of each).
     No checks, no metadata: what the output's shape costs on this disk whatever the program."""
-    from formats.durability import make_durable
     import bisect
     import mmap
     import threading
+
+    from formats.durability import make_durable
 
     sources = sorted(f for f in src.rglob("*") if f.is_file())
     starts, total, fds = [], 0, []
